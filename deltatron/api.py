@@ -1,0 +1,171 @@
+"""Public API: fla-compatible entry points. Thin: validation, backend choice, autograd wiring.
+
+Layout: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] (N = B, or the number of
+sequences in cu_seqlens, where B must be 1). Every entry point returns (o, final_state); o has the input
+dtype, final_state is fp32 (None unless output_final_state)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import backends
+from .reference import chunk_delta_rule_reference, parallel_delta_rule_reference, recurrent_delta_rule
+from .validation import check_inputs, reject_unknown_kwargs
+
+_TORCH_IMPLS = {
+    "chunk": chunk_delta_rule_reference,
+    "fused_chunk": chunk_delta_rule_reference,
+    "fused_recurrent": recurrent_delta_rule,
+    "parallel": parallel_delta_rule_reference,
+}
+
+
+def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+         cu_seqlens, cu_seqlens_cpu, kwargs, **options):
+    reject_unknown_kwargs(f"{form}_delta_rule", kwargs)
+    if beta is None and isinstance(q, torch.Tensor):
+        beta = q.new_ones(q.shape[:3])
+    scale, cu_seqlens_cpu = check_inputs(
+        q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, options.get("chunk_size")
+    )
+    backend = backends.select_backend(q)
+    if backend == "torch":
+        inplace = options.pop("inplace_final_state", False)
+        o, final_state, *extras = _TORCH_IMPLS[form](
+            q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            **options,
+        )
+        if inplace:
+            final_state = initial_state.copy_(final_state)
+        return (o, final_state, *extras)
+    from .autograd import DeltaRuleFunction
+    from .kernels.utils import seq_info
+
+    backends.check_triton_inputs(q, v)
+    B, T = q.shape[:2]
+    info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return DeltaRuleFunction.apply(
+        q, k, v, beta, initial_state, backends.triton_form(form), scale, output_final_state,
+        use_qk_l2norm_in_kernel, info, options,
+    )
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Delta rule by the chunkwise WY algorithm: the default for training and prefill.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (fp16, bf16 or fp32; beta any float dtype).
+        scale: factor on q·k, default K ** -0.5.
+        initial_state: [N, H, K, V] state before the first token (fp32 recommended).
+        output_final_state: also return the state after the last token, [N, H, K, V] fp32.
+        use_qk_l2norm_in_kernel: L2-normalize q and k inside the op (gradients flow through the norm).
+        cu_seqlens: [N + 1] int offsets of N packed sequences (B must be 1); lengths may be 0.
+        cu_seqlens_cpu: the same offsets on the CPU; avoids a device sync when given.
+        chunk_size: 16, 32 or 64.
+    Returns:
+        (o [B, T, H, V] in the input dtype, final_state or None)."""
+    return _run("chunk", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size)
+
+
+def fused_chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The chunkwise algorithm with each (sequence, head) walked by one fused kernel that keeps every
+    per-chunk intermediate on chip. Same arguments and results as chunk_delta_rule."""
+    return _run("fused_chunk", q, k, v, beta, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size)
+
+
+def fused_recurrent_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    inplace_final_state: bool = False,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The recurrence token by token: the decoding kernel (few tokens per call) and a GPU reference.
+
+    Same arguments and results as chunk_delta_rule (beta defaults to ones), plus:
+        inplace_final_state: write the final state into initial_state (which must be given, fp32 and
+            contiguous) and return that tensor as final_state: one decode step allocates no state.
+            Inference only (no gradients)."""
+    if inplace_final_state:
+        _check_inplace(q, k, v, beta, initial_state)
+        output_final_state = True
+    return _run("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
+                inplace_final_state=inplace_final_state)
+
+
+def parallel_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    output_attentions: bool = False,
+    **kwargs,
+):
+    """The fully parallel O(T^2) form, for short sequences and as a cross-check.
+
+    Same arguments and results as chunk_delta_rule, plus:
+        output_attentions: also return the delta-rule attention matrix P [B, H, T, T] (fp32; o equals
+            P v when there is no initial state; block-diagonal over packed sequences). The result is
+            then (o, final_state, P)."""
+    return _run("parallel", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                cu_seqlens, cu_seqlens_cpu, kwargs, output_attentions=output_attentions)
+
+
+def _check_inplace(q, k, v, beta, initial_state) -> None:
+    if initial_state is None:
+        raise ValueError("inplace_final_state=True needs initial_state: the tensor that receives the new state")
+    if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+        raise ValueError(
+            f"inplace_final_state=True needs a contiguous float32 initial_state, got {initial_state.dtype}"
+            f"{'' if initial_state.is_contiguous() else ', non-contiguous'}"
+        )
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, beta, initial_state)
+    ):
+        raise ValueError("inplace_final_state=True is for inference: call it under torch.no_grad()")

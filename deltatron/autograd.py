@@ -1,0 +1,53 @@
+"""Autograd wiring of the Triton backend: one torch.autograd.Function serves every form.
+
+A form is a module of deltatron.kernels with two functions (contract):
+
+    forward(q, k, v, beta, scale, initial_state, output_final_state, info, **options)
+        -> (o, final_state or None, saved: tuple of tensors for backward, extras: tuple of outputs
+            that take no gradient, e.g. an attention matrix)
+    backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, **options)
+        -> (dq, dk, dv, dbeta, dh0 or None)
+
+q and k arrive already L2-normalized when use_qk_l2norm_in_kernel is set (the norm and its chain rule
+are applied here, in Triton); `info` is the SeqInfo of the packed batch; dht is None when the final
+state took no gradient. Inputs are contiguous; gradients may come back in fp32 (cast here)."""
+from __future__ import annotations
+
+import torch
+
+from .kernels.l2norm import l2norm_bwd, l2norm_fwd
+
+
+class DeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, initial_state, form, scale, output_final_state, use_qk_l2norm, info, options):
+        q_rstd = k_rstd = None
+        if use_qk_l2norm:
+            q, q_rstd = l2norm_fwd(q)
+            k, k_rstd = l2norm_fwd(k)
+        o, final_state, saved, extras = form.forward(
+            q, k, v, beta, scale, initial_state, output_final_state, info, **options
+        )
+        ctx.form, ctx.scale, ctx.info, ctx.options = form, scale, info, options
+        ctx.use_qk_l2norm = use_qk_l2norm
+        ctx.num_saved = len(saved)
+        ctx.save_for_backward(q, k, v, beta, initial_state, q_rstd, k_rstd, *saved)
+        ctx.mark_non_differentiable(*extras)
+        return (o, final_state, *extras)
+
+    @staticmethod
+    def backward(ctx, do, dht, *_):
+        q, k, v, beta, initial_state, q_rstd, k_rstd, *saved = ctx.saved_tensors
+        dq, dk, dv, dbeta, dh0 = ctx.form.backward(
+            q, k, v, beta, ctx.scale, initial_state, tuple(saved), do.contiguous(),
+            None if dht is None else dht.contiguous(), ctx.info, **ctx.options,
+        )
+        if ctx.use_qk_l2norm:
+            dq = l2norm_bwd(q, q_rstd, dq)
+            dk = l2norm_bwd(k, k_rstd, dk)
+        if dh0 is not None and initial_state is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        else:
+            dh0 = None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype), dh0,
+                None, None, None, None, None, None)

@@ -1,0 +1,107 @@
+"""Helpers shared by the Triton kernels: sequence/chunk bookkeeping for packed (varlen) batches, the
+interpreter-safe matrix product, dot precision switches.
+
+Every Triton kernel of deltatron sees the batch as packed sequences: a fixed-length [B, T, H, ...] tensor
+is, in memory, the same as [1, B*T, H, ...] with cu_seqlens = [0, T, 2T, ..., B*T]. So one code path
+serves fixed-length and variable-length batches, and chunks never cross a sequence boundary."""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 tl.dot on bf16 operands multiplies the raw uint16 bits (DESIGN.md §6):
+# the interpreter path widens 16-bit operands to fp32 first, which is exact.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+IS_INTERPRET = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr = "ieee"):
+    """a @ b with fp32 accumulation. PRECISION applies to fp32 operands ("ieee", "tf32", "tf32x3");
+    16-bit operands run on the tensor cores as they are."""
+    if IS_INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Precision of fp32 dots for inputs of this dtype: fp32 inputs must stay ieee-accurate (bound 1e-4),
+    16-bit inputs round their fp32 intermediates to 16 bits anyway, so tf32 costs nothing there."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def tril_precision() -> str:
+    """Dot precision inside the triangular inverse: DELTATRON_TRIL_PRECISION=ieee|tf32|tf32x3 (default ieee)."""
+    p = os.environ.get("DELTATRON_TRIL_PRECISION", "ieee")
+    if p not in ("ieee", "tf32", "tf32x3"):
+        raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of ieee, tf32, tf32x3; got {p!r}")
+    return p
+
+
+def head_block(size: int) -> int:
+    """Block covering a whole head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(size))
+
+
+@dataclass
+class SeqInfo:
+    """The packed-sequence view of a batch, built once per call on the host without a device sync.
+
+    cu_seqlens: int32 [N+1] on the device; cu_seqlens_cpu: int64 [N+1] on the CPU; total_tokens = B*T."""
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    num_seqs: int
+    total_tokens: int
+    _chunks: Dict[int, "ChunkIndex"] = field(default_factory=dict, repr=False)
+
+    def chunks(self, chunk_size: int) -> "ChunkIndex":
+        if chunk_size not in self._chunks:
+            self._chunks[chunk_size] = _chunk_index(self.cu_seqlens_cpu, chunk_size, self.cu_seqlens.device)
+        return self._chunks[chunk_size]
+
+
+@dataclass
+class ChunkIndex:
+    """Chunks of the packed batch. chunk_indices: int32 [NT, 2] = (sequence, chunk within sequence) of
+    every chunk, in order; chunk_offsets: int32 [N+1], first global chunk of each sequence (per-chunk
+    tensors such as states are indexed by it); num_chunks = NT."""
+
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    num_chunks: int
+
+
+def _chunk_index(cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.device) -> ChunkIndex:
+    lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+    per_seq = (lens + chunk_size - 1) // chunk_size
+    offsets = torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)])
+    total = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(len(per_seq)), per_seq)
+    local = torch.arange(total) - offsets[:-1][seq] if total else torch.zeros(0, dtype=torch.int64)
+    indices = torch.stack([seq, local], dim=1).to(torch.int32)
+    return ChunkIndex(
+        indices.to(device, non_blocking=True), offsets.to(torch.int32).to(device, non_blocking=True), total
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_length_info(B: int, T: int, device: torch.device) -> SeqInfo:
+    cpu = torch.arange(0, B * T + 1, max(T, 1), dtype=torch.int64)[: B + 1] if T else torch.zeros(B + 1, dtype=torch.int64)
+    return SeqInfo(cpu.to(torch.int32).to(device), cpu, B, B * T)
+
+
+def seq_info(B: int, T: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
+             cu_seqlens_cpu: Optional[torch.Tensor]) -> SeqInfo:
+    """SeqInfo of a [B, T] batch; with cu_seqlens (B == 1) the packed sequences it describes.
+    cu_seqlens_cpu must be given with cu_seqlens (the public API makes it when the caller did not)."""
+    if cu_seqlens is None:
+        return _fixed_length_info(B, T, device)
+    return SeqInfo(cu_seqlens.to(torch.int32), cu_seqlens_cpu.to(torch.int64), len(cu_seqlens_cpu) - 1, T)

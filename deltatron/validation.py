@@ -1,0 +1,123 @@
+"""Argument checks of the public API. Every misuse raises before any kernel runs, with a message that
+names the argument, the shape (or value) seen and what was expected."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# float64 runs on the PyTorch backend only (oracles, gradcheck).
+TORCH_ONLY_DTYPES = (torch.float64,)
+CHUNK_SIZES = (16, 32, 64)
+
+
+def reject_unknown_kwargs(fn_name: str, kwargs: dict) -> None:
+    if not kwargs:
+        return
+    if "head_first" in kwargs:
+        raise TypeError(
+            f"{fn_name}: head_first is not supported; the layout is [B, T, H, ...] "
+            "(q, k: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H]); transpose head-first inputs with "
+            "x.transpose(1, 2) before the call"
+        )
+    raise TypeError(f"{fn_name}: unexpected keyword argument(s) {sorted(kwargs)}")
+
+
+def _shape(x: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in x.shape) + "]"
+
+
+def check_inputs(
+    q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: Optional[int] = None
+) -> Tuple[float, Optional[torch.Tensor]]:
+    """Validates the core arguments. Returns (scale as a float, cu_seqlens_cpu as int64 CPU tensor or
+    None). Reading cu_seqlens from the device when cu_seqlens_cpu is not given is the one host-device
+    sync of a varlen call; pass cu_seqlens_cpu to avoid it."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K] (4 dimensions), got {_shape(q)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q [B, T, H, K] = {_shape(q)}, got {_shape(k)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(beta)}")
+    V = v.shape[-1]
+    if K == 0 or V == 0 or H == 0:
+        raise ValueError(f"head sizes must be positive: H = {H}, K = {K}, V = {V}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.dtype not in INPUT_DTYPES + TORCH_ONLY_DTYPES:
+        raise TypeError(f"q, k, v dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if not beta.is_floating_point():
+        raise TypeError(f"beta must be a floating-point tensor, got {beta.dtype}")
+    for name, x in (("k", k), ("v", v), ("beta", beta)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number (or None for K^-0.5), got {scale!r}")
+    scale = float(scale)
+
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+
+    num_seqs = B
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
+    else:
+        cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+        num_seqs = len(cu_seqlens_cpu) - 1
+
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+        expected = (num_seqs, H, K, V)
+        if tuple(initial_state.shape) != expected:
+            what = "number of sequences in cu_seqlens" if cu_seqlens is not None else "batch size"
+            raise ValueError(
+                f"initial_state must have shape [N, H, K, V] = [{num_seqs}, {H}, {K}, {V}] (N = {what}), "
+                f"got {_shape(initial_state)}"
+            )
+        if not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be floating point, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    return scale, cu_seqlens_cpu
+
+
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor:
+    for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(x).__name__}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype (int32 or int64), got {x.dtype}")
+        if x.dim() != 1 or x.numel() < 2:
+            raise ValueError(f"{name} must be 1-D with N+1 >= 2 entries, got shape {_shape(x)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size B must be 1 (sequences packed along T), got B = {B}")
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.detach().to("cpu", torch.int64)
+    else:
+        if cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(
+                f"cu_seqlens_cpu must match cu_seqlens, got shapes {_shape(cu_seqlens_cpu)} and {_shape(cu_seqlens)}"
+            )
+        cu_seqlens_cpu = cu_seqlens_cpu.detach().to("cpu", torch.int64)
+    if cu_seqlens_cpu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens_cpu[0])}")
+    if bool((cu_seqlens_cpu[1:] < cu_seqlens_cpu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens_cpu.tolist()}")
+    if cu_seqlens_cpu[-1] != T:
+        raise ValueError(f"cu_seqlens must end at T = {T} (the packed length), got {int(cu_seqlens_cpu[-1])}")
+    return cu_seqlens_cpu
