@@ -1,0 +1,18 @@
+"""chunk_delta_rule in Triton: the chunkwise WY pipeline of DESIGN.md §2-§4.
+
+Layout: the batch is packed (see kernels/utils.py): q, k [1, TT, H, K], v [1, TT, H, V], beta [1, TT, H]
+with TT = B*T, sequences given by info (SeqInfo) and chunks by info.chunks(chunk_size) (ChunkIndex).
+Per-chunk tensors are indexed by the global chunk number (chunk_offsets[seq] + chunk within seq).
+
+Forward stages (each its own module):
+    kkt.chunk_kkt(k, beta, info, chunk_size) -> A                 [1, TT, H, C] fp32, strictly lower
+    solve_tril.solve_tril(A, info, chunk_size) -> Tinv            [1, TT, H, C] fp32, (I + A)^{-1}
+    wy.recompute_w_u(k, v, beta, Tinv, info, chunk_size) -> (w, u)   W = Tinv (beta*K), U = Tinv (beta*V)
+    state.state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
+        -> (h [NT, H, K, V] state entering each chunk, v_new [1, TT, H, V] = U - W S, final_state)
+    output.output_fwd(q, k, v_new, h, scale, info, chunk_size) -> o   O = scale (Q S + (Q K^T ⊙ M) V')
+Backward stages (backward.py composes them):
+    recompute w, u from the saved Tinv; h, v_new by state_fwd;
+    local dV' = (Q K^T ⊙ M)^T dO; reverse state pass (dS per chunk, dh0, full dV');
+    dQ, dK, dW; WY backward (dK, dV, dbeta) through Tinv.
+forward/backward below follow the contract of deltatron.autograd."""

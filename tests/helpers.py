@@ -1,0 +1,49 @@
+"""Shared test utilities: input generation, the relative-RMS metric and its bounds (DESIGN.md §6)."""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+# Bounds on ||x - ref|| / ||ref|| against the float64 oracle.
+BOUNDS = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def rel_rms(x: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> float:
+    """||x - ref||_2 / ||ref||_2 in float64; NaN/inf in x give inf (never passes); ref must be nonzero."""
+    assert x is not None and ref is not None, "missing tensor"
+    assert x.shape == ref.shape, f"shape {tuple(x.shape)} != reference {tuple(ref.shape)}"
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    denom = ref.norm()
+    assert denom > 0, "reference is all zeros: the check would be meaningless"
+    return float((x - ref).norm() / denom)
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.float32, device="cpu", normalized_keys=True, beta_max=1.0,
+                initial_state=False, N: Optional[int] = None, seed: Optional[int] = None, requires_grad=False):
+    """Fresh random q, k, v, beta (beta in (0, beta_max)) and optionally h0 [N or B, H, K, V] (fp32; float64 for float64 inputs).
+    Keys are unit-norm when normalized_keys, else N(0, 1/K)-scaled. Returns a dict."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6) if normalized_keys else k * (1.5 / K) ** 0.5
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64) * beta_max
+    out = dict(q=q, k=k, v=v, beta=beta)
+    if initial_state:
+        out["initial_state"] = torch.randn(N if N is not None else B, H, K, V, generator=g, dtype=torch.float64)
+    for name, x in out.items():
+        # states are fp32, except in float64 oracle runs
+        dt = (torch.float64 if dtype == torch.float64 else torch.float32) if name == "initial_state" else dtype
+        out[name] = x.to(device=device, dtype=dt).requires_grad_(requires_grad)
+    return out
+
+
+def random_cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
+    lens = torch.tensor([0, *lengths], dtype=torch.int64)
+    return lens.cumsum(0).to(device=device, dtype=torch.int32)
