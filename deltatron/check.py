@@ -1,0 +1,163 @@
+"""`deltatron check`: every implementation and backend on this device against the float64 recurrence.
+
+For each entry point, backend, dtype and shape: relative RMS error (DESIGN.md §6) of o, the final state and
+the five gradients against the float64 recurrent oracle run on the same rounded inputs, and the time of one
+forward+backward. The exit code is 1 if any error exceeds its bound or is not finite."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from . import api, backends
+from .reference import recurrent_delta_rule
+
+BOUNDS = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+ENTRY_POINTS = {
+    "chunk": api.chunk_delta_rule,
+    "fused_chunk": api.fused_chunk_delta_rule,
+    "fused_recurrent": api.fused_recurrent_delta_rule,
+    "parallel": api.parallel_delta_rule,
+}
+QUANTITIES = ("o", "state", "dq", "dk", "dv", "dbeta", "dh0")
+
+
+@dataclass
+class Case:
+    B: int
+    H: int
+    K: int
+    V: int
+    lengths: Optional[List[int]] = None  # packed sequences (B = 1) when given
+    T: int = 0
+
+    def __post_init__(self):
+        if self.lengths is not None:
+            self.T = sum(self.lengths)
+
+    def describe(self) -> str:
+        seqs = f"varlen{self.lengths}" if self.lengths is not None else f"B={self.B} T={self.T}"
+        return f"{seqs} H={self.H} K={self.K} V={self.V}"
+
+
+def cases_for(device: torch.device, interpret: bool) -> List[Case]:
+    if device.type == "cuda":
+        return [Case(2, 4, 64, 128, T=1000), Case(1, 4, 128, 128, lengths=[0, 1, 63, 65, 700, 300])]
+    if interpret:  # the interpreter is slow: tiny shapes
+        return [Case(1, 2, 16, 24, T=40), Case(1, 2, 16, 16, lengths=[0, 1, 17, 22])]
+    return [Case(2, 2, 32, 24, T=100), Case(1, 2, 32, 32, lengths=[0, 1, 63, 65, 30])]
+
+
+def _inputs(case: Case, dtype, device, gen):
+    B, T, H, K, V = case.B, case.T, case.H, case.K, case.V
+    N = B if case.lengths is None else len(case.lengths)
+    k = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    x = dict(
+        q=torch.randn(B, T, H, K, generator=gen, dtype=torch.float64),
+        k=k / k.norm(dim=-1, keepdim=True),
+        v=torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
+        beta=torch.rand(B, T, H, generator=gen, dtype=torch.float64),
+        initial_state=torch.randn(N, H, K, V, generator=gen, dtype=torch.float64),
+    )
+    ours = {n: t.to(device, torch.float32 if n == "initial_state" else dtype).requires_grad_() for n, t in x.items()}
+    oracle = {n: t.detach().to("cpu", torch.float64).requires_grad_() for n, t in ours.items()}
+    weights = dict(o=torch.randn(B, T, H, V, generator=gen, dtype=torch.float64),
+                   state=torch.randn(N, H, K, V, generator=gen, dtype=torch.float64))
+    return ours, oracle, weights
+
+
+def _loss_and_grads(o, s, weights, inputs):
+    loss = (o.double() * weights["o"].to(o.device)).sum() + (s.double() * weights["state"].to(s.device)).sum()
+    names = ("q", "k", "v", "beta", "initial_state")
+    grads = torch.autograd.grad(loss, [inputs[n] for n in names])
+    return dict(o=o, state=s, **{q: g for q, g in zip(QUANTITIES[2:], grads)})
+
+
+def _rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def run_checks(device: torch.device, backend_names, dtypes, seed: int = 0, printer=print) -> bool:
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    gen = torch.Generator().manual_seed(seed)
+    header = f"{'implementation':<16}{'backend':<8}{'dtype':<6}{"shape":<50}" + "".join(
+        f"{q:>9}" for q in QUANTITIES) + f"{'ms':>9}  result"
+    printer(header)
+    printer("-" * len(header))
+    ok = True
+    for case in cases_for(device, interpret):
+        for dtype in dtypes:
+            ours, oracle, weights = _inputs(case, dtype, device, gen)
+            cu = None
+            if case.lengths is not None:
+                cu = torch.tensor([0, *case.lengths]).cumsum(0)
+            scale = case.K ** -0.5
+            o_ref, s_ref = recurrent_delta_rule(oracle["q"], oracle["k"], oracle["v"], oracle["beta"], scale,
+                                                oracle["initial_state"], True, cu_seqlens=cu)
+            ref = _loss_and_grads(o_ref, s_ref, weights, oracle)
+            for backend in backend_names:
+                os.environ["DELTATRON_BACKEND"] = backend
+                for name, fn in ENTRY_POINTS.items():
+                    line = f"{name:<16}{backend:<8}{DTYPE_NAMES[dtype]:<6}{case.describe():<50}"
+                    try:
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        o, s = fn(**ours, output_final_state=True,
+                                  cu_seqlens=None if cu is None else cu.to(device))[:2]
+                        got = _loss_and_grads(o, s, weights, ours)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        ms = (time.perf_counter() - t0) * 1e3
+                    except NotImplementedError as e:
+                        printer(line + f"  unavailable: {e}")
+                        continue
+                    errs = [_rel_rms(got[q], ref[q]) for q in QUANTITIES]
+                    passed = all(e <= BOUNDS[dtype] for e in errs)  # inf/nan never pass
+                    ok &= passed
+                    printer(line + "".join(f"{e:>9.1e}" for e in errs) + f"{ms:>9.1f}  "
+                            + ("ok" if passed else f"FAIL (bound {BOUNDS[dtype]:.0e})"))
+    return ok
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="deltatron check", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--backend", choices=["torch", "triton", "all"], default="all",
+                        help="which backends to run (default: every one available on the device)")
+    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "all"], default="all")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    triton_ok = backends.triton_available() and (device.type == "cuda" or interpret)
+    names = ["torch", "triton"] if args.backend == "all" else [args.backend]
+    if "triton" in names and not triton_ok:
+        if args.backend == "triton":
+            parser.error("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        names.remove("triton")
+    dtypes = [d for d, n in DTYPE_NAMES.items() if args.dtype in (n, "all")]
+
+    saved = os.environ.get("DELTATRON_BACKEND")
+    try:
+        print(f"deltatron check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+              f"{' (Triton interpreter)' if interpret and device.type == 'cpu' else ''}; backends: "
+              f"{', '.join(names)}; relative RMS error vs the float64 recurrence; bounds "
+              + ", ".join(f"{DTYPE_NAMES[d]} {b:.0e}" for d, b in BOUNDS.items() if d in dtypes))
+        ok = run_checks(device, names, dtypes, seed=args.seed)
+    finally:
+        if saved is None:
+            os.environ.pop("DELTATRON_BACKEND", None)
+        else:
+            os.environ["DELTATRON_BACKEND"] = saved
+    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
