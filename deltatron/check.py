@@ -88,7 +88,7 @@ def _rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
 def run_checks(device: torch.device, backend_names, dtypes, seed: int = 0, printer=print) -> bool:
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     gen = torch.Generator().manual_seed(seed)
-    header = f"{'implementation':<16}{'backend':<8}{'dtype':<6}{"shape":<50}" + "".join(
+    header = f"{'implementation':<16}{'backend':<8}{'dtype':<6}{'shape':<50}" + "".join(
         f"{q:>9}" for q in QUANTITIES) + f"{'ms':>9}  result"
     printer(header)
     printer("-" * len(header))
