@@ -10,6 +10,8 @@ import torch
 BOUNDS = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# where the Triton kernels run in tests: the GPU when there is one, else the CPU through the interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel_rms(x: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> float:

@@ -1,0 +1,61 @@
+"""Runs the GPU suite and `deltatron check` on the current GPU and writes a summary (LAST_RUN.md).
+
+    python tests/gpu/run_suite.py [--out DIR] [pytest args...]
+
+The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
+(default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import torch
+import triton
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(ROOT, "tests", "gpu"))
+    args, pytest_args = parser.parse_known_args()
+    os.makedirs(args.out, exist_ok=True)
+    junit = os.path.join(args.out, "junit.xml")
+    log_path = os.path.join(args.out, "gpu_suite.log")
+    cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "gpu"), "-m", "gpu", "-q", "-rf",
+           f"--junitxml={junit}", *pytest_args]
+    with open(log_path, "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    check = subprocess.run([sys.executable, "-m", "deltatron", "check"], capture_output=True, text=True, cwd=ROOT)
+
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    lines = [
+        "# GPU suite: last run",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
+        f"- command: `python tests/gpu/run_suite.py` (pytest tests/gpu -m gpu, then deltatron check)",
+        f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s",
+        f"- deltatron check: exit code {check.returncode}",
+    ]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- `{f}`" for f in failed]
+    lines += ["", "## deltatron check", "", "```", check.stdout.rstrip(), check.stderr.rstrip()[-3000:], "```", ""]
+    with open(os.path.join(args.out, "LAST_RUN.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines[:8]))
+    return 0 if rc == 0 and check.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
