@@ -1,0 +1,154 @@
+"""The benchmark suite cannot rot: its smoke mode (CPU, tiny sizes, PyTorch backend) runs here and in CI and
+must produce the JSON the GPU run produces, with rows for every form of ours."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltatron import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+META_KEYS = {"date", "gpu", "torch", "triton", "fla_core", "flash_qla", "peak_tflops", "peak_tbps"}
+IDENTITY_KEYS = {"impl", "config", "B", "T", "H", "K", "V"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    backend_before = os.environ.get("DELTATRON_BACKEND")
+    assert bench.main(["--smoke", "--out", str(out), "--name", "smoke"]) == 0
+    assert os.environ.get("DELTATRON_BACKEND") == backend_before, "smoke mode must restore DELTATRON_BACKEND"
+    return out, json.loads((out / "smoke.json").read_text())
+
+
+def _expected_pairs(impls):
+    return {(i, c.name) for i in impls for c in bench.SMOKE_CONFIGS if bench.applies(i, c)}
+
+
+def test_meta(smoke):
+    _, results = smoke
+    meta = results["meta"]
+    assert META_KEYS <= set(meta)
+    assert meta["mode"] == "smoke" and meta["peaks_measured"] is False
+    assert (meta["peak_tflops"], meta["peak_tbps"]) == (bench.ANCHOR_TFLOPS, bench.ANCHOR_TBPS)
+
+
+def test_one_row_per_applicable_pair(smoke):
+    _, results = smoke
+    pairs = [(r["impl"], r["config"]) for r in results["rows"]]
+    assert len(pairs) == len(set(pairs))
+    assert set(pairs) == _expected_pairs(bench.IMPLS)
+    for row in results["rows"]:
+        assert IDENTITY_KEYS <= set(row)
+        assert row["impl"] in bench.IMPLS
+
+
+def test_our_rows_are_timed_with_roofline(smoke):
+    _, results = smoke
+    ours = [r for r in results["rows"] if r["impl"] in bench.OURS]
+    assert {(r["impl"], r["config"]) for r in ours} == _expected_pairs(bench.OURS)
+    for row in ours:
+        assert "error" not in row, row
+        phases = ("fwd",) if row.get("decode") else ("fwd", "fwdbwd")
+        for phase in phases:
+            ms = row[f"{phase}_ms"]
+            assert math.isfinite(ms) and ms > 0
+            assert row[f"flops_{phase}"] > 0 and row[f"bytes_{phase}"] > 0
+            assert row[f"pct_floor_{phase}"] == pytest.approx(100 * row[f"floor_{phase}_ms"] / ms)
+            assert row[f"tflops_{phase}"] == pytest.approx(row[f"flops_{phase}"] / (ms * 1e-3) / 1e12)
+        assert "peak_mem_bytes" in row and row["input_sets"] >= 1
+
+
+def test_varlen_and_decode_rows(smoke):
+    _, results = smoke
+    rows = {(r["impl"], r["config"]): r for r in results["rows"]}
+    for cfg in bench.SMOKE_CONFIGS:
+        row = rows[("deltatron.fused_recurrent", cfg.name)]
+        if cfg.seqlens is not None:
+            assert row["seqlens"] == list(cfg.seqlens) and sum(row["seqlens"]) == row["T"]
+            assert len(row["seqlens"]) >= 2 and min(row["seqlens"]) >= 1
+        if cfg.decode:
+            assert row["decode"] is True and row["T"] == 1 and "fwdbwd_ms" not in row
+            assert row["step_us"] == pytest.approx(1e3 * row["fwd_ms"])
+
+
+def test_competitors_are_reported_not_run(smoke):
+    _, results = smoke
+    for row in results["rows"]:
+        if row["impl"] not in bench.OURS:
+            assert row["error"] in ("not installed", "needs CUDA: not run in smoke mode")
+            assert "fwd_ms" not in row
+
+
+def test_table_and_report(smoke, tmp_path):
+    out, results = smoke
+    table = (out / "smoke.md").read_text()
+    for row in results["rows"]:
+        assert f"| {row['impl']} | {row['config']} |" in table
+    md = tmp_path / "BENCHMARKS.md"
+    assert bench.main(["--report", str(out / "smoke.json"), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "| deltatron.chunk |" in text and "## How to reproduce" in text
+
+
+def test_floor_model_matches_design_anchors():
+    """DESIGN.md §7: 180 kFLOP and 1 KiB per token-head forward at K = V = 128; floor 0.063 ms at
+    B=8, T=2048, H=16; a decode step reads and writes the state in 31.4 us."""
+    peaks = bench.Peaks(bench.ANCHOR_TFLOPS, bench.ANCHOR_TBPS, measured=False)
+    cfg = bench.dense(8, 2048, 16, 128)
+    w = bench.work(cfg)
+    assert w["flops_fwd"] / (8 * 2048 * 16) == 180224 and w["bytes_fwd"] / (8 * 2048 * 16) == 1024
+    assert bench.roofline(cfg, {}, peaks)["floor_fwd_ms"] == pytest.approx(0.063, abs=5e-4)
+    assert w["flops_fwdbwd"] > 3 * w["flops_fwd"] and w["bytes_fwdbwd"] > 2.5 * w["bytes_fwd"]
+    floor_us = 1e3 * bench.roofline(bench.decode(64, 16, 128), {}, peaks)["floor_fwd_ms"]
+    assert floor_us == pytest.approx(31.4, abs=0.5)
+
+
+def test_failing_row_is_recorded_and_the_run_goes_on(monkeypatch):
+    real_resolve = bench.resolve
+
+    def resolve(impl, smoke):
+        if impl == "deltatron.fused_chunk":
+            def boom(x):
+                raise RuntimeError("boom\nsecond line")
+            return boom
+        return real_resolve(impl, smoke)
+
+    monkeypatch.setattr(bench, "resolve", resolve)
+    opts = bench.Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=60)
+    configs = bench.SMOKE_CONFIGS[:1]
+    with bench._torch_backend():
+        results = bench.run(["deltatron.fused_chunk", "deltatron.chunk"], configs, opts, None, "x", [],
+                            log=lambda *a, **k: None)
+    failed, timed = results["rows"]
+    assert failed["error"] == "RuntimeError: boom" and "fwd_ms" not in failed
+    assert timed["impl"] == "deltatron.chunk" and timed["fwd_ms"] > 0
+
+
+def test_time_budget_records_rows_as_not_run():
+    opts = bench.Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=-1)
+    results = bench.run(["deltatron.chunk"], bench.SMOKE_CONFIGS[:2], opts, None, "x", [], log=lambda *a, **k: None)
+    assert [r["error"] for r in results["rows"]] == ["not run: time budget of -1 s spent"] * 2
+
+
+def test_script_runs_as_a_subprocess(tmp_path):
+    """benchmarks/run.py finds the package from a checkout and prints the table last."""
+    env = dict(os.environ, DELTATRON_BACKEND="triton")   # smoke mode must override it
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--configs", "decode-b2-h1-k16",
+           "--impls", "deltatron.fused_recurrent,fla.fused_recurrent", "--out", str(tmp_path), "--name", "s"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["deltatron.fused_recurrent", "fla.fused_recurrent"]
+    assert "error" not in rows[0] and rows[0]["decode"] is True
+    tail = proc.stdout.strip().splitlines()
+    assert tail[-1].startswith("wrote ") and any(line.startswith("deltatron.fused_recurrent") for line in tail[-6:])
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--configs", "no-such-config"])
