@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import backends
+from . import backends, library
 from .reference import chunk_delta_rule_reference, parallel_delta_rule_reference, recurrent_delta_rule
 from .validation import check_inputs, reject_unknown_kwargs
 
@@ -29,6 +29,10 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     scale, cu_seqlens_cpu = check_inputs(
         q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, options.get("chunk_size")
     )
+    if torch.compiler.is_compiling():
+        # one opaque custom op (deltatron/library.py): no graph break; it runs this function at run time
+        return library.run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **options)
     backend = backends.select_backend(q)
     if backend == "torch":
         inplace = options.pop("inplace_final_state", False)

@@ -75,7 +75,7 @@ def check_inputs(
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
     else:
         cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
-        num_seqs = len(cu_seqlens_cpu) - 1
+        num_seqs = cu_seqlens.shape[0] - 1
 
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
@@ -106,6 +106,9 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
             raise ValueError(f"{name} must be 1-D with N+1 >= 2 entries, got shape {_shape(x)}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size B must be 1 (sequences packed along T), got B = {B}")
+    if torch.compiler.is_compiling():
+        # reading the values would break the graph: the op checks them when it runs (deltatron/library.py)
+        return cu_seqlens_cpu
     if cu_seqlens_cpu is None:
         cu_seqlens_cpu = cu_seqlens.detach().to("cpu", torch.int64)
     else:
