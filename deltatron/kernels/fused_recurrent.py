@@ -1,0 +1,206 @@
+"""fused_recurrent_delta_rule in Triton: the recurrence of DESIGN.md §1, token by token.
+
+Forward: one program per (V-block, sequence, head) walks the tokens of its sequence with its [K, BV]
+slice of the fp32 state in registers. V-blocks are independent: S^T k, the update k v'^T and S^T q
+never mix columns of S. The same kernel is the decode step: with inplace_final_state it reads the
+state once and writes it back over itself.
+
+Backward: one reverse sweep per (V-block, sequence, head) carrying dS, with the state rebuilt from the
+final state token by token, S_{t-1} = S_t - k_t v'_t^T. The forward saves only what this needs: the
+per-token error e_t = v_t - S_{t-1}^T k_t in fp32 (so v'_t = beta_t e_t is bit-for-bit the forward's)
+and the final state; nothing of size K x V per token. dq, dk and dbeta sum over all of V: each V-block
+writes its partial sums and the host adds them in a fixed order (deterministic, no atomics)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import INTERPRET, head_block
+
+# Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
+FWD_TILE = 8192
+BWD_TILE = 4096
+
+
+@triton.jit
+def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
+                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                               BK: tl.constexpr, BV: tl.constexpr,
+                               USE_INITIAL_STATE: tl.constexpr, SAVE_ERROR: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    # int64 token offsets: tokens * H * K may pass 2^31
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    # this program's [BK, BV] slice of the [K, V] state; rows of V contiguous (coalesced)
+    p_S = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_S = m_k[:, None] & m_v[None, :]
+    if USE_INITIAL_STATE:
+        b_S = tl.load(h0 + p_S, mask=m_S, other=0.0).to(tl.float32)
+    else:
+        b_S = tl.zeros([BK, BV], dtype=tl.float32)
+
+    # pointers to token bos of head i_h, stepped by one token (H rows) per iteration
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * H + i_h) * V + o_v
+    p_o = o + (bos * H + i_h) * V + o_v
+    if SAVE_ERROR:
+        p_e = e + (bos * H + i_h) * V + o_v
+    p_beta = beta + bos * H + i_h
+    for _ in range(bos, eos):
+        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(p_beta).to(tl.float32)
+        b_e = b_v - tl.sum(b_S * b_k[:, None], 0)              # v - S^T k
+        b_S += b_k[:, None] * (b_beta * b_e)[None, :]          # S += k v'^T, v' = beta e
+        b_o = scale * tl.sum(b_S * b_q[:, None], 0)            # scale S^T q
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        if SAVE_ERROR:
+            tl.store(p_e, b_e, mask=m_v)
+            p_e += H * V
+        p_q += H * K
+        p_k += H * K
+        p_v += H * V
+        p_o += H * V
+        p_beta += H
+    tl.store(ht + p_S, b_S, mask=m_S)
+
+
+@triton.jit
+def fused_recurrent_bwd_kernel(q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh0, cu_seqlens, scale,
+                               num_tokens, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                               BK: tl.constexpr, BV: tl.constexpr,
+                               USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Reverse sweep. dq, dk [NV, tokens, H, K] and dbeta [NV, tokens, H] receive this V-block's partial
+    sums over V; dv [tokens, H, V] and dh0 are complete per V-block."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    p_S = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_S = m_k[:, None] & m_v[None, :]
+    b_S = tl.load(ht + p_S, mask=m_S, other=0.0)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dS = tl.load(dht + p_S, mask=m_S, other=0.0).to(tl.float32)
+    else:
+        b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+
+    # pointers to the last token of the sequence, stepped back one token per iteration
+    last = (eos - 1) * H + i_h
+    part = i_v.to(tl.int64) * num_tokens * H  # this V-block's slice of the partial sums
+    p_q = q + last * K + o_k
+    p_k = k + last * K + o_k
+    p_e = e + last * V + o_v
+    p_do = do + last * V + o_v
+    p_beta = beta + last
+    p_dq = dq + (part + last) * K + o_k
+    p_dk = dk + (part + last) * K + o_k
+    p_dv = dv + last * V + o_v
+    p_dbeta = dbeta + part + last
+    for _ in range(bos, eos):
+        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_e = tl.load(p_e, mask=m_v, other=0.0)
+        b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(p_beta).to(tl.float32)
+        b_vn = b_beta * b_e                                     # v'_t, bit-for-bit the forward's
+        # o_t = scale S_t^T q_t
+        b_dq = scale * tl.sum(b_S * b_do[None, :], 1)
+        b_dS += (scale * b_q)[:, None] * b_do[None, :]
+        # S_t = S_{t-1} + k_t v'_t^T: step the state back, then its gradient
+        b_S -= b_k[:, None] * b_vn[None, :]
+        b_dvn = tl.sum(b_dS * b_k[:, None], 0)                  # dv' = dS_t^T k
+        b_dv = b_beta * b_dvn                                   # v' = beta (v - S_{t-1}^T k)
+        b_dk = tl.sum(b_dS * b_vn[None, :] - b_S * b_dv[None, :], 1)
+        b_dbeta = tl.sum(b_dvn * b_e, 0)
+        b_dS -= b_k[:, None] * b_dv[None, :]                    # dS_{t-1}
+        tl.store(p_dq, b_dq, mask=m_k)
+        tl.store(p_dk, b_dk, mask=m_k)
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_v)
+        tl.store(p_dbeta, b_dbeta)
+        p_q -= H * K
+        p_k -= H * K
+        p_e -= H * V
+        p_do -= H * V
+        p_beta -= H
+        p_dq -= H * K
+        p_dk -= H * K
+        p_dv -= H * V
+        p_dbeta -= H
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + p_S, b_dS, mask=m_S)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch.device):
+    """(BV, num_warps): the widest V-block whose state tile fits max_tile, narrowed (down to 16) until
+    there are at least two programs per SM, since each program is one serial walk over its tokens."""
+    BV = min(triton.next_power_of_2(V), max(16, max_tile // BK))
+    while BV > 16 and triton.cdiv(V, BV) * num_heads < 2 * _num_sms(device):
+        BV //= 2
+    num_warps = 1 if INTERPRET else max(1, min(4, BK * BV // 1024))
+    return BV, num_warps
+
+
+def forward(q, k, v, beta, scale, initial_state, output_final_state, info, inplace_final_state=False):
+    """Returns (o, final_state, saved, extras); saved = (e, final state) unless inplace_final_state, which
+    writes the final state over initial_state (fp32, contiguous: checked by the api) and saves nothing."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    N = info.num_seqs
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    if inplace_final_state:
+        e, ht = None, initial_state
+    else:
+        e = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+    BK = head_block(K)
+    BV, num_warps = _launch_config(V, BK, N * H, FWD_TILE, q.device)
+    grid = (triton.cdiv(V, BV), N * H)
+    fused_recurrent_fwd_kernel[grid](
+        q, k, v, beta, o, e, initial_state, ht, info.cu_seqlens, scale,
+        H=H, K=K, V=V, BK=BK, BV=BV,
+        USE_INITIAL_STATE=initial_state is not None, SAVE_ERROR=not inplace_final_state, num_warps=num_warps,
+    )
+    if inplace_final_state:
+        return o, ht, (), ()
+    return o, ht if output_final_state else None, (e, ht), ()
+
+
+def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_final_state=False):
+    """Returns (dq, dk, dv, dbeta, dh0 or None); dq, dk, dbeta in fp32, dv in v's dtype."""
+    e, ht = saved
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    N = info.num_seqs
+    BK = head_block(K)
+    BV, num_warps = _launch_config(V, BK, N * H, BWD_TILE, q.device)
+    NV = triton.cdiv(V, BV)
+    dq = torch.empty(NV, *q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(NV, *k.shape, dtype=torch.float32, device=q.device)
+    dbeta = torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    dh0 = None if initial_state is None else torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+    fused_recurrent_bwd_kernel[(NV, N * H)](
+        q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, scale, info.total_tokens,
+        H=H, K=K, V=V, BK=BK, BV=BV,
+        USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=initial_state is not None,
+        num_warps=num_warps,
+    )
+    # V-block partial sums, added in a fixed order
+    return dq.sum(0), dk.sum(0), dv, dbeta.sum(0), dh0
