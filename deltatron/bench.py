@@ -250,8 +250,7 @@ def resolve(impl: str, smoke: bool) -> Callable:
     package, form = impl.split(".")
     if package == "deltatron":
         return _ours(form)
-    module = {"fla": "fla", "flash_qla": "flash_qla"}[package]
-    if importlib.util.find_spec(module) is None:
+    if importlib.util.find_spec(package) is None:
         raise Unavailable("not installed")
     if smoke:
         raise Unavailable("needs CUDA: not run in smoke mode")
@@ -350,6 +349,7 @@ def identity(impl: str, cfg: Config) -> dict:
 
 
 def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peaks) -> dict:
+    """Times one pair. A backward that fails keeps the forward's numbers and records its error."""
     row = identity(impl, cfg)
     sets = input_sets(cfg, opts.device, opts.l2_bytes, SMOKE_INPUT_SETS if opts.smoke else MAX_INPUT_SETS)
 
@@ -362,18 +362,26 @@ def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peak
             o = call(x)
             torch.autograd.grad(o, [x[n] for n in GRAD_INPUTS], x["do"])
 
-    phases = {"fwd": fwd} if cfg.decode else {"fwd": fwd, "fwdbwd": fwdbwd}
-    heaviest = fwd if cfg.decode else fwdbwd
-    t0 = time.perf_counter()
-    for step in phases.values():     # compilation and autotuning, timed apart
-        step(sets[0])
-    sync(opts)
-    row["first_call_s"] = round(time.perf_counter() - t0, 3)
-    times = {phase: time_ms(cycling(sets, step), opts) for phase, step in phases.items()}
+    times, heaviest, first_call_s = {}, fwd, 0.0
+    for phase, step in [("fwd", fwd)] if cfg.decode else [("fwd", fwd), ("fwdbwd", fwdbwd)]:
+        try:
+            t0 = time.perf_counter()
+            step(sets[0])            # compilation and autotuning, timed apart
+            sync(opts)
+            first_call_s += time.perf_counter() - t0
+            times[phase] = time_ms(cycling(sets, step), opts)
+        except Exception as e:
+            if phase == "fwd":
+                raise
+            row["error"] = f"fwd+bwd: {describe(e)}"
+            traceback.print_exc(limit=-8)
+            break
+        heaviest = step
+    row["first_call_s"] = round(first_call_s, 3)
     row["fwd_ms"] = times["fwd"]
     if cfg.decode:
         row["step_us"] = 1e3 * times["fwd"]
-    else:
+    elif "fwdbwd" in times:
         row["fwdbwd_ms"] = times["fwdbwd"]
     row["peak_mem_bytes"] = peak_memory(lambda: heaviest(sets[0]), opts)
     row["input_sets"] = len(sets)
@@ -418,8 +426,10 @@ def _pair(a: Optional[float], b: Optional[float], fmt: str) -> str:
     return " / ".join("-" if x is None else format(x, fmt) for x in (a, b))
 
 
-def _gib(n: Optional[int]) -> str:
-    return "" if n is None else f"{n / 2**30:.2f} GiB"
+def _memory(n: Optional[int]) -> str:
+    if n is None:
+        return ""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 TABLE_HEADER = ("impl", "config", "fwd ms", "fwd+bwd ms", "vs fla f / fb", "vs FlashQLA f / fb",
@@ -429,17 +439,17 @@ TABLE_HEADER = ("impl", "config", "fwd ms", "fwd+bwd ms", "vs fla f / fb", "vs F
 def table_cells(rows: Sequence[dict]) -> List[Tuple[str, ...]]:
     out = []
     for r in rows:
-        if "error" in r:
+        if "fwd_ms" not in r:
             out.append((r["impl"], r["config"], "", "", "", "", "", "", "", r["error"]))
             continue
         fwd = f"{r['step_us']:.1f} us" if r.get("decode") else f"{r['fwd_ms']:.3f}"
-        fwdbwd = "" if r.get("decode") else f"{r['fwdbwd_ms']:.3f}"
+        fwdbwd = f"{r['fwdbwd_ms']:.3f}" if "fwdbwd_ms" in r else ""
         ratios = [_pair(speedup(rows, r, c, "fwd"), speedup(rows, r, c, "fwdbwd"), ".2f") for c in ("fla", "flash_qla")]
-        note = "decode: one token per step" if r.get("decode") else ""
+        note = r.get("error") or ("decode: one token per step" if r.get("decode") else "")
         out.append((r["impl"], r["config"], fwd, fwdbwd, *ratios,
                     _pair(r.get("tflops_fwd"), r.get("tflops_fwdbwd"), ".1f"),
                     _pair(r.get("pct_floor_fwd"), r.get("pct_floor_fwdbwd"), ".1f"),
-                    _gib(r.get("peak_mem_bytes")), note))
+                    _memory(r.get("peak_mem_bytes")), note))
     return out
 
 
@@ -457,7 +467,7 @@ def text_table(rows: Sequence[dict]) -> str:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     cells = [TABLE_HEADER] + table_cells(rows)
-    lines = ["| " + " | ".join(c) + " |" for c in cells]
+    lines = ["| " + " | ".join(x.replace("|", "\\|") for x in c) + " |" for c in cells]
     lines.insert(1, "|" + "|".join("---" if i < 2 else "---:" for i in range(len(TABLE_HEADER) - 1)) + "|---|")
     return "\n".join(lines)
 
@@ -467,7 +477,7 @@ def legend(meta: dict) -> str:
     return (f"bf16. f = forward (no_grad), fb = forward+backward. vs X = X's time / this row's time (> 1: faster "
             f"than X; fla's decode baseline is its fused_recurrent). Floor = max(FLOPs / {meta['peak_tflops']:.0f} "
             f"TFLOP/s, bytes / {meta['peak_tbps']:.2f} TB/s) ({peaks}; counts in benchmarks/NOTES.md); % floor = "
-            "floor / time. Peak mem: one forward+backward's allocation above its inputs. fused_recurrent runs "
+            "floor / time. Peak mem: one forward+backward's (decode: one step's) allocation above its inputs. fused_recurrent runs "
             f"T <= {RECURRENT_MAX_T} only; FlashQLA K = V = 128 only.")
 
 
@@ -493,7 +503,7 @@ def plot(results: dict, path: Path) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [r for r in results["rows"] if "error" not in r]
+    rows = [r for r in results["rows"] if "fwd_ms" in r]
     configs = list(dict.fromkeys(r["config"] for r in rows))
     impls = [i for i in IMPLS if not i.startswith("fla.") and any(r["impl"] == i for r in rows)]
     if not configs or not impls:
@@ -553,7 +563,7 @@ def render_report(results: Optional[dict], json_path: Optional[Path], png_path: 
              "fraction of the roofline floor each reaches. Method and floor model: [NOTES.md](NOTES.md). "
              "Generated by `python benchmarks/run.py --report <results json>`.\n"]
     if results is None:
-        parts.append("No GPU run is committed yet: results appear here after the first H200 run (below).\n")
+        parts.append("No GPU run is committed yet; the steps below produce one.\n")
     else:
         rel = lambda p: os.path.relpath(p, md_path.parent)  # noqa: E731
         meta = results["meta"]
@@ -650,8 +660,9 @@ def run(impls: Sequence[str], configs: Sequence[Config], opts: Options, out: Opt
             results["rows"].append(row)
             if json_path is not None:
                 write_json(json_path, results)
-            status = row.get("error") or (f"step {row['step_us']:.1f} us" if cfg.decode else
-                                          f"fwd {row['fwd_ms']:.3f} ms  fwd+bwd {row['fwdbwd_ms']:.3f} ms")
+            status = "  ".join(f"{label} {row[key]:.3f} ms" for label, key in
+                               (("fwd", "fwd_ms"), ("fwd+bwd", "fwdbwd_ms")) if key in row)
+            status = "  ".join(x for x in (status, row.get("error", "")) if x)
             log(f"[{time.perf_counter() - start:6.1f} s] {impl:<26} {cfg.name:<22} {status}", flush=True)
     return results
 

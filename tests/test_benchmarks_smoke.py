@@ -108,25 +108,31 @@ def test_floor_model_matches_design_anchors():
     assert floor_us == pytest.approx(31.4, abs=0.5)
 
 
-def test_failing_row_is_recorded_and_the_run_goes_on(monkeypatch):
+def test_failing_rows_are_recorded_and_the_run_goes_on(monkeypatch):
     real_resolve = bench.resolve
 
     def resolve(impl, smoke):
-        if impl == "deltatron.fused_chunk":
-            def boom(x):
+        real = real_resolve(impl, smoke)
+        if impl == "deltatron.fused_chunk":     # the forward raises
+            def call(x):
                 raise RuntimeError("boom\nsecond line")
-            return boom
-        return real_resolve(impl, smoke)
+            return call
+        if impl == "deltatron.chunk":           # the forward works, the backward cannot
+            return lambda x: real(x).detach()
+        return real
 
     monkeypatch.setattr(bench, "resolve", resolve)
     opts = bench.Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=60)
-    configs = bench.SMOKE_CONFIGS[:1]
     with bench._torch_backend():
-        results = bench.run(["deltatron.fused_chunk", "deltatron.chunk"], configs, opts, None, "x", [],
-                            log=lambda *a, **k: None)
-    failed, timed = results["rows"]
-    assert failed["error"] == "RuntimeError: boom" and "fwd_ms" not in failed
-    assert timed["impl"] == "deltatron.chunk" and timed["fwd_ms"] > 0
+        results = bench.run(["deltatron.fused_chunk", "deltatron.chunk", "deltatron.fused_recurrent"],
+                            bench.SMOKE_CONFIGS[:1], opts, None, "x", [], log=lambda *a, **k: None)
+    no_forward, no_backward, fine = results["rows"]
+    assert no_forward["error"] == "RuntimeError: boom" and "fwd_ms" not in no_forward
+    assert no_backward["error"].startswith("fwd+bwd: RuntimeError")
+    assert no_backward["fwd_ms"] > 0 and "fwdbwd_ms" not in no_backward and "pct_floor_fwd" in no_backward
+    assert "error" not in fine and fine["fwdbwd_ms"] > 0
+    table = bench.text_table(results["rows"])
+    assert "RuntimeError: boom" in table and "fwd+bwd: RuntimeError" in table
 
 
 def test_time_budget_records_rows_as_not_run():
