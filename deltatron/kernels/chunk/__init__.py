@@ -16,3 +16,26 @@ Backward stages (backward.py composes them):
     local dV' = (Q K^T ⊙ M)^T dO; reverse state pass (dS per chunk, dh0, full dV');
     dQ, dK, dW; WY backward (dK, dV, dbeta) through Tinv.
 forward/backward below follow the contract of deltatron.autograd."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..utils import SeqInfo
+from .backward import backward
+from .output import output_fwd
+from .state import state_fwd
+from .wy import wy_fwd
+
+__all__ = ["forward", "backward"]
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
+            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo, chunk_size: int = 64):
+    """o, final_state, saved = (Tinv,), extras = (). Three launches: A, Tinv, W, U in one kernel (wy_fwd),
+    the state pass, the output. Only Tinv is saved: W, U and the per-chunk states are recomputed."""
+    tinv, w, u = wy_fwd(k, v, beta, info, chunk_size)
+    h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
+    o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
+    return o, final_state, (tinv,), ()

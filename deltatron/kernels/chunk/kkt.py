@@ -1,0 +1,76 @@
+"""Stage 1 of the chunk forward: A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2).
+
+A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The
+forward itself does not call this stage (wy.wy_fwd builds A on chip); it is the first half of the
+two-launch pipeline kkt -> solve_tril, kept for the stage contract and for tests."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import SeqInfo, dot_precision, head_block, mm
+
+
+@triton.jit
+def chunk_span(cu_seqlens, chunk_indices, i_c, C: tl.constexpr):
+    """(first token, number of tokens) of global chunk i_c. Chunks never cross sequences: the last chunk
+    of a sequence may hold fewer than C tokens."""
+    seq = tl.load(chunk_indices + 2 * i_c)
+    local = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    start = bos + local * C
+    return start, tl.minimum(eos - start, C)
+
+
+@triton.jit
+def kkt_tile(k, beta, n, H: tl.constexpr, I0: tl.constexpr, J0: tl.constexpr, BI: tl.constexpr,
+             BJ: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """Rows I0..I0+BI, columns J0..J0+BJ of A = tril(diag(beta) K K^T, -1) of one chunk, fp32.
+
+    k, beta point at the chunk's first token and its head; rows and columns at or past n (the end of the
+    sequence) are zero, so a short last chunk leaves A zero there. Diagonal tiles (I0 == J0) keep i > j."""
+    i = I0 + tl.arange(0, BI)
+    j = J0 + tl.arange(0, BJ)
+    acc = tl.zeros([BI, BJ], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        b_ki = tl.load(k + i[:, None] * (H * K) + cols[None, :], mask=(i[:, None] < n) & (cols[None, :] < K),
+                       other=0.0)
+        if I0 == J0:
+            b_kj = b_ki
+        else:
+            b_kj = tl.load(k + j[:, None] * (H * K) + cols[None, :],
+                           mask=(j[:, None] < n) & (cols[None, :] < K), other=0.0)
+        acc += mm(b_ki, tl.trans(b_kj), PRECISION)
+    # beta scales rows after the fp32 dot, so 16-bit inputs are not rounded twice
+    b_beta = tl.load(beta + i * H, mask=i < n, other=0.0).to(tl.float32)
+    acc = acc * b_beta[:, None]
+    if I0 == J0:
+        acc = tl.where(i[:, None] > j[None, :], acc, 0.0)
+    return acc
+
+
+@triton.jit
+def chunk_kkt_kernel(k, beta, a, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                     C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
+    b_a = kkt_tile(k + start * H * K + i_h * K, beta + start * H + i_h, n, H, 0, 0, C, C, K, BK, PRECISION)
+    rows = tl.arange(0, C)
+    tl.store(a + (start + rows[:, None]) * (H * C) + i_h * C + rows[None, :], b_a, mask=rows[:, None] < n)
+
+
+def chunk_kkt(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """A = tril(diag(beta) K K^T, -1) per chunk: [B, T, H, C] fp32 (rows past each sequence's end are not
+    tokens and are not written)."""
+    H, K = k.shape[2], k.shape[3]
+    a = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
+    chunks = info.chunks(chunk_size)
+    if chunks.num_chunks:
+        chunk_kkt_kernel[(chunks.num_chunks, H)](
+            k, beta, a, info.cu_seqlens, chunks.chunk_indices, H, K, chunk_size, min(head_block(K), 64),
+            dot_precision(k.dtype), num_warps=4,
+        )
+    return a

@@ -1,0 +1,62 @@
+"""Stage 5 of the chunk forward: O = scale (Q S + (Q K^T ⊙ M) V') per chunk (DESIGN.md §2), M keeping
+j <= i. Every (chunk, head, V-block) is independent: S is the state entering the chunk (h from the
+state pass) and V' its new values."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import SeqInfo, dot_precision, head_block, mm
+from .kkt import chunk_span
+
+
+@triton.jit
+def output_fwd_kernel(q, k, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    # V-blocks of one chunk are neighbours in the grid: they share the Q and K tiles in L2
+    NV = (V + BV - 1) // BV
+    i_cv, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_v = i_cv // NV, i_cv % NV
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
+    rows = tl.arange(0, C)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_rows = rows < n
+    h_c = h + (i_c.to(tl.int64) * H + i_h) * K * V
+
+    b_qs = tl.zeros([C, BV], dtype=tl.float32)
+    b_qk = tl.zeros([C, C], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        m_k = ck < K
+        b_q = tl.load(q + (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :],
+                      mask=m_rows[:, None] & m_k[None, :], other=0.0)
+        b_kt = tl.load(k + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
+                       mask=m_k[:, None] & m_rows[None, :], other=0.0)
+        b_s = tl.load(h_c + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & (cv[None, :] < V), other=0.0)
+        b_qs += mm(b_q, b_s, PRECISION)
+        b_qk += mm(b_q, b_kt, PRECISION)
+
+    b_qk = tl.where(rows[:, None] >= rows[None, :], b_qk, 0.0)
+    o_v = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
+    m_v = m_rows[:, None] & (cv[None, :] < V)
+    b_vn = tl.load(v_new + o_v, mask=m_v, other=0.0)
+    b_o = (b_qs + mm(b_qk.to(b_vn.dtype), b_vn, PRECISION)) * scale
+    tl.store(o + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, scale: float,
+               info: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """o [B, T, H, V] in the input dtype from q, k [B, T, H, K], v_new [B, T, H, V] and the per-chunk
+    states h [NT, H, K, V]."""
+    H, K, V = q.shape[2], q.shape[3], v_new.shape[3]
+    o = torch.empty_like(v_new)
+    chunks = info.chunks(chunk_size)
+    BV = min(head_block(V), 64)
+    if chunks.num_chunks:
+        output_fwd_kernel[(chunks.num_chunks * triton.cdiv(V, BV), H)](
+            q, k, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
+            min(head_block(K), 64), BV, dot_precision(q.dtype), num_warps=4,
+        )
+    return o

@@ -1,0 +1,83 @@
+"""Stage 3 of the chunk forward: the WY factors W = Tinv (beta*K), U = Tinv (beta*V) (DESIGN.md §2).
+
+Two entry points share one kernel:
+    recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute);
+    wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built tile by tile
+                                                          from K on chip, inverted, applied, and only
+                                                          Tinv (saved for the backward), W and U are written.
+W and U have the input dtype: they feed 16-bit dots in the state pass."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import SeqInfo, dot_precision, head_block, mm, tril_precision
+from .kkt import chunk_span
+from .solve_tril import tril_inverse
+
+
+@triton.jit
+def apply_tinv(t, x, b_beta, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """y = t (beta * x) for one chunk, BD columns of the head dimension D at a time. x and y point at the
+    chunk's first token and its head; t is in the dtype of the dot operands."""
+    rows = tl.arange(0, C)
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        offs = rows[:, None] * (H * D) + cols[None, :]
+        mask = (rows[:, None] < n) & (cols[None, :] < D)
+        b_x = tl.load(x + offs, mask=mask, other=0.0)
+        b_xb = (b_x.to(tl.float32) * b_beta[:, None]).to(t.dtype)
+        tl.store(y + offs, mm(t, b_xb, PRECISION).to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
+              PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
+    k_c = k + start * H * K + i_h * K
+    beta_c = beta + start * H + i_h
+    rows = tl.arange(0, C)
+    t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
+    if FUSED:
+        b_t = tril_inverse(tinv, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC)
+        tl.store(t_c, b_t, mask=rows[:, None] < n)
+    else:
+        b_t = tl.load(t_c, mask=(rows[:, None] < n) & (rows[None, :] < n), other=0.0)
+    # 16-bit inputs: Tinv is rounded to the input dtype so that the products run on the tensor cores
+    b_t = b_t.to(w.dtype.element_ty)
+    b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
+    apply_tinv(b_t, k_c, b_beta, w + start * H * K + i_h * K, n, H, K, BK, C, PRECISION)
+    apply_tinv(b_t, v + start * H * V + i_h * V, b_beta, u + start * H * V + i_h * V, n, H, V, BV, C, PRECISION)
+
+
+def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    chunks = info.chunks(chunk_size)
+    if chunks.num_chunks:
+        wy_kernel[(chunks.num_chunks, H)](
+            k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
+            min(head_block(K), 64), min(head_block(V), 64), fused, dot_precision(k.dtype), tril_precision(),
+            num_warps=4,
+        )
+    return w, u
+
+
+def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: torch.Tensor, info: SeqInfo,
+                  chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """W = Tinv (beta*K) [B, T, H, K], U = Tinv (beta*V) [B, T, H, V], in the input dtype."""
+    return _wy(k, v, beta, Tinv, False, info, chunk_size)
+
+
+def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
+           chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, w, u)."""
+    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
+    w, u = _wy(k, v, beta, tinv, True, info, chunk_size)
+    return tinv, w, u

@@ -1,0 +1,111 @@
+"""Forward of the Triton chunk pipeline at realistic sizes (H200): against the float64 chunkwise oracle
+(deltatron.reference, itself checked against the recurrence), fixed-length and 20-sequence varlen batches,
+all dtypes, K = V in {64, 128, 256} and a non-power-of-two head size."""
+import pytest
+import torch
+
+import deltatron
+from deltatron.kernels import chunk
+from deltatron.kernels.chunk import kkt, solve_tril
+from deltatron.kernels.utils import seq_info
+from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
+from deltatron.reference.chunk import from_chunks, to_chunks
+
+from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every uninitialized allocation comes back NaN-filled, so a skipped write cannot pass."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def nan_fill(out):
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda x, *a, **kw: nan_fill(new_empty(x, *a, **kw)))
+
+
+def oracle(x, scale, C, cu_seqlens=None):
+    """float64 chunkwise form on the dtype-rounded inputs: (o, final_state)."""
+    d = {n: t.double() for n, t in x.items()}
+    return chunk_delta_rule_reference(d["q"], d["k"], d["v"], d["beta"], scale, d.get("initial_state"), True,
+                                      cu_seqlens=cu_seqlens, chunk_size=C)
+
+
+def run_forward(x, scale, C, info):
+    o, final, saved, extras = chunk.forward(x["q"], x["k"], x["v"], x["beta"], scale, x.get("initial_state"),
+                                            True, info, chunk_size=C)
+    assert o.dtype == x["q"].dtype and final.dtype == torch.float32 and extras == ()
+    assert saved[0].shape == (*x["k"].shape[:3], C)
+    return o, final
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, D, C", [
+    (2, 8192, 4, 128, 64),
+    (4, 2048, 16, 64, 64),
+    (1, 4096, 8, 256, 64),
+    (8, 1000, 8, 100, 32),
+    (2, 777, 32, 128, 16),
+])
+def test_forward_fixed_length(poison, dtype, B, T, H, D, C):
+    x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + D)
+    o, final = run_forward(x, D ** -0.5, C, seq_info(B, T, torch.device("cuda"), None, None))
+    o_ref, final_ref = oracle(x, D ** -0.5, C)
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D, C", [(128, 64), (64, 32), (256, 16)])
+def test_forward_varlen_20_sequences(poison, dtype, D, C):
+    g = torch.Generator().manual_seed(D + C)
+    lengths = [0, 1, C - 1, C, C + 1] + torch.randint(1, 1500, (15,), generator=g).tolist()
+    lengths = [lengths[i] for i in torch.randperm(20, generator=g).tolist()]
+    TT, H = sum(lengths), 8
+    x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=20, seed=D)
+    cu = random_cu_seqlens(lengths, "cuda")
+    o, final = run_forward(x, 0.25, C, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()))
+    o_ref, final_ref = oracle(x, 0.25, C, cu_seqlens=cu.cpu())
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+    empty = lengths.index(0)
+    assert torch.equal(final[empty], x["initial_state"][empty])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_growing_transition(poison, dtype):
+    # unnormalized keys, beta up to 2: the transition is not a contraction
+    x = make_inputs(2, 1024, 8, 64, 96, dtype, device="cuda", normalized_keys=False, beta_max=2.0,
+                    initial_state=True, seed=3)
+    o, final = run_forward(x, 0.125, 64, seq_info(2, 1024, torch.device("cuda"), None, None))
+    o_ref, final_ref = oracle(x, 0.125, 64)
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("precision, bound", [("ieee", 1e-5), ("tf32x3", 1e-5), ("tf32", 3e-3)])
+@pytest.mark.parametrize("C", [32, 64])
+def test_solve_tril_precision(poison, monkeypatch, precision, bound, C):
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", precision)
+    B, T, H = 2, 1000, 4
+    x = make_inputs(B, T, H, 128, 64, torch.float32, device="cuda", seed=C)
+    info = seq_info(B, T, torch.device("cuda"), None, None)
+    tinv = solve_tril.solve_tril(kkt.chunk_kkt(x["k"], x["beta"], info, C), info, C)
+    _, T_ref, _, _ = intra_chunk_wy(*(to_chunks(x[n].double(), C) for n in ("k", "v", "beta")))
+    assert rel_rms(tinv, from_chunks(T_ref, T)) < bound
+
+
+def test_public_api_fla_shape(poison, monkeypatch):
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    x = make_inputs(8, 2048, 16, 128, 128, torch.bfloat16, device="cuda", seed=5, initial_state=True)
+    o, final = deltatron.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], initial_state=x["initial_state"],
+                                          output_final_state=True)
+    o_ref, final_ref = oracle(x, 128 ** -0.5, 64)
+    assert rel_rms(o, o_ref) < BOUNDS[torch.bfloat16]
+    assert rel_rms(final, final_ref) < BOUNDS[torch.bfloat16]

@@ -1,0 +1,249 @@
+"""Forward of the Triton chunk pipeline (deltatron/kernels/chunk: kkt, solve_tril, wy, state, output).
+
+Each stage is checked against a float64 torch computation of the same per-chunk quantity on the same
+(dtype-rounded) inputs; the whole forward against the float64 recurrence (DESIGN.md §1). Shapes are tiny
+for the interpreter; tests/gpu/test_chunk_forward_gpu.py runs realistic sizes."""
+import pytest
+import torch
+
+import deltatron
+from deltatron.kernels import chunk
+from deltatron.kernels.chunk import kkt, output, solve_tril, state, wy
+from deltatron.kernels.utils import seq_info
+from deltatron.reference import recurrent_delta_rule
+from deltatron.reference.chunk import from_chunks, intra_chunk_wy, to_chunks
+
+from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, random_cu_seqlens, rel_rms
+
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+
+# float64 references of fp32 stages agree to ~1e-6; the end-to-end bounds are BOUNDS
+STAGE_BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every uninitialized allocation comes back NaN-filled, so a skipped write cannot pass."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def nan_fill(out):
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda x, *a, **kw: nan_fill(new_empty(x, *a, **kw)))
+
+
+def packed(lengths, H, K, V, dtype, seed, initial_state=False, **kw):
+    """Random packed inputs [1, TT, H, *], their SeqInfo, and float64 copies of the dtype-rounded tensors."""
+    inp = make_inputs(1, sum(lengths), H, K, V, dtype, device=DEVICE, seed=seed, initial_state=initial_state,
+                      N=len(lengths), **kw)
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
+    ref = {n: x.detach().cpu().double() for n, x in inp.items()}
+    return inp, info, ref
+
+
+def per_sequence_chunks(lengths, C, fn, *xs):
+    """fn applied to each sequence's chunks (to_chunks of float64 [1, L, H, *] slices); its results, each
+    [1, H, NC, C, *], are put back on token rows and concatenated: [1, TT, H, *]."""
+    outs, bos = None, 0
+    for L in lengths:
+        if L:
+            parts = fn(*(to_chunks(x[:, bos:bos + L], C) for x in xs))
+            parts = [from_chunks(p, L) for p in parts]
+            outs = [[p] for p in parts] if outs is None else [o + [p] for o, p in zip(outs, parts)]
+        bos += L
+    return [torch.cat(o, dim=1) for o in outs]
+
+
+def chunk_rows(lengths, C):
+    """(first token, end token, sequence) of every chunk, in global chunk order."""
+    out, bos = [], 0
+    for n, L in enumerate(lengths):
+        out += [(t0, min(t0 + C, bos + L), n) for t0 in range(bos, bos + L, C)]
+        bos += L
+    return out
+
+
+# ---------------------------------------------------------------- stages 1-3: A, Tinv, W, U
+
+@pytest.mark.parametrize("dtype, C, lengths, K", [
+    (torch.float32, 16, [5, 16, 17], 24),
+    (torch.float32, 64, [70, 1], 40),
+    (torch.bfloat16, 32, [33, 0, 9], 32),
+])
+def test_kkt_and_solve_tril(poison, dtype, C, lengths, K):
+    inp, info, ref = packed(lengths, 2, K, 16, dtype, seed=1, normalized_keys=False, beta_max=2.0)
+    A_ref, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    A = kkt.chunk_kkt(inp["k"], inp["beta"], info, C)
+    assert A.dtype == torch.float32
+    assert rel_rms(A, A_ref) < 1e-6  # fp32 dot of the rounded inputs
+    # solve_tril reads only the strict lower triangle: garbage on and above the diagonal must not matter
+    upper = torch.ones(C, C, dtype=torch.bool, device=A.device).triu()
+    rows = torch.cat([torch.arange(L) % C for L in lengths]).to(A.device)
+    junk = torch.where(upper[rows][None, :, None, :], torch.randn_like(A), A)
+    T = solve_tril.solve_tril(junk, info, C)
+    assert rel_rms(T, T_ref) < 1e-5
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+def test_solve_tril_precision_switch(poison, monkeypatch, precision):
+    # the switch reaches the merge products (the interpreter computes tf32 dots in full fp32, so the GPU
+    # suite checks the precision levels themselves; here: both variants build and stay within tf32's error)
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", precision)
+    lengths, C = [64, 40], 64
+    inp, info, ref = packed(lengths, 1, 32, 16, torch.float32, seed=2)
+    _, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    T = solve_tril.solve_tril(kkt.chunk_kkt(inp["k"], inp["beta"], info, C), info, C)
+    assert rel_rms(T, T_ref) < (2e-3 if precision == "tf32" else 1e-5)
+
+
+def test_tril_precision_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "fp64")
+    lengths = [16]
+    inp, info, _ = packed(lengths, 1, 16, 16, torch.float32, seed=3)
+    A = kkt.chunk_kkt(inp["k"], inp["beta"], info, 16)
+    with pytest.raises(ValueError, match="DELTATRON_TRIL_PRECISION"):
+        solve_tril.solve_tril(A, info, 16)
+
+
+@pytest.mark.parametrize("dtype, C, lengths, K, V", [
+    (torch.float32, 32, [1, 33, 32], 24, 40),
+    (torch.float16, 64, [65, 3], 32, 16),
+    (torch.bfloat16, 16, [0, 15, 17], 40, 24),
+])
+def test_wy(poison, dtype, C, lengths, K, V):
+    inp, info, ref = packed(lengths, 2, K, V, dtype, seed=4)
+    _, T_ref, W_ref, U_ref = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    tinv, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)
+    assert tinv.dtype == torch.float32 and w.dtype == dtype and u.dtype == dtype
+    assert rel_rms(tinv, T_ref) < 1e-5
+    assert rel_rms(w, W_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(u, U_ref) < STAGE_BOUNDS[dtype]
+    # the backward's path: the same W, U from the stored Tinv
+    w2, u2 = wy.recompute_w_u(inp["k"], inp["v"], inp["beta"], tinv, info, C)
+    assert torch.equal(w2, w) and torch.equal(u2, u)
+
+
+# ---------------------------------------------------------------- stage 4: the state pass
+
+def state_reference(k, w, u, h0, lengths, C):
+    """Float64 h [NT, H, K, V] (state entering each chunk), v_new [1, TT, H, V], final [N, H, K, V]."""
+    H, K, V = k.shape[2], k.shape[3], u.shape[3]
+    S = {n: (h0[n] if h0 is not None else torch.zeros(H, K, V, dtype=torch.float64)) for n in range(len(lengths))}
+    hs, v_new = [], torch.zeros_like(u)
+    for t0, t1, n in chunk_rows(lengths, C):
+        hs.append(S[n])
+        k_c, w_c, u_c = (x[0, t0:t1].transpose(0, 1) for x in (k, w, u))  # [H, t, *]
+        vn = u_c - w_c @ S[n]
+        v_new[0, t0:t1] = vn.transpose(0, 1)
+        S[n] = S[n] + k_c.transpose(1, 2) @ vn
+    h = torch.stack(hs) if hs else torch.zeros(0, H, K, V, dtype=torch.float64)
+    return h, v_new, torch.stack([S[n] for n in range(len(lengths))])
+
+
+@pytest.mark.parametrize("dtype, C, lengths, K, V, has_h0", [
+    (torch.float32, 16, [0, 1, 17, 16], 24, 40, True),
+    (torch.float16, 32, [40, 0], 32, 24, False),
+    (torch.bfloat16, 64, [65, 7], 40, 32, True),
+])
+def test_state_fwd(poison, dtype, C, lengths, K, V, has_h0):
+    inp, info, ref = packed(lengths, 2, K, V, dtype, seed=5, initial_state=has_h0)
+    _, _, W, U = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    w, u = W.to(dtype).to(DEVICE), U.to(dtype).to(DEVICE)
+    h0 = inp.get("initial_state")
+    h, v_new, final = state.state_fwd(inp["k"], w, u, h0, True, info, C)
+    h_ref, vn_ref, final_ref = state_reference(ref["k"], w.cpu().double(), u.cpu().double(), ref.get("initial_state"),
+                                               lengths, C)
+    assert h.dtype == dtype and v_new.dtype == dtype and final.dtype == torch.float32
+    assert rel_rms(h, h_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(v_new, vn_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < STAGE_BOUNDS[dtype]
+    if 0 in lengths:  # an empty sequence passes its initial state (or zeros) through exactly
+        n = lengths.index(0)
+        assert torch.equal(final[n], h0[n] if has_h0 else torch.zeros_like(final[n]))
+    _, _, no_final = state.state_fwd(inp["k"], w, u, h0, False, info, C)
+    assert no_final is None
+
+
+# ---------------------------------------------------------------- stage 5: the output
+
+@pytest.mark.parametrize("dtype, C, lengths, K, V", [
+    (torch.float32, 32, [33, 1], 40, 24),
+    (torch.bfloat16, 16, [18, 0, 16], 24, 40),
+    (torch.float16, 64, [64, 5], 32, 32),
+])
+def test_output_fwd(poison, dtype, C, lengths, K, V):
+    H, scale = 2, 0.37
+    inp, info, ref = packed(lengths, H, K, V, dtype, seed=6)
+    spans = chunk_rows(lengths, C)
+    h = torch.randn(len(spans), H, K, V, device=DEVICE).to(dtype)
+    v_new = inp["v"]
+    o = output.output_fwd(inp["q"], inp["k"], v_new, h, scale, info, C)
+    o_ref = torch.zeros_like(ref["v"])
+    for i, (t0, t1, _) in enumerate(spans):
+        q_c, k_c, vn_c = (x[0, t0:t1].transpose(0, 1) for x in (ref["q"], ref["k"], ref["v"]))
+        qk = (q_c @ k_c.transpose(1, 2)).tril()
+        o_ref[0, t0:t1] = (scale * (q_c @ h[i].cpu().double() + qk @ vn_c)).transpose(0, 1)
+    assert o.dtype == dtype
+    assert rel_rms(o, o_ref) < STAGE_BOUNDS[dtype]
+
+
+# ---------------------------------------------------------------- the whole forward
+
+def check_forward(dtype, C, lengths, K, V, has_h0, seed, H=1, scale=None, **kw):
+    inp, info, ref = packed(lengths, H, K, V, dtype, seed=seed, initial_state=has_h0, **kw)
+    scale = K ** -0.5 if scale is None else scale
+    o, final, saved, extras = chunk.forward(inp["q"], inp["k"], inp["v"], inp["beta"], scale,
+                                            inp.get("initial_state"), True, info, chunk_size=C)
+    o_ref, final_ref = recurrent_delta_rule(ref["q"], ref["k"], ref["v"], ref["beta"], scale,
+                                            ref.get("initial_state"), True, cu_seqlens=info.cu_seqlens_cpu)
+    assert o.dtype == dtype and o.shape == inp["v"].shape
+    assert final.dtype == torch.float32 and final.shape == (len(lengths), H, K, V)
+    assert extras == () and len(saved) == 1 and saved[0].shape == (1, sum(lengths), H, C)
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+    o2, no_final, _, _ = chunk.forward(inp["q"], inp["k"], inp["v"], inp["beta"], scale,
+                                       inp.get("initial_state"), False, info, chunk_size=C)
+    assert no_final is None and torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("dtype, C, T, K, V, has_h0", [
+    (torch.float32, 16, 130, 24, 40, True),
+    (torch.float32, 32, 65, 32, 16, False),
+    (torch.float32, 64, 64, 40, 24, True),
+    (torch.float16, 16, 63, 32, 32, True),
+    (torch.float16, 64, 130, 24, 32, False),
+    (torch.float16, 32, 1, 16, 24, True),
+    (torch.bfloat16, 64, 65, 32, 40, True),
+    (torch.bfloat16, 32, 130, 24, 16, False),
+    (torch.bfloat16, 16, 64, 40, 32, True),
+])
+def test_forward_single_sequence(poison, dtype, C, T, K, V, has_h0):
+    check_forward(dtype, C, [T], K, V, has_h0, seed=T + C)
+
+
+@pytest.mark.parametrize("dtype, C, has_h0", [
+    (torch.float32, 16, True),
+    (torch.float16, 32, False),
+    (torch.bfloat16, 64, True),
+])
+def test_forward_varlen(poison, dtype, C, has_h0):
+    check_forward(dtype, C, [0, 1, C + 1, C, C - 1, 3], 24, 40, has_h0, seed=C, scale=0.3)
+
+
+def test_forward_growing_transition(poison):
+    # unnormalized keys and beta up to 2: the transition is not a contraction; the same function all the same
+    check_forward(torch.float32, 32, [50, 20], 32, 24, True, seed=9, H=2, normalized_keys=False, beta_max=2.0)
+
+
+def test_public_api_uses_the_kernels(poison, monkeypatch):
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    x = make_inputs(2, 40, 2, 24, 32, torch.bfloat16, device=DEVICE, seed=11, initial_state=True)
+    o, final = deltatron.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], initial_state=x["initial_state"],
+                                          output_final_state=True, chunk_size=32)
+    ref = {n: t.cpu().double() for n, t in x.items()}
+    o_ref, final_ref = recurrent_delta_rule(ref["q"], ref["k"], ref["v"], ref["beta"], 24 ** -0.5,
+                                            ref["initial_state"], True)
+    assert rel_rms(o, o_ref) < BOUNDS[torch.bfloat16]
+    assert rel_rms(final, final_ref) < BOUNDS[torch.bfloat16]
