@@ -602,6 +602,27 @@ def _torch_backend():
             os.environ["DELTATRON_BACKEND"] = saved
 
 
+def _resolve_or_reason(impl: str, smoke: bool):
+    """The implementation's call, or the Unavailable that says why it cannot run."""
+    try:
+        return resolve(impl, smoke)
+    except Unavailable as e:
+        return e
+    except Exception as e:   # an import that fails inside the package (a missing dependency)
+        traceback.print_exc(limit=-8)
+        return Unavailable(describe(e))
+
+
+def _row_or_error(impl: str, target, cfg: Config, opts: Options, peaks: Peaks) -> dict:
+    if isinstance(target, Unavailable):
+        return dict(identity(impl, cfg), error=str(target))
+    try:
+        return bench_row(impl, target, cfg, opts, peaks)
+    except Exception as e:   # one row's failure (OOM included) must not end the run
+        traceback.print_exc(limit=-8)
+        return dict(identity(impl, cfg), error=describe(e))
+
+
 def _select(names: Optional[List[str]], table: Sequence, key, what: str, parser) -> list:
     if not names:
         return list(table)
@@ -636,26 +657,12 @@ def run(impls: Sequence[str], configs: Sequence[Config], opts: Options, out: Opt
     resolved: Dict[str, object] = {}
     for impl in impls:
         for cfg in (c for c in configs if applies(impl, c)):
-            elapsed = time.perf_counter() - start
-            if impl not in resolved:
-                try:
-                    resolved[impl] = resolve(impl, opts.smoke)
-                except Unavailable as e:
-                    resolved[impl] = e
-                except Exception as e:   # an import that fails inside the package (a missing dependency)
-                    resolved[impl] = Unavailable(describe(e))
-                    traceback.print_exc(limit=-8)
-            target = resolved[impl]
-            if elapsed > opts.budget_s:
+            if time.perf_counter() - start > opts.budget_s:
                 row = dict(identity(impl, cfg), error=f"not run: time budget of {opts.budget_s:.0f} s spent")
-            elif isinstance(target, Unavailable):
-                row = dict(identity(impl, cfg), error=str(target))
             else:
-                try:
-                    row = bench_row(impl, target, cfg, opts, peaks)
-                except Exception as e:   # one row's failure (OOM included) must not end the run
-                    row = dict(identity(impl, cfg), error=describe(e))
-                    traceback.print_exc(limit=-8)
+                if impl not in resolved:
+                    resolved[impl] = _resolve_or_reason(impl, opts.smoke)
+                row = _row_or_error(impl, resolved[impl], cfg, opts, peaks)
                 free_memory(opts)
             results["rows"].append(row)
             if json_path is not None:
