@@ -1,0 +1,18 @@
+"""Backward of chunk_delta_rule: recompute W, U (from the saved T~) and the chunk states, then the stages
+of DESIGN.md §3 in order: local dV', reverse state pass, dQ/dK/dW, WY backward."""
+from __future__ import annotations
+
+from . import output_bwd, state, state_bwd, wy, wy_bwd
+
+
+def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
+    """Gradients (dq, dk, dv in the input dtype, dbeta fp32, dh0 fp32 or None without initial_state)
+    of the chunkwise delta rule; saved = (Tinv,) from the forward. Deterministic: no atomics."""
+    (tinv,) = saved
+    w, u = wy.recompute_w_u(k, v, beta, tinv, info, chunk_size)
+    h, v_new, _ = state.state_fwd(k, w, u, initial_state, False, info, chunk_size)
+    dv = output_bwd.dv_local(q, k, do, scale, info, chunk_size)
+    dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, dv, dht, scale, initial_state is not None, info, chunk_size)
+    dq, dk, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
+    dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk, info, chunk_size)
+    return dq, dk, dv, dbeta, dh0

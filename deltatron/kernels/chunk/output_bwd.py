@@ -1,0 +1,150 @@
+"""Backward of the chunk output O = scale (Q S + (Q K^T ⊙ M) V') (DESIGN.md §3), in two kernels:
+
+    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (before the reverse state pass)
+    dqkw:     dQ = scale (dO S^T + (dO V'^T ⊙ M) K)
+              dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; WY backward adds the rest)
+              dW = -dV' S^T                                 (after it: needs dS_next and the full dV')
+
+Both are parallel over chunks; every output element is written by exactly one program (deterministic).
+The row-tile helpers here are shared by the other backward stages."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import dot_precision, head_block, mm
+
+
+@triton.jit
+def chunk_bounds(chunk_indices, cu_seqlens, i_t, C: tl.constexpr):
+    """First token of global chunk i_t and the end of its sequence (chunks never cross sequences)."""
+    i_n = tl.load(chunk_indices + 2 * i_t)
+    i_c = tl.load(chunk_indices + 2 * i_t + 1)
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    return bos + i_c * C, eos
+
+
+@triton.jit
+def row_offsets(t0, eos, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Offsets and mask of the tile [t0:t0+BT, i_h, d0:d0+BD] of a packed [TT, H, D] tensor."""
+    rows = t0 + tl.arange(0, BT)
+    cols = d0 + tl.arange(0, BD)
+    offs = (rows.to(tl.int64)[:, None] * H + i_h) * D + cols[None, :]
+    mask = (rows < eos)[:, None] & (cols < D)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def load_rows(x, t0, eos, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    offs, mask = row_offsets(t0, eos, i_h, d0, H, D, BT, BD)
+    return tl.load(x + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_rows(x, value, t0, eos, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+               BD: tl.constexpr):
+    offs, mask = row_offsets(t0, eos, i_h, d0, H, D, BT, BD)
+    tl.store(x + offs, value.to(x.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def state_offsets(i_s, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets and mask of the tile [k0:k0+BK, v0:v0+BV] of state i_s of a [*, K, V] state tensor
+    (i_s = chunk * H + head, or sequence * H + head)."""
+    rk = k0 + tl.arange(0, BK)
+    rv = v0 + tl.arange(0, BV)
+    offs = (i_s.to(tl.int64) * K + rk[:, None]) * V + rv[None, :]
+    mask = (rk < K)[:, None] & (rv < V)[None, :]
+    return offs, mask
+
+
+@triton.jit
+def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(chunk_indices, cu_seqlens, i_t, C)
+    # A^T[j, i] = k_j . q_i, kept for j <= i: the transposed causal scores of the chunk
+    b_at = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK)
+        b_q = load_rows(q, t0, eos, i_h, i_k * BK, H, K, C, BK)
+        b_at += mm(b_k, tl.trans(b_q), PRECISION)
+    r = tl.arange(0, C)
+    b_at = tl.where(r[:, None] <= r[None, :], b_at * scale, 0.0).to(dout.dtype.element_ty)
+    for i_v in range(tl.cdiv(V, BV)):
+        b_do = load_rows(dout, t0, eos, i_h, i_v * BV, H, V, C, BV)
+        store_rows(dv, mm(b_at, b_do, PRECISION), t0, eos, i_h, i_v * BV, H, V, C, BV)
+
+
+@triton.jit
+def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seqlens, scale,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(chunk_indices, cu_seqlens, i_t, C)
+    dt = dout.dtype.element_ty
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    b_dw = tl.zeros([C, BK], dtype=tl.float32)
+    b_ds = tl.zeros([C, C], dtype=tl.float32)
+    # every term sums over V: loop over it here, in a fixed order
+    for i_v in range(tl.cdiv(V, BV)):
+        b_vn = load_rows(v_new, t0, eos, i_h, i_v * BV, H, V, C, BV).to(dt)
+        b_do = load_rows(dout, t0, eos, i_h, i_v * BV, H, V, C, BV)
+        b_dv = load_rows(dv, t0, eos, i_h, i_v * BV, H, V, C, BV).to(dt)
+        s_offs, s_mask = state_offsets(i_t * H + i_h, i_k * BK, i_v * BV, K, V, BK, BV)
+        b_s = tl.load(h + s_offs, mask=s_mask, other=0.0).to(dt)  # state entering the chunk
+        b_dsn = tl.load(dh + s_offs, mask=s_mask, other=0.0).to(dt)  # gradient of the state leaving it
+        b_dq += mm(b_do, tl.trans(b_s), PRECISION)
+        b_dk += mm(b_vn, tl.trans(b_dsn), PRECISION)
+        b_dw -= mm(b_dv, tl.trans(b_s), PRECISION)
+        b_ds += mm(b_do, tl.trans(b_vn), PRECISION)
+    r = tl.arange(0, C)
+    b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
+    b_q = load_rows(q, t0, eos, i_h, i_k * BK, H, K, C, BK)
+    b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK)
+    b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
+    b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
+    store_rows(dq, b_dq, t0, eos, i_h, i_k * BK, H, K, C, BK)
+    store_rows(dk, b_dk, t0, eos, i_h, i_k * BK, H, K, C, BK)
+    store_rows(dw, b_dw, t0, eos, i_h, i_k * BK, H, K, C, BK)
+
+
+def tile(size: int) -> int:
+    """Tile of a head dimension looped over inside a program: at most 64 wide."""
+    return min(64, head_block(size))
+
+
+def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, info, chunk_size: int) -> torch.Tensor:
+    """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype."""
+    H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
+    chunks = info.chunks(chunk_size)
+    dv = torch.empty_like(do)
+    if chunks.num_chunks:
+        dv_local_kernel[(chunks.num_chunks, H)](
+            q, k, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
+            H, K, V, chunk_size, tile(K), tile(V), dot_precision(q.dtype),
+        )
+    return dv
+
+
+def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
+    """dQ (final, q's dtype), direct dK (fp32, completed by the WY backward) and dW (q's dtype).
+
+    h: states entering each chunk, dh: gradients of the states leaving each chunk ([NT, H, K, V]);
+    dv: the full dV' (= dU) from the reverse state pass."""
+    H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
+    chunks = info.chunks(chunk_size)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k, dtype=torch.float32)
+    dw = torch.empty_like(k)
+    if chunks.num_chunks:
+        BK = tile(K)
+        dqkw_kernel[(triton.cdiv(K, BK), chunks.num_chunks, H)](
+            q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
+            H, K, V, chunk_size, BK, tile(V), dot_precision(q.dtype),
+        )
+    return dq, dk, dw

@@ -1,0 +1,85 @@
+"""Reverse state pass of the chunk backward (DESIGN.md §3): the gradient of the state runs backwards over
+the chunks of each sequence, from dht (or zero) after the last chunk to dh0 before the first:
+
+    dV'  = dV'_local + K dS_next                       (full gradient of the new values)
+    dS   = scale Q^T dO + dS_next - W^T dV'            (the gradient of the state entering the chunk)
+
+Serial over chunks, parallel over (sequence * head, V-blocks): the V columns of the state gradient are
+independent, and each program keeps its [K, BV] slice in fp32 registers for the whole sequence."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import INTERPRET, dot_precision, head_block, mm
+from .output_bwd import load_rows, state_offsets, store_rows
+
+# Programs wanted at least (about the SM count of a large GPU): with few sequences * heads the V columns
+# are split finer so that the serial pass still fills the machine.
+MIN_PROGRAMS = 128
+# Largest fp32 state slice BK * BV one program holds in registers.
+MAX_STATE_TILE = 8192
+
+
+@triton.jit
+def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chunk_offsets, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    first_chunk = tl.load(chunk_offsets + i_n)
+    dt = dout.dtype.element_ty
+    s_offs, s_mask = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
+    b_dsn = tl.zeros([BK, BV], dtype=tl.float32)  # gradient of the state leaving the current chunk
+    if USE_DHT:
+        b_dsn += tl.load(dht + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+    for i in range(tl.cdiv(eos - bos, C)):
+        i_c = tl.cdiv(eos - bos, C) - 1 - i
+        t0 = bos + i_c * C
+        c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+        tl.store(dh + c_offs, b_dsn, mask=c_mask)
+        b_k = load_rows(k, t0, eos, i_h, 0, H, K, C, BK)
+        b_dv = load_rows(dv_local, t0, eos, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        b_dv += mm(b_k, b_dsn.to(dt), PRECISION)
+        store_rows(dv, b_dv, t0, eos, i_h, i_v * BV, H, V, C, BV)
+        b_q = load_rows(q, t0, eos, i_h, 0, H, K, C, BK)
+        b_w = load_rows(w, t0, eos, i_h, 0, H, K, C, BK).to(dt)
+        b_do = load_rows(dout, t0, eos, i_h, i_v * BV, H, V, C, BV)
+        b_dsn += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_w), b_dv.to(dt), PRECISION)
+    if STORE_DH0:
+        tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
+
+
+def state_block_v(K: int, V: int, num_states: int) -> int:
+    """V-block of the reverse pass: the whole of K per program, BV as wide as registers allow, narrower
+    when there are few sequences * heads to spread over the machine (not under the interpreter, where
+    every program runs in turn)."""
+    BV = min(64, head_block(V), MAX_STATE_TILE // head_block(K))
+    while not INTERPRET and BV > 16 and num_states * triton.cdiv(V, BV) < MIN_PROGRAMS:
+        BV //= 2
+    return BV
+
+
+def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, need_dh0: bool, info,
+              chunk_size: int):
+    """Returns (dh [NT, H, K, V] fp32: gradient of the state leaving each chunk, dv [1, TT, H, V] in
+    do's dtype: the full dV', dh0 [N, H, K, V] fp32 or None)."""
+    H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
+    N = info.num_seqs
+    chunks = info.chunks(chunk_size)
+    dh = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
+    dv = torch.empty_like(do)
+    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    BV = state_block_v(K, V, N * H)
+    if N:
+        state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+            q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
+            H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dot_precision(q.dtype),
+        )
+    return dh, dv, dh0

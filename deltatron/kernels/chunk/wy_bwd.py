@@ -1,0 +1,83 @@
+"""WY backward (DESIGN.md §3): from dW and dU to dK, dV and dbeta through W = T~ (beta K), U = T~ (beta V),
+T~ = (I + A)^{-1}, A = tril(diag(beta) K K^T, -1):
+
+    dT~  = dW (beta K)^T + dU (beta V)^T
+    dKb  = T~^T dW,  dVb = T~^T dU
+    dA   = strictly_lower(-T~^T dT~ T~^T)
+    dK   = dK_direct + beta (dKb + dA K) + dA^T (beta K)
+    dV   = beta dVb
+    dbeta = rowsum(dVb ⊙ V) + rowsum((dKb + dA K) ⊙ K)
+
+One program per (chunk, head); the chunk's C x C matrices stay in fp32 registers, K and V are looped
+over in tiles. The products with T~ and dA keep fp32 operands (T~ can hold large entries)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import dot_precision, mm
+from .output_bwd import chunk_bounds, load_rows, store_rows, tile
+
+
+@triton.jit
+def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indices, cu_seqlens,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(chunk_indices, cu_seqlens, i_t, C)
+    r = tl.arange(0, C)
+    rows = t0 + r
+    valid = rows < eos
+    b_beta = tl.load(beta + rows.to(tl.int64) * H + i_h, mask=valid, other=0.0).to(tl.float32)
+    # T~ is unit lower triangular: read only its support, so padding rows/columns are exact zeros
+    t_offs = (rows.to(tl.int64)[:, None] * H + i_h) * C + r[None, :]
+    b_t = tl.load(tinv + t_offs, mask=valid[:, None] & (r[None, :] <= r[:, None]), other=0.0)
+    b_tt = tl.trans(b_t)
+
+    b_dt = tl.zeros([C, C], dtype=tl.float32)
+    b_dbeta = tl.zeros([C], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dw = load_rows(dw, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dt += mm(b_dw, tl.trans(b_k * b_beta[:, None]), PRECISION)
+    for i_v in range(tl.cdiv(V, BV)):
+        b_v = load_rows(v, t0, eos, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        b_du = load_rows(du, t0, eos, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        b_dt += mm(b_du, tl.trans(b_v * b_beta[:, None]), PRECISION)
+        b_dvb = mm(b_tt, b_du, PRECISION)
+        store_rows(dv, b_dvb * b_beta[:, None], t0, eos, i_h, i_v * BV, H, V, C, BV)
+        b_dbeta += tl.sum(b_dvb * b_v, axis=1)
+
+    # d(L^{-1}) = -L^{-T} d(.) L^{-T}; A only lives strictly below the diagonal
+    b_da = -mm(mm(b_tt, b_dt, PRECISION), b_tt, PRECISION)
+    b_da = tl.where(r[:, None] > r[None, :], b_da, 0.0)
+    b_dat = tl.trans(b_da)
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dw = load_rows(dw, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        # dKb + dA K: both multiply beta_i k_i in A and W
+        b_dkb = mm(b_tt, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
+        b_dk = load_rows(dk_direct, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dk += b_beta[:, None] * b_dkb + mm(b_dat, b_k * b_beta[:, None], PRECISION)
+        store_rows(dk, b_dk, t0, eos, i_h, i_k * BK, H, K, C, BK)
+        b_dbeta += tl.sum(b_dkb * b_k, axis=1)
+    tl.store(dbeta + rows.to(tl.int64) * H + i_h, b_dbeta, mask=valid)
+
+
+def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
+    """Returns (dk in k's dtype, dv in v's dtype, dbeta fp32 [.., TT, H]).
+
+    tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
+    the output and the state update (fp32)."""
+    H, K, V = k.shape[-2], k.shape[-1], v.shape[-1]
+    chunks = info.chunks(chunk_size)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta, dtype=torch.float32)
+    if chunks.num_chunks:
+        wy_bwd_kernel[(chunks.num_chunks, H)](
+            k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
+            H, K, V, chunk_size, tile(K), tile(V), dot_precision(k.dtype),
+        )
+    return dk, dv, dbeta

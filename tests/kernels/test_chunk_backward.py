@@ -1,0 +1,260 @@
+"""Backward of the Triton chunk pipeline (deltatron/kernels/chunk/*_bwd.py, backward.py).
+
+Stages are checked against torch.autograd through float64 models of the same per-chunk quantities; the
+whole backward against torch.autograd through the float64 recurrence (DESIGN.md §1), via the public API."""
+import pytest
+import torch
+
+import deltatron
+from deltatron.kernels.chunk import output_bwd, state_bwd, wy_bwd
+from deltatron.kernels.utils import seq_info
+from deltatron.reference import intra_chunk_wy, recurrent_delta_rule
+
+from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, random_cu_seqlens, rel_rms
+
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every uninitialized allocation comes back NaN-filled, so a skipped write cannot pass."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def nan_empty_like(x, *args, **kwargs):
+        out = empty_like(x, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    def nan_new_empty(x, *args, **kwargs):
+        out = new_empty(x, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+
+
+def packed(lengths, H, K, V, dtype, seed):
+    """Random packed inputs [1, TT, H, *] (keys unnormalized, beta in (0, 2): the transition may grow) with
+    their SeqInfo and a float64 copy of each tensor as it is after rounding to dtype."""
+    inp = make_inputs(1, sum(lengths), H, K, V, dtype, device=DEVICE, normalized_keys=False, beta_max=2.0,
+                      seed=seed)
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
+    ref = {n: x[0].detach().cpu().double() for n, x in inp.items()}
+    return inp, info, ref
+
+
+def spans(lengths, C):
+    """(first token, last token + 1) of every chunk of the packed batch, in global chunk order."""
+    out, bos = [], 0
+    for L in lengths:
+        out += [(t0, min(t0 + C, bos + L)) for t0 in range(bos, bos + L, C)]
+        bos += L
+    return out
+
+
+def heads_first(x, t0, t1):
+    return x[t0:t1].transpose(0, 1)  # [t, H, D] -> [H, t, D]
+
+
+def wy_model(k, v, beta, lengths, C):
+    """Float64 W, U [TT, H, *] and T~ [TT, H, C] of every chunk (intra_chunk_wy)."""
+    TT, H = beta.shape
+    ws, us, tinv = [], [], k.new_zeros(TT, H, C)
+    for t0, t1 in spans(lengths, C):
+        _, t, w, u = intra_chunk_wy(heads_first(k, t0, t1), heads_first(v, t0, t1), beta[t0:t1].T)
+        tinv[t0:t1, :, : t1 - t0] = t.transpose(0, 1)
+        ws.append(w.transpose(0, 1))
+        us.append(u.transpose(0, 1))
+    cat = lambda xs, D: torch.cat(xs) if xs else k.new_zeros(0, H, D)
+    return cat(ws, k.shape[-1]), cat(us, v.shape[-1]), tinv
+
+
+def state_model(q, k, w, u, s0, scale, lengths, C):
+    """Float64 state pass and output of DESIGN.md §2 given W and U, chunk by chunk. Returns o [TT, H, V],
+    final states [N, H, K, V], the state entering and the state leaving every chunk, V' [TT, H, V]."""
+    outs, finals, entering, leaving, v_new = [], [], [], [], []
+    bos = 0
+    for n, L in enumerate(lengths):
+        S = s0[n]
+        for t0, t1 in spans([L], C):
+            qc, kc, wc, uc = (heads_first(x, bos + t0, bos + t1) for x in (q, k, w, u))
+            vn = uc - wc @ S
+            outs.append((scale * (qc @ S + (qc @ kc.transpose(1, 2)).tril() @ vn)).transpose(0, 1))
+            v_new.append(vn.transpose(0, 1))
+            entering.append(S)
+            S = S + kc.transpose(1, 2) @ vn
+            leaving.append(S)
+        finals.append(S)
+        bos += L
+    cat = lambda xs: torch.cat(xs) if xs else u.new_zeros(0, *u.shape[1:])
+    return cat(outs), torch.stack(finals), entering, leaving, cat(v_new)
+
+
+def to_dev(x, dtype):
+    return x.to(device=DEVICE, dtype=dtype)[None].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# stages
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [16, 64])
+def test_dv_local(dtype, C, poison):
+    lengths, H, K, V = [C + 1, 1, 2 * C], 2, 40, 24
+    inp, info, ref = packed(lengths, H, K, V, dtype, seed=1)
+    do = torch.randn(1, sum(lengths), H, V, dtype=dtype, device=DEVICE)
+    scale = 0.3
+    got = output_bwd.dv_local(inp["q"], inp["k"], do, scale, info, C)
+    want = torch.zeros(sum(lengths), H, V, dtype=torch.float64)
+    dod = do[0].cpu().double()
+    for t0, t1 in spans(lengths, C):
+        qk = (heads_first(ref["q"], t0, t1) @ heads_first(ref["k"], t0, t1).transpose(1, 2)).tril()
+        want[t0:t1] = (scale * qk.transpose(1, 2) @ heads_first(dod, t0, t1)).transpose(0, 1)
+    assert got.dtype == dtype
+    assert rel_rms(got[0], want) <= BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype, C, lengths, with_dht", [
+    (torch.float32, 16, [0, 1, 17, 16, 40], True),
+    (torch.float32, 64, [65, 0, 64], False),
+    (torch.float16, 32, [63], True),
+    (torch.float16, 16, [0, 1, 17, 16, 40], False),
+    (torch.bfloat16, 64, [65, 0, 64], True),
+    (torch.bfloat16, 32, [63], False),
+])
+def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
+    """Reverse state pass + dQ/dK/dW against autograd through the float64 state pass given W, U."""
+    H, K, V = 2, 24, 40
+    inp, info, ref = packed(lengths, H, K, V, dtype, seed=C + len(lengths))
+    N, TT = len(lengths), sum(lengths)
+    g = torch.Generator().manual_seed(7)
+    # W, U of moderate size so that the chunk states stay O(1)
+    w, u = (0.3 * torch.randn(TT, H, D, generator=g, dtype=torch.float64) for D in (K, V))
+    w, u = (x.to(dtype).double().requires_grad_() for x in (w, u))
+    q, k = (ref[n].clone().requires_grad_() for n in ("q", "k"))
+    s0 = torch.randn(N, H, K, V, generator=g, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(TT, H, V, generator=g, dtype=torch.float64).to(dtype)
+    dht = torch.randn(N, H, K, V, generator=g, dtype=torch.float64) if with_dht else None
+    scale = 0.4
+
+    o, final, entering, leaving, v_new = state_model(q, k, w, u, s0, scale, lengths, C)
+    for s in leaving:
+        s.retain_grad()
+    loss = (o * do.double()).sum() + (0 if dht is None else (final * dht).sum())
+    loss.backward()
+
+    h = torch.stack(entering).detach().to(device=DEVICE, dtype=torch.float32)
+    dt_ = lambda x: to_dev(x.detach(), dtype)
+    dv_loc = output_bwd.dv_local(inp["q"], inp["k"], dt_(do), scale, info, C)
+    dh, dv, dh0 = state_bwd.state_bwd(inp["q"], inp["k"], dt_(w), dt_(do), dv_loc,
+                                      None if dht is None else dht.float().to(DEVICE), scale, True, info, C)
+    dq, dk, dw = output_bwd.dqkw(inp["q"], inp["k"], dt_(v_new), h, dh, dt_(do), dv, scale, info, C)
+
+    bound = BOUNDS[dtype]
+    want_dh = torch.stack([s.grad if s.grad is not None else torch.zeros_like(s) for s in leaving])
+    assert rel_rms(dh, want_dh) <= bound
+    assert rel_rms(dh0, s0.grad) <= bound
+    assert rel_rms(dv[0], u.grad) <= bound
+    assert rel_rms(dq[0], q.grad) <= bound
+    assert rel_rms(dk[0], k.grad) <= bound
+    assert rel_rms(dw[0], w.grad) <= bound
+    for n, L in enumerate(lengths):
+        if L == 0:  # no chunks: the gradient passes through untouched
+            assert torch.equal(dh0[n].cpu(), torch.zeros(H, K, V) if dht is None else dht[n].float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C, lengths, K, V", [(16, [0, 1, 17, 33], 24, 40), (64, [64, 65], 40, 24),
+                                              (32, [31], 16, 16)])
+def test_wy_bwd(dtype, C, lengths, K, V, poison):
+    """dK, dV, dbeta through W = T~ (beta K), U = T~ (beta V) against autograd of intra_chunk_wy."""
+    H = 2
+    inp, info, ref = packed(lengths, H, K, V, dtype, seed=3 * C + K)
+    k, v, beta = (ref[n].clone().requires_grad_() for n in ("k", "v", "beta"))
+    w, u, tinv = wy_model(k, v, beta, lengths, C)
+    g = torch.Generator().manual_seed(11)
+    dw, du = (torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype).double() for x in (w, u))
+    dk_direct = torch.randn(k.shape, generator=g, dtype=torch.float64).float().double()
+    ((w * dw).sum() + (u * du).sum() + (k * dk_direct).sum()).backward()
+
+    dk, dv, dbeta = wy_bwd.wy_bwd(inp["k"], inp["v"], inp["beta"], to_dev(tinv.detach(), torch.float32),
+                                  to_dev(dw, dtype), to_dev(du, dtype), to_dev(dk_direct, torch.float32), info, C)
+    bound = BOUNDS[dtype]
+    assert dk.dtype == dtype and dv.dtype == dtype and dbeta.dtype == torch.float32
+    assert rel_rms(dk[0], k.grad) <= bound
+    assert rel_rms(dv[0], v.grad) <= bound
+    assert rel_rms(dbeta[0], beta.grad) <= bound
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole backward, through the public API, against autograd through the float64 recurrence
+
+
+def gradients(fn, inp, scale, do, dht, cu_seqlens=None, **opts):
+    """(dq, dk, dv, dbeta, dh0 or None) of sum(o * do) + sum(final_state * dht) (dht may be None)."""
+    o, final = fn(inp["q"], inp["k"], inp["v"], inp["beta"], scale, inp.get("initial_state"), dht is not None,
+                  cu_seqlens=cu_seqlens, **opts)[:2]
+    loss = (o.double() * do.double()).sum() + (0 if dht is None else (final.double() * dht.double()).sum())
+    names = [n for n in ("q", "k", "v", "beta", "initial_state") if n in inp]
+    grads = dict(zip(names, torch.autograd.grad(loss, [inp[n] for n in names])))
+    return [grads.get(n) for n in ("q", "k", "v", "beta", "initial_state")]
+
+
+def check_against_recurrence(monkeypatch, B, lengths_or_T, H, K, V, dtype, C, with_state, with_dht,
+                             l2norm=False, seed=0):
+    """Triton chunk backward vs the float64 recurrence; lengths_or_T: T (fixed length) or a list of
+    sequence lengths (packed, B = 1). Returns the Triton gradients and dht."""
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    varlen = isinstance(lengths_or_T, list)
+    T = sum(lengths_or_T) if varlen else lengths_or_T
+    N = len(lengths_or_T) if varlen else B
+    inp = make_inputs(B, T, H, K, V, dtype, device=DEVICE, normalized_keys=not l2norm,
+                      beta_max=2.0 if l2norm else 1.0, initial_state=with_state, N=N, seed=seed, requires_grad=True)
+    ref_inp = {n: x.detach().cpu().double().requires_grad_() for n, x in inp.items()}
+    cu = random_cu_seqlens(lengths_or_T, DEVICE) if varlen else None
+    g = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(B, T, H, V, generator=g).to(dtype)
+    dht = torch.randn(N, H, K, V, generator=g) if with_dht else None
+    scale = K ** -0.5
+    want = gradients(recurrent_delta_rule, ref_inp, scale, do, dht, None if cu is None else cu.cpu(),
+                     use_qk_l2norm=l2norm)
+    got = gradients(deltatron.chunk_delta_rule, inp, scale, do.to(DEVICE), None if dht is None else dht.to(DEVICE),
+                    cu, use_qk_l2norm_in_kernel=l2norm, chunk_size=C)
+    for name, x, ref in zip(("dq", "dk", "dv", "dbeta", "dh0"), got, want):
+        if ref is None:
+            assert x is None, name
+            continue
+        assert x.dtype == (torch.float32 if name == "dh0" else dtype), name
+        err = rel_rms(x, ref)
+        assert err <= BOUNDS[dtype], f"{name}: rel RMS {err:.2e} > {BOUNDS[dtype]:.0e}"
+    return got, dht
+
+
+# C = 64 sparingly: the forward's 64 x 64 inverse is slow in the interpreter
+@pytest.mark.parametrize("dtype, C, T, with_state, with_dht", [
+    (torch.float32, 16, 1, True, True),
+    (torch.float32, 64, 130, True, False),
+    (torch.float32, 32, 65, False, True),
+    (torch.float16, 32, 63, True, True),
+    (torch.float16, 16, 64, False, False),
+    (torch.bfloat16, 16, 65, True, True),
+    (torch.bfloat16, 32, 130, False, True),
+    (torch.bfloat16, 32, 1, False, False),
+])
+def test_gradients_match_recurrence(monkeypatch, dtype, C, T, with_state, with_dht, poison):
+    check_against_recurrence(monkeypatch, 2, T, 1, 40, 24, dtype, C, with_state, with_dht, seed=T + C)
+
+
+@pytest.mark.parametrize("dtype, C", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_gradients_varlen(monkeypatch, dtype, C, poison):
+    lengths = [0, 1, C + 1, C - 1, 2 * C, 0]
+    (*_, dh0), dht = check_against_recurrence(monkeypatch, 1, lengths, 2, 24, 32, dtype, C, True, True, seed=C)
+    for n in (0, len(lengths) - 1):  # a sequence without tokens passes dht to dh0 untouched
+        assert torch.equal(dh0[n].cpu(), dht[n])
+
+
+def test_gradients_with_qk_l2norm(monkeypatch, poison):
+    check_against_recurrence(monkeypatch, 1, 65, 2, 24, 16, torch.float16, 32, True, True, l2norm=True, seed=4)
