@@ -5,6 +5,7 @@ import sys
 
 COMMANDS = {
     "check": ("deltatron.check", "every implementation and backend on this device against the float64 oracle"),
+    "bench": ("deltatron.bench", "time deltatron against fla-core and FlashQLA, with a roofline"),
 }
 
 
