@@ -51,14 +51,15 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
     else:
         b_S = tl.zeros([BK, BV], dtype=tl.float32)
 
-    # pointers to token bos of head i_h, stepped by one token (H rows) per iteration
-    p_q = q + (bos * H + i_h) * K + o_k
-    p_k = k + (bos * H + i_h) * K + o_k
-    p_v = v + (bos * H + i_h) * V + o_v
-    p_o = o + (bos * H + i_h) * V + o_v
+    # pointers to the first token of the sequence, stepped by one token (H rows) per iteration
+    first = bos * H + i_h
+    p_q = q + first * K + o_k
+    p_k = k + first * K + o_k
+    p_v = v + first * V + o_v
+    p_o = o + first * V + o_v
     if SAVE_ERROR:
-        p_e = e + (bos * H + i_h) * V + o_v
-    p_beta = beta + bos * H + i_h
+        p_e = e + first * V + o_v
+    p_beta = beta + first
     for _ in range(bos, eos):
         b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
