@@ -348,40 +348,51 @@ def parallel_bwd_dqk_kernel(
 # ---- host side -------------------------------------------------------------------------------------------
 
 def _config(q, v):
+    """K, V, BK, BT, BV and the warps of the kernels that hold [BT, BK] or [BK, BV] fp32 accumulators."""
     K, V = q.shape[-1], v.shape[-1]
-    BK, BT = head_block(K), block_size(K)
-    return K, V, BK, BT, min(64, head_block(V))
+    BK = head_block(K)
+    BV = min(64 if BK <= 128 else 32, head_block(V))
+    return K, V, BK, block_size(K), BV, 4 if BK <= 64 else 8
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """Precision of the dots with fp32 operands (16-bit tiles are widened to meet them). V', dX, the state
+    and P are fp32 intermediates that feed long sums with cancellation (the state is much smaller than the
+    sum of its |k v'^T| terms): measured at T = 256, rounding them to bf16 costs ~4e-3 relative error on the
+    state and gradients, truncating them to tf32 ~1.5e-3 with fp16 inputs (bounds 1e-2 and 3e-3), against
+    the output rounding alone with tf32x3, which keeps fp32 accuracy on the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, output_attentions=False):
     B, T, H = q.shape[:3]
-    K, V, BK, BT, BV = _config(q, v)
+    K, V, BK, BT, BV, warps = _config(q, v)
     N = info.num_seqs
-    precision = dot_precision(q.dtype)
+    precision = _precision(q.dtype)
     chunks = info.chunks(BT)
     tinv = k.new_empty(*k.shape[:3], BT, dtype=torch.float32)
     if chunks.num_chunks:
         parallel_fwd_tinv_kernel[(chunks.num_chunks, H)](
-            k, beta, tinv, info.cu_seqlens, chunks.chunk_indices, H, K, BT, min(BK, 64), precision,
-            tril_precision(),
+            k, beta, tinv, info.cu_seqlens, chunks.chunk_indices, H, K, BT, min(BK, 64),
+            dot_precision(k.dtype), tril_precision(), num_warps=4,
         )
     v_new = v.new_empty(v.shape, dtype=torch.float32)
     final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     parallel_fwd_vnew_kernel[(triton.cdiv(V, BV), N * H)](
         k, v, beta, tinv, initial_state, v_new, final_state, info.cu_seqlens,
-        H, K, V, BT, BK, BV, initial_state is not None, output_final_state, precision,
+        H, K, V, BT, BK, BV, initial_state is not None, output_final_state, precision, num_warps=warps,
     )
     o = torch.empty_like(v)
     attn = torch.zeros(B, H, T, T, dtype=torch.float32, device=q.device) if output_attentions else None
     if chunks.num_chunks:
         parallel_fwd_o_kernel[(triton.cdiv(V, BV), chunks.num_chunks, H)](
             q, k, v_new, initial_state, o, info.cu_seqlens, chunks.chunk_indices, scale,
-            H, K, V, BT, BK, BV, initial_state is not None, precision,
+            H, K, V, BT, BK, BV, initial_state is not None, precision, num_warps=4,
         )
         if output_attentions:
             parallel_fwd_attn_kernel[(chunks.num_chunks, H)](
                 q, k, beta, tinv, attn, info.cu_seqlens, chunks.chunk_indices, scale, T,
-                H, K, BT, BK, precision,
+                H, K, BT, BK, precision, num_warps=warps,
             )
     return o, final_state, (tinv, v_new), (attn,) if output_attentions else ()
 
@@ -389,16 +400,16 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, outpu
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, output_attentions=False):
     tinv, v_new = saved
     H = q.shape[2]
-    K, V, BK, BT, BV = _config(q, v)
+    K, V, BK, BT, BV, warps = _config(q, v)
     N = info.num_seqs
-    precision = dot_precision(q.dtype)
+    precision = _precision(q.dtype)
     chunks = info.chunks(BT)
     dx = v.new_empty(v.shape, dtype=torch.float32)
     dv = torch.empty_like(v)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
     parallel_bwd_dx_kernel[(triton.cdiv(V, BV), N * H)](
         q, k, beta, tinv, do, dht, dx, dv, dh0, info.cu_seqlens, scale,
-        H, K, V, BT, BK, BV, dht is not None, dh0 is not None, precision,
+        H, K, V, BT, BK, BV, dht is not None, dh0 is not None, precision, num_warps=warps,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dbeta = beta.new_empty(beta.shape, dtype=torch.float32)
@@ -406,6 +417,6 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, output_a
         parallel_bwd_dqk_kernel[(chunks.num_chunks, H)](
             q, k, v, beta, v_new, do, dx, initial_state, dht, dq, dk, dbeta, info.cu_seqlens,
             chunks.chunk_indices, scale, H, K, V, BT, BK, BV, initial_state is not None, dht is not None,
-            precision,
+            precision, num_warps=warps,
         )
     return dq, dk, dv, dbeta, dh0

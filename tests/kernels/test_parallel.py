@@ -61,7 +61,7 @@ def check(B, T, H, K, V, dtype, lengths=None, initial_state=True, output_final_s
     inp = make_inputs(B, T, H, K, V, dtype, device=DEVICE, initial_state=initial_state, N=N, seed=seed,
                       requires_grad=True, **input_kwargs)
     got = run(parallel_delta_rule, inp, lengths, output_final_state, use_l2norm, seed)
-    rounded = {n: x.detach().cpu().double().requires_grad_() for n, x in inp.items()}
+    rounded = {n: x.detach().double().requires_grad_() for n, x in inp.items()}
     want = run(reference, rounded, lengths, output_final_state, use_l2norm, seed)
     assert got["o"].dtype == dtype and got["P"].dtype == torch.float32
     assert got.keys() == want.keys()
