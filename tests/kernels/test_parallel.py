@@ -31,21 +31,24 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **kw: nan_filled(new_empty(*a, **kw)))
 
 
-def run(fn, inp, lengths, output_final_state, use_l2norm, seed=0):
+def run(fn, inp, lengths, output_final_state, use_l2norm, output_attentions, seed=0):
     """o, final state, P and the gradients of a random linear loss on o (and the final state)."""
     cu = None if lengths is None else random_cu_seqlens(lengths, inp["q"].device)
-    o, s, P = fn(inp["q"], inp["k"], inp["v"], inp["beta"], scale=0.3, initial_state=inp.get("initial_state"),
-                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_l2norm, cu_seqlens=cu,
-                 output_attentions=True)
+    o, s, *P = fn(inp["q"], inp["k"], inp["v"], inp["beta"], scale=0.3, initial_state=inp.get("initial_state"),
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_l2norm, cu_seqlens=cu,
+                  output_attentions=output_attentions)
+    assert len(P) == output_attentions
     g = torch.Generator().manual_seed(seed)
     loss = (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum()
     if output_final_state:
         loss = loss + (s.double() * torch.randn(s.shape, generator=g, dtype=torch.float64).to(s.device)).sum()
     names = list(inp)
     grads = torch.autograd.grad(loss, [inp[n] for n in names])
-    out = {"o": o, "P": P, **{f"d{n}": x for n, x in zip(names, grads)}}
+    out = {"o": o, **{f"d{n}": x for n, x in zip(names, grads)}}
     if output_final_state:
         out["state"] = s
+    if output_attentions:
+        out["P"] = P[0]
     return out
 
 
@@ -56,14 +59,18 @@ def reference(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2
 
 
 def check(B, T, H, K, V, dtype, lengths=None, initial_state=True, output_final_state=True, use_l2norm=False,
-          seed=0, **input_kwargs):
+          output_attentions=True, beta_dtype=None, seed=0, **input_kwargs):
     N = None if lengths is None else len(lengths)
     inp = make_inputs(B, T, H, K, V, dtype, device=DEVICE, initial_state=initial_state, N=N, seed=seed,
                       requires_grad=True, **input_kwargs)
-    got = run(parallel_delta_rule, inp, lengths, output_final_state, use_l2norm, seed)
+    if beta_dtype is not None:
+        inp["beta"] = inp["beta"].detach().to(beta_dtype).requires_grad_()
+    flags = (output_final_state, use_l2norm, output_attentions, seed)
+    got = run(parallel_delta_rule, inp, lengths, *flags)
     rounded = {n: x.detach().double().requires_grad_() for n, x in inp.items()}
-    want = run(reference, rounded, lengths, output_final_state, use_l2norm, seed)
-    assert got["o"].dtype == dtype and got["P"].dtype == torch.float32
+    want = run(reference, rounded, lengths, *flags)
+    assert got["o"].dtype == dtype and got["dbeta"].dtype == inp["beta"].dtype
+    assert not output_attentions or got["P"].dtype == torch.float32
     assert got.keys() == want.keys()
     errors = {name: rel_rms(got[name], want[name]) for name in want}
     bad = {name: f"{e:.2e}" for name, e in errors.items() if not e <= BOUNDS[dtype]}
@@ -86,8 +93,8 @@ def test_matches_float64_reference(T, B, H, K, V, initial_state, use_l2norm, dty
     check(B, T, H, K, V, dtype, initial_state=initial_state, use_l2norm=use_l2norm, seed=T)
 
 
-def test_without_final_state():
-    check(1, 37, 2, 24, 24, torch.float32, output_final_state=False, seed=1)
+def test_without_final_state_and_attentions():
+    check(1, 37, 2, 24, 24, torch.float32, output_final_state=False, output_attentions=False, seed=1)
 
 
 def test_keys_not_normalized_beta_up_to_2():
@@ -98,7 +105,9 @@ def test_keys_not_normalized_beta_up_to_2():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_varlen(dtype, poison):
     lengths = [0, 1, 15, 0, 64, 17]
-    check(1, sum(lengths), 1, 24, 40, dtype, lengths=lengths, use_l2norm=dtype == torch.bfloat16, seed=3)
+    # bf16 inputs with an fp32 beta (beta may have its own dtype)
+    check(1, sum(lengths), 1, 24, 40, dtype, lengths=lengths, use_l2norm=dtype == torch.bfloat16,
+          beta_dtype=torch.float32, seed=3)
 
 
 @pytest.mark.parametrize("block", [16, 32])
