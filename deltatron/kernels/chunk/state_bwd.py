@@ -76,10 +76,11 @@ def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, 
     dh = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
     dv = torch.empty_like(do)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    BV = state_block_v(K, V, N * H)
+    BK, BV = head_block(K), state_block_v(K, V, N * H)
     if N:
         state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
-            H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dot_precision(q.dtype),
+            H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, dot_precision(q.dtype),
+            num_warps=8 if BK >= 256 else 4,
         )
     return dh, dv, dh0

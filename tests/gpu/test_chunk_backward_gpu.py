@@ -1,0 +1,126 @@
+"""Backward of the Triton chunk pipeline at realistic sizes (H200): all five gradients against autograd
+through the float64 chunkwise oracle (deltatron.reference, itself checked against the recurrence),
+fixed-length and 20-sequence varlen batches, all dtypes, K = V in {64, 128, 256} and a non-power-of-two
+head size; bitwise determinism; a 65536-token bf16 sequence against an fp32 reference."""
+import pytest
+import torch
+
+import deltatron
+from deltatron.reference import chunk_delta_rule_reference
+
+from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+NAMES = ("q", "k", "v", "beta", "initial_state")
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every uninitialized allocation comes back NaN-filled, so a skipped write cannot pass."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def nan_fill(out):
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda x, *a, **kw: nan_fill(new_empty(x, *a, **kw)))
+
+
+def run(fn, x, scale, do, dht, cu_seqlens=None, **opts):
+    """(o, final_state, {name: gradient}) of the loss sum(o * do) + sum(final_state * dht)."""
+    o, final = fn(x["q"], x["k"], x["v"], x["beta"], scale, x.get("initial_state"), True, cu_seqlens=cu_seqlens,
+                  **opts)[:2]
+    loss = (o.to(do.dtype) * do).sum() + (final.to(dht.dtype) * dht).sum()
+    names = [n for n in NAMES if n in x]
+    return o, final, dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names])))
+
+
+def check(x, scale, C, cu_seqlens=None, ref_dtype=torch.float64, outputs=False):
+    """Triton gradients (public API) against those of the chunkwise reference in ref_dtype on the
+    dtype-rounded inputs; with outputs, o and the final state too (the forward's GPU tests check those
+    elsewhere). Returns the Triton gradients and the gradient dht given to the final state."""
+    dtype = x["q"].dtype
+    N = x["initial_state"].shape[0]
+    H, K, V = x["q"].shape[2], x["q"].shape[3], x["v"].shape[3]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(x["v"].shape, generator=g, device="cuda").to(dtype)
+    dht = torch.randn(N, H, K, V, generator=g, device="cuda")
+    ref_x = {n: t.detach().to(ref_dtype).requires_grad_() for n, t in x.items()}
+    o_ref, final_ref, grads_ref = run(chunk_delta_rule_reference, ref_x, scale, do.to(ref_dtype), dht.to(ref_dtype),
+                                      cu_seqlens, chunk_size=C)
+    o, final, grads = run(deltatron.chunk_delta_rule, x, scale, do.double(), dht.double(), cu_seqlens,
+                          cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu(), chunk_size=C)
+    checks = [(f"d{n}", grads[n], grads_ref[n]) for n in grads_ref]
+    if outputs:
+        checks += [("o", o, o_ref), ("final_state", final, final_ref)]
+    for name, got, ref in checks:
+        err = rel_rms(got, ref)
+        assert err <= BOUNDS[dtype], f"{name}: rel RMS {err:.2e} > {BOUNDS[dtype]:.0e}"
+    return grads, dht
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, D, C", [
+    (2, 8192, 4, 128, 64),
+    (4, 2048, 16, 64, 64),
+    (1, 4096, 8, 256, 64),
+    (8, 1000, 8, 100, 32),
+    (2, 777, 32, 128, 16),
+])
+def test_backward_fixed_length(triton_backend, poison, dtype, B, T, H, D, C):
+    x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + D, requires_grad=True)
+    check(x, D ** -0.5, C)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D, C", [(128, 64), (64, 32), (256, 16)])
+def test_backward_varlen_20_sequences(triton_backend, poison, dtype, D, C):
+    g = torch.Generator().manual_seed(D + C)
+    lengths = [0, 1, C - 1, C, C + 1] + torch.randint(1, 1500, (15,), generator=g).tolist()
+    lengths = [lengths[i] for i in torch.randperm(20, generator=g).tolist()]
+    x = make_inputs(1, sum(lengths), 8, D, D, dtype, device="cuda", initial_state=True, N=20, seed=D,
+                    requires_grad=True)
+    grads, dht = check(x, 0.25, C, random_cu_seqlens(lengths, "cuda"))
+    # no tokens: the gradient of the final state passes to the initial state untouched
+    empty = lengths.index(0)
+    assert torch.equal(grads["initial_state"][empty], dht[empty])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_growing_transition(triton_backend, poison, dtype):
+    # unnormalized keys, beta up to 2: the transition is not a contraction. The error of 16-bit
+    # intermediates grows with the sequence (bf16: ~6e-3 at T = 100, ~1e-2 at 256): keep it short
+    x = make_inputs(2, 100, 8, 64, 96, dtype, device="cuda", normalized_keys=False, beta_max=2.0,
+                    initial_state=True, seed=3, requires_grad=True)
+    check(x, 0.125, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_deterministic(triton_backend, dtype):
+    """Two runs give bitwise-identical gradients (no atomics whose order varies)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 3000, (12,), generator=g).tolist() + [0, 1]
+    cu = random_cu_seqlens(lengths, "cuda")
+    x = make_inputs(1, sum(lengths), 16, 128, 128, dtype, device="cuda", initial_state=True, N=len(lengths),
+                    seed=1, requires_grad=True)
+    do = torch.randn(x["v"].shape, device="cuda", dtype=dtype)
+    dht = torch.randn(x["initial_state"].shape, device="cuda")
+    runs = [run(deltatron.chunk_delta_rule, x, None, do, dht, cu, cu_seqlens_cpu=cu.cpu(),
+                use_qk_l2norm_in_kernel=True)[2] for _ in range(2)]
+    for n in NAMES:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def test_long_sequence_bf16(triton_backend):
+    """65536 tokens in bf16: output and gradients within the bf16 bound of an fp32 reference (rel_rms
+    fails on any non-finite value)."""
+    x = make_inputs(1, 65536, 4, 128, 128, torch.bfloat16, device="cuda", initial_state=True, seed=2,
+                    requires_grad=True)
+    check(x, 128 ** -0.5, 64, ref_dtype=torch.float32, outputs=True)
