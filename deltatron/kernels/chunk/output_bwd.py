@@ -14,38 +14,30 @@ import triton
 import triton.language as tl
 
 from ..utils import dot_precision, head_block, mm
+from .kkt import chunk_span
 
 
 @triton.jit
-def chunk_bounds(chunk_indices, cu_seqlens, i_t, C: tl.constexpr):
-    """First token of global chunk i_t and the end of its sequence (chunks never cross sequences)."""
-    i_n = tl.load(chunk_indices + 2 * i_t)
-    i_c = tl.load(chunk_indices + 2 * i_t + 1)
-    bos = tl.load(cu_seqlens + i_n)
-    eos = tl.load(cu_seqlens + i_n + 1)
-    return bos + i_c * C, eos
-
-
-@triton.jit
-def row_offsets(t0, eos, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Offsets and mask of the tile [t0:t0+BT, i_h, d0:d0+BD] of a packed [TT, H, D] tensor."""
-    rows = t0 + tl.arange(0, BT)
+def row_offsets(start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Offsets and mask of the tile [start:start+BT, i_h, d0:d0+BD] of a packed [TT, H, D] tensor, rows
+    from n on masked (past the end of the sequence)."""
+    r = tl.arange(0, BT)
     cols = d0 + tl.arange(0, BD)
-    offs = (rows.to(tl.int64)[:, None] * H + i_h) * D + cols[None, :]
-    mask = (rows < eos)[:, None] & (cols < D)[None, :]
+    offs = ((start + r.to(tl.int64))[:, None] * H + i_h) * D + cols[None, :]
+    mask = (r < n)[:, None] & (cols < D)[None, :]
     return offs, mask
 
 
 @triton.jit
-def load_rows(x, t0, eos, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    offs, mask = row_offsets(t0, eos, i_h, d0, H, D, BT, BD)
+def load_rows(x, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    offs, mask = row_offsets(start, n, i_h, d0, H, D, BT, BD)
     return tl.load(x + offs, mask=mask, other=0.0)
 
 
 @triton.jit
-def store_rows(x, value, t0, eos, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+def store_rows(x, value, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                BD: tl.constexpr):
-    offs, mask = row_offsets(t0, eos, i_h, d0, H, D, BT, BD)
+    offs, mask = row_offsets(start, n, i_h, d0, H, D, BT, BD)
     tl.store(x + offs, value.to(x.dtype.element_ty), mask=mask)
 
 
@@ -65,18 +57,18 @@ def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(chunk_indices, cu_seqlens, i_t, C)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     # A^T[j, i] = k_j . q_i, kept for j <= i: the transposed causal scores of the chunk
     b_at = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK)
-        b_q = load_rows(q, t0, eos, i_h, i_k * BK, H, K, C, BK)
+        b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK)
+        b_q = load_rows(q, start, n, i_h, i_k * BK, H, K, C, BK)
         b_at += mm(b_k, tl.trans(b_q), PRECISION)
     r = tl.arange(0, C)
     b_at = tl.where(r[:, None] <= r[None, :], b_at * scale, 0.0).to(dout.dtype.element_ty)
     for i_v in range(tl.cdiv(V, BV)):
-        b_do = load_rows(dout, t0, eos, i_h, i_v * BV, H, V, C, BV)
-        store_rows(dv, mm(b_at, b_do, PRECISION), t0, eos, i_h, i_v * BV, H, V, C, BV)
+        b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
+        store_rows(dv, mm(b_at, b_do, PRECISION), start, n, i_h, i_v * BV, H, V, C, BV)
 
 
 @triton.jit
@@ -84,7 +76,7 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0, eos = chunk_bounds(chunk_indices, cu_seqlens, i_t, C)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     dt = dout.dtype.element_ty
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
@@ -92,9 +84,9 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
     b_ds = tl.zeros([C, C], dtype=tl.float32)
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
-        b_vn = load_rows(v_new, t0, eos, i_h, i_v * BV, H, V, C, BV).to(dt)
-        b_do = load_rows(dout, t0, eos, i_h, i_v * BV, H, V, C, BV)
-        b_dv = load_rows(dv, t0, eos, i_h, i_v * BV, H, V, C, BV).to(dt)
+        b_vn = load_rows(v_new, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
+        b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_dv = load_rows(dv, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
         s_offs, s_mask = state_offsets(i_t * H + i_h, i_k * BK, i_v * BV, K, V, BK, BV)
         b_s = tl.load(h + s_offs, mask=s_mask, other=0.0).to(dt)  # state entering the chunk
         b_dsn = tl.load(dh + s_offs, mask=s_mask, other=0.0).to(dt)  # gradient of the state leaving it
@@ -104,13 +96,13 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
         b_ds += mm(b_do, tl.trans(b_vn), PRECISION)
     r = tl.arange(0, C)
     b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
-    b_q = load_rows(q, t0, eos, i_h, i_k * BK, H, K, C, BK)
-    b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK)
+    b_q = load_rows(q, start, n, i_h, i_k * BK, H, K, C, BK)
+    b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK)
     b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
     b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
-    store_rows(dq, b_dq, t0, eos, i_h, i_k * BK, H, K, C, BK)
-    store_rows(dk, b_dk, t0, eos, i_h, i_k * BK, H, K, C, BK)
-    store_rows(dw, b_dw, t0, eos, i_h, i_k * BK, H, K, C, BK)
+    store_rows(dq, b_dq, start, n, i_h, i_k * BK, H, K, C, BK)
+    store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
+    store_rows(dw, b_dw, start, n, i_h, i_k * BK, H, K, C, BK)
 
 
 def tile(size: int) -> int:

@@ -39,18 +39,20 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
     b_dsn = tl.zeros([BK, BV], dtype=tl.float32)  # gradient of the state leaving the current chunk
     if USE_DHT:
         b_dsn += tl.load(dht + s_offs, mask=s_mask, other=0.0).to(tl.float32)
-    for i in range(tl.cdiv(eos - bos, C)):
-        i_c = tl.cdiv(eos - bos, C) - 1 - i
-        t0 = bos + i_c * C
+    num_chunks = tl.cdiv(eos - bos, C)
+    for i in range(num_chunks):
+        i_c = num_chunks - 1 - i
+        start = bos + i_c * C
+        n = eos - start  # tokens left in the sequence: rows from n on are masked
         c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
         tl.store(dh + c_offs, b_dsn, mask=c_mask)
-        b_k = load_rows(k, t0, eos, i_h, 0, H, K, C, BK)
-        b_dv = load_rows(dv_local, t0, eos, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        b_k = load_rows(k, start, n, i_h, 0, H, K, C, BK)
+        b_dv = load_rows(dv_local, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
         b_dv += mm(b_k, b_dsn.to(dt), PRECISION)
-        store_rows(dv, b_dv, t0, eos, i_h, i_v * BV, H, V, C, BV)
-        b_q = load_rows(q, t0, eos, i_h, 0, H, K, C, BK)
-        b_w = load_rows(w, t0, eos, i_h, 0, H, K, C, BK).to(dt)
-        b_do = load_rows(dout, t0, eos, i_h, i_v * BV, H, V, C, BV)
+        store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_q = load_rows(q, start, n, i_h, 0, H, K, C, BK)
+        b_w = load_rows(w, start, n, i_h, 0, H, K, C, BK).to(dt)
+        b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
         b_dsn += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_w), b_dv.to(dt), PRECISION)
     if STORE_DH0:
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ..utils import dot_precision, mm
-from .output_bwd import chunk_bounds, load_rows, store_rows, tile
+from .kkt import chunk_span
+from .output_bwd import load_rows, store_rows, tile
 
 
 @triton.jit
@@ -25,28 +26,28 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(chunk_indices, cu_seqlens, i_t, C)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     r = tl.arange(0, C)
-    rows = t0 + r
-    valid = rows < eos
-    b_beta = tl.load(beta + rows.to(tl.int64) * H + i_h, mask=valid, other=0.0).to(tl.float32)
+    rows = start + r
+    valid = r < n
+    b_beta = tl.load(beta + rows * H + i_h, mask=valid, other=0.0).to(tl.float32)
     # T~ is unit lower triangular: read only its support, so padding rows/columns are exact zeros
-    t_offs = (rows.to(tl.int64)[:, None] * H + i_h) * C + r[None, :]
+    t_offs = (rows[:, None] * H + i_h) * C + r[None, :]
     b_t = tl.load(tinv + t_offs, mask=valid[:, None] & (r[None, :] <= r[:, None]), other=0.0)
     b_tt = tl.trans(b_t)
 
     b_dt = tl.zeros([C, C], dtype=tl.float32)
     b_dbeta = tl.zeros([C], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
-        b_dw = load_rows(dw, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
         b_dt += mm(b_dw, tl.trans(b_k * b_beta[:, None]), PRECISION)
     for i_v in range(tl.cdiv(V, BV)):
-        b_v = load_rows(v, t0, eos, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
-        b_du = load_rows(du, t0, eos, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        b_du = load_rows(du, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
         b_dt += mm(b_du, tl.trans(b_v * b_beta[:, None]), PRECISION)
         b_dvb = mm(b_tt, b_du, PRECISION)
-        store_rows(dv, b_dvb * b_beta[:, None], t0, eos, i_h, i_v * BV, H, V, C, BV)
+        store_rows(dv, b_dvb * b_beta[:, None], start, n, i_h, i_v * BV, H, V, C, BV)
         b_dbeta += tl.sum(b_dvb * b_v, axis=1)
 
     # d(L^{-1}) = -L^{-T} d(.) L^{-T}; A only lives strictly below the diagonal
@@ -54,15 +55,15 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     b_da = tl.where(r[:, None] > r[None, :], b_da, 0.0)
     b_dat = tl.trans(b_da)
     for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_rows(k, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
-        b_dw = load_rows(dw, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
         # dKb + dA K: both multiply beta_i k_i in A and W
         b_dkb = mm(b_tt, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
-        b_dk = load_rows(dk_direct, t0, eos, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
         b_dk += b_beta[:, None] * b_dkb + mm(b_dat, b_k * b_beta[:, None], PRECISION)
-        store_rows(dk, b_dk, t0, eos, i_h, i_k * BK, H, K, C, BK)
+        store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
         b_dbeta += tl.sum(b_dkb * b_k, axis=1)
-    tl.store(dbeta + rows.to(tl.int64) * H + i_h, b_dbeta, mask=valid)
+    tl.store(dbeta + rows * H + i_h, b_dbeta, mask=valid)
 
 
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
