@@ -45,7 +45,7 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         start = bos + i_c * C
         n = eos - start  # tokens left in the sequence: rows from n on are masked
         c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
-        tl.store(dh + c_offs, b_dsn, mask=c_mask)
+        tl.store(dh + c_offs, b_dsn.to(dh.dtype.element_ty), mask=c_mask)
         b_k = load_rows(k, start, n, i_h, 0, H, K, C, BK)
         b_dv = load_rows(dv_local, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
         b_dv += mm(b_k, b_dsn.to(dt), PRECISION)
@@ -70,12 +70,13 @@ def state_block_v(K: int, V: int, num_states: int) -> int:
 
 def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, need_dh0: bool, info,
               chunk_size: int):
-    """Returns (dh [NT, H, K, V] fp32: gradient of the state leaving each chunk, dv [1, TT, H, V] in
-    do's dtype: the full dV', dh0 [N, H, K, V] fp32 or None)."""
+    """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
+    dqkw, rounds it to that dtype before its products anyway), dv [1, TT, H, V] in do's dtype: the full
+    dV', dh0 [N, H, K, V] fp32 or None)."""
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)
-    dh = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
+    dh = q.new_empty(chunks.num_chunks, H, K, V)
     dv = torch.empty_like(do)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BK, BV = head_block(K), state_block_v(K, V, N * H)
