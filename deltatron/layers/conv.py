@@ -1,7 +1,7 @@
 """Short causal depthwise convolution over time, for packed sequences and for decoding.
 
-Every input row is seen as packed sequences (fixed-length batches as B sequences of T tokens): a token's
-window never reaches into the sequence before it. Tokens before a sequence's start come from its conv
+A [B, T, C] batch is B sequences; with cu_seqlens (B = 1) the row packs several, and a token's window
+never reaches into the sequence before it. Tokens before a sequence's start come from its conv
 state, the last W - 1 inputs seen so far (zeros for a fresh sequence), so that prefill and token-by-token
 decoding compute the same function."""
 from __future__ import annotations
@@ -14,18 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def packed_positions(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device):
-    """For the B*T tokens of a [B, T] batch (B == 1 with cu_seqlens): (sequence index, position within the
-    sequence) of each token, and the start offset and length of each of the N sequences."""
-    tokens = torch.arange(B * T, device=device)
-    if cu_seqlens is None:
-        starts = torch.arange(B, device=device) * T
-        lengths = torch.full((B,), T, device=device)
-        seq = tokens // max(T, 1)
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-        seq = torch.searchsorted(cu[1:], tokens, right=True)
+def packed_positions(T: int, cu_seqlens: torch.Tensor, device):
+    """For the T tokens of packed sequences: (sequence index, position within the sequence) of each token,
+    and the start offset and length of each sequence."""
+    tokens = torch.arange(T, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    seq = torch.searchsorted(cu[1:], tokens, right=True)
     return seq, tokens - starts[seq], starts, lengths
 
 
@@ -57,35 +52,46 @@ class ShortConvolution(nn.Module):
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         B, T, C = x.shape
         W = self.kernel_size
-        seq, pos, starts, lengths = packed_positions(B, T, cu_seqlens, x.device)
-        N = starts.shape[0]
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         if state is None:
             state = x.new_zeros(N, W - 1, C)
         elif state.shape != (N, W - 1, C):
             raise ValueError(f"conv state must have shape [N, W-1, C] = [{N}, {W - 1}, {C}], got {list(state.shape)}")
-        # One buffer holds every history row, then every token: a gather reads either.
-        history = N * (W - 1)
-        buf = torch.cat([state.to(x.dtype).reshape(history, C), x.reshape(B * T, C)])
-
-        def source(back, seq_of: torch.Tensor, pos_of: torch.Tensor) -> torch.Tensor:
-            """Row of buf holding the input `back` steps before position pos_of of sequence seq_of: a token
-            when that lies inside the sequence, else one of the sequence's state rows."""
-            from_token = history + starts[seq_of] + pos_of - back
-            from_state = seq_of * (W - 1) + (W - 1) + pos_of - back
-            return torch.where(pos_of >= back, from_token, from_state)
-
+        state = state.to(x.dtype)
         weight = self.weight.to(x.dtype)
-        y = x.reshape(B * T, C) * weight[:, W - 1]
-        for back in range(1, W):
-            y = y + buf[source(back, seq, pos)] * weight[:, W - 1 - back]
+        if cu_seqlens is None:
+            # each row is one sequence: put its state in front and slide the window
+            xs = torch.cat([state, x], dim=1)
+            y = sum(xs[:, i:i + T] * weight[:, i] for i in range(W))
+            new_state = xs[:, T:]
+        else:
+            y, new_state = self._packed(x, cu_seqlens, state, weight)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         if self.activation == "silu":
             y = F.silu(y)
-        y = y.view(B, T, C)
-        if not output_state:
-            return y, None
-        # The new state: the last W - 1 inputs of each sequence, reading into the old state when it is short.
-        back = torch.arange(W - 1, 0, -1, device=x.device)  # W-1 .. 1 steps before the end
+        return y, (new_state.contiguous() if output_state else None)
+
+    @staticmethod
+    def _packed(x, cu_seqlens, state, weight):
+        """The window over packed sequences: one buffer holds every state row, then every token, and each
+        tap gathers, per token, either the token `back` steps before it or, before its sequence's start,
+        a row of that sequence's state."""
+        _, T, C = x.shape
+        N, W = state.shape[0], weight.shape[1]
+        seq, pos, starts, lengths = packed_positions(T, cu_seqlens, x.device)
+        history = N * (W - 1)
+        buf = torch.cat([state.reshape(history, C), x[0]])
+
+        def source(back, seq_of: torch.Tensor, pos_of: torch.Tensor) -> torch.Tensor:
+            from_token = history + starts[seq_of] + pos_of - back
+            from_state = seq_of * (W - 1) + (W - 1) + pos_of - back
+            return torch.where(pos_of >= back, from_token, from_state)
+
+        y = x[0] * weight[:, W - 1]
+        for back in range(1, W):
+            y = y + buf[source(back, seq, pos)] * weight[:, W - 1 - back]
+        # the new state: the last W - 1 inputs of each sequence (partly the old state when it is short)
+        back = torch.arange(W - 1, 0, -1, device=x.device)
         rows = source(back[None, :], torch.arange(N, device=x.device)[:, None], lengths[:, None])
-        return y, buf[rows]
+        return y[None], buf[rows]

@@ -1,0 +1,129 @@
+"""torch.compile: the public API and a model of DeltaNet layers compile to one graph (fullgraph, no graph
+break), forward and backward, with the eager results; the custom ops pass torch.library.opcheck."""
+import pytest
+import torch
+import torch._dynamo.testing
+
+from deltatron import chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule
+from deltatron.library import delta_rule
+from deltatron.train import DeltaNetLM
+
+from .helpers import make_inputs, random_cu_seqlens, rel_rms
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch):
+    monkeypatch.setenv("DELTATRON_BACKEND", "torch")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(outputs, inputs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outputs)
+    return torch.autograd.grad(loss, inputs)
+
+
+def test_model_fullgraph_forward_backward_match_eager():
+    torch.manual_seed(0)
+    model = DeltaNetLM(vocab_size=16, d_model=16, num_layers=2, num_heads=2)
+    tokens = torch.randint(0, 16, (2, 9))
+    explanation = torch._dynamo.explain(model)(tokens)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(model, fullgraph=True)  # inductor: needs a C++ compiler on the CPU
+    params = list(model.parameters())
+    logits = compiled(tokens)
+    grads = _grads([logits], params)
+    logits_ref = model(tokens)
+    grads_ref = _grads([logits_ref], params)
+    assert rel_rms(logits, logits_ref) <= 1e-5
+    for g, g_ref in zip(grads, grads_ref):
+        assert rel_rms(g, g_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("fn", [chunk_delta_rule, parallel_delta_rule, fused_recurrent_delta_rule])
+def test_api_varlen_with_states_is_one_graph(fn):
+    lengths = [3, 0, 1, 9]
+    inp = make_inputs(1, sum(lengths), 2, 8, 6, initial_state=True, N=len(lengths), seed=1, requires_grad=True)
+    cu = random_cu_seqlens(lengths)
+
+    def run(q, k, v, beta, initial_state):
+        return fn(q, k, v, beta, initial_state=initial_state, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=True)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(run, backend=counter, fullgraph=True)
+    args = [inp[n] for n in ("q", "k", "v", "beta", "initial_state")]
+    got, ref = compiled(*args), run(*args)
+    assert counter.frame_count == 1
+    for x, x_ref in zip(got, ref):
+        assert rel_rms(x, x_ref) <= 1e-6
+    for g, g_ref in zip(_grads(got, args), _grads(ref, args)):
+        assert rel_rms(g, g_ref) <= 1e-6
+
+
+def test_compiled_decode_step_updates_state_in_place():
+    inp = make_inputs(3, 1, 2, 8, 8, initial_state=True, seed=2)
+    state = inp["initial_state"].clone()
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(q, k, v, beta, s):
+        return fused_recurrent_delta_rule(q, k, v, beta, initial_state=s, inplace_final_state=True)
+
+    with torch.no_grad():
+        o, s = step(inp["q"], inp["k"], inp["v"], inp["beta"], state)
+        o_ref, s_ref = fused_recurrent_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"],
+                                                  initial_state=inp["initial_state"], output_final_state=True)
+    assert s is state
+    assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(state, s_ref) <= 1e-6
+
+
+def test_attentions_and_unrequested_state_under_compile():
+    inp = make_inputs(2, 7, 2, 8, 8, seed=3)
+    compiled = torch.compile(parallel_delta_rule, backend="aot_eager", fullgraph=True)
+    o, s, attn = compiled(inp["q"], inp["k"], inp["v"], inp["beta"], output_attentions=True)
+    o_ref, _, attn_ref = parallel_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], output_attentions=True)
+    assert s is None
+    assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(attn, attn_ref) <= 1e-6
+
+
+def test_cu_seqlens_values_still_checked_under_compile():
+    inp = make_inputs(1, 10, 2, 8, 8, seed=4)
+    compiled = torch.compile(chunk_delta_rule, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match="must end at T = 10"):
+        compiled(inp["q"], inp["k"], inp["v"], inp["beta"], cu_seqlens=torch.tensor([0, 4, 9]))
+    # shapes are checked while tracing; under fullgraph dynamo reports the ValueError as its own error
+    with pytest.raises(Exception, match="initial_state must have shape"):
+        compiled(inp["q"], inp["k"], inp["v"], inp["beta"], cu_seqlens=torch.tensor([0, 4, 10]),
+                 initial_state=torch.zeros(3, 2, 8, 8))
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_opcheck(with_state):
+    lengths = [2, 0, 5]
+    inp = make_inputs(1, 7, 2, 8, 4, initial_state=with_state, N=3, seed=5, requires_grad=True)
+    args = (inp["q"], inp["k"], inp["v"], inp["beta"], inp.get("initial_state"), random_cu_seqlens(lengths),
+            None, "chunk", 0.3, with_state, True, 16, False)
+    torch.library.opcheck(delta_rule, args)
+
+
+def test_triton_backend_under_compile(monkeypatch):
+    """The custom op's forward and its recomputing backward on the Triton forms (Triton's interpreter here)."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inp = make_inputs(1, 20, 2, 16, 16, device=device, initial_state=True, N=2, seed=6, requires_grad=True)
+    cu = random_cu_seqlens([7, 13], device=device)
+    args = [inp[n] for n in ("q", "k", "v", "beta", "initial_state")]
+
+    def run(q, k, v, beta, initial_state):
+        return chunk_delta_rule(q, k, v, beta, initial_state=initial_state, output_final_state=True,
+                                cu_seqlens=cu, chunk_size=16)
+
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    got = torch.compile(run, backend="aot_eager", fullgraph=True)(*args)
+    grads = _grads(got, args)
+    monkeypatch.setenv("DELTATRON_BACKEND", "torch")
+    ref = run(*args)
+    for x, x_ref in zip(list(got) + list(grads), list(ref) + list(_grads(ref, args))):
+        assert rel_rms(x, x_ref) <= 1e-4

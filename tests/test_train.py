@@ -1,0 +1,106 @@
+"""`deltatron train`: the MQAR data, the linear-attention baseline, a short CPU run that learns, seeding."""
+import json
+
+import pytest
+import torch
+
+from deltatron import cli
+from deltatron.reference.common import l2norm
+from deltatron.train import Config, LinearAttention, mqar_batch, train
+
+TINY = ["--device", "cpu", "--steps", "40", "--batch-size", "16", "--seq-len", "24", "--num-kv", "4",
+        "--vocab-size", "32", "--d-model", "32", "--eval-every", "20", "--eval-size", "32", "--lr", "1e-2"]
+
+
+@pytest.fixture(autouse=True)
+def torch_backend_one_thread(monkeypatch):
+    # many small ops: one thread is faster than two, and much faster when other work shares the cores
+    monkeypatch.setenv("DELTATRON_BACKEND", "torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_mqar_batch_asks_every_key_for_its_value():
+    inputs, targets = mqar_batch(8, 40, 6, 32, torch.Generator().manual_seed(0))
+    assert inputs.shape == targets.shape == (8, 40)
+    for x, y in zip(inputs.tolist(), targets.tolist()):
+        pairs = dict(zip(x[0:12:2], x[1:12:2]))
+        assert len(pairs) == 6 and all(1 <= k < 16 and 16 <= v < 32 for k, v in pairs.items())
+        asked = [(x[t], y[t]) for t in range(12, 40) if y[t] != -100]
+        assert sorted(asked) == sorted(pairs.items())  # every key once, with its value as the target
+        asked_at = {t for t in range(12, 40) if y[t] != -100}
+        assert all(x[t + 1] == y[t] for t in asked_at)
+        assert all(x[t] == 0 for t in range(12, 40) if t not in asked_at and t - 1 not in asked_at)  # filler
+    again, _ = mqar_batch(8, 40, 6, 32, torch.Generator().manual_seed(0))
+    assert torch.equal(inputs, again)
+
+
+def test_mqar_batch_rejects_impossible_settings():
+    with pytest.raises(ValueError, match="num_kv"):
+        mqar_batch(2, 16, 8, 64, torch.Generator())
+
+
+def test_linear_attention_is_the_additive_recurrence():
+    torch.manual_seed(0)
+    layer = LinearAttention(hidden_size=16, num_heads=2)
+    B, T, H, K, V = 2, 7, 2, 8, 8
+    q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+    o, _ = layer._attend(q, k, v, None, None, False, None)
+    qn, kn = l2norm(q), l2norm(k)
+    S = torch.zeros(B, H, K, V)
+    for t in range(T):
+        S = S + kn[:, t, :, :, None] * v[:, t, :, None, :]
+        assert torch.allclose(o[:, t], K ** -0.5 * torch.einsum("bhk,bhkv->bhv", qn[:, t], S), atol=1e-5)
+    with pytest.raises(NotImplementedError):
+        layer._attend(q, k, v, None, None, True, None)
+
+
+@pytest.mark.parametrize("mixer", ["delta", "linear"])
+def test_short_run_lowers_the_loss_and_writes_its_log(mixer, tmp_path, capsys):
+    assert cli.main(["train", *TINY, "--mixer", mixer, "--out", str(tmp_path)]) == 0
+    log = json.loads((tmp_path / f"mqar_{mixer}.json").read_text())
+    losses = log["losses"]
+    assert len(losses) == 40 and all(l == l for l in losses)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert [e["step"] for e in log["evals"]] == [20, 40]
+    assert log["final_accuracy"] == log["evals"][-1]["accuracy"] and log["config"]["mixer"] == mixer
+    out = capsys.readouterr()
+    assert f"{mixer}: final held-out accuracy" in out.out and "mqar " + mixer in out.err
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in out.out and not (tmp_path / "mqar.png").exists()
+    else:
+        assert (tmp_path / "mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Quiet:
+    """A progress bar that shows nothing."""
+
+    def __init__(self, total, desc):
+        pass
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_same_seed_same_losses():
+    cfg = Config(steps=6, batch_size=8, seq_len=24, num_kv=4, vocab_size=32, d_model=16, eval_every=3, eval_size=16)
+    first, second = train(cfg, _Quiet), train(cfg, _Quiet)
+    assert first["losses"] == second["losses"] and first["evals"][-1]["loss"] == second["evals"][-1]["loss"]
+    other = train(Config(**dict(vars(cfg), seed=1)), _Quiet)
+    assert other["losses"] != first["losses"]
+
+
+def test_cli_rejects_bad_settings(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--device", "cpu", "--seq-len", "16", "--num-kv", "8"])
+    assert e.value.code == 2 and "num_kv" in capsys.readouterr().err
