@@ -132,7 +132,7 @@ def parallel_fwd_vnew_kernel(
         if HAS_H0:
             b_r -= mm(b_ki.to(tl.float32), b_s0, PRECISION)
         for j in range(0, i):
-            b_kk = mm(b_ki, tl.trans(load_tile(k, j * BT, L, H * K, 0, K, BT, BK)))
+            b_kk = mm(b_ki, tl.trans(load_tile(k, j * BT, L, H * K, 0, K, BT, BK)), PRECISION)
             b_r -= mm(b_kk, load_tile(v_new, j * BT, L, H * V, c0, V, BT, BV), PRECISION)
         b_x = load_beta(beta, i * BT, L, H, BT)[:, None] * b_r
         b_vn = mm(load_tinv(tinv, i, L, H, BT), b_x, PRECISION)
@@ -168,7 +168,7 @@ def parallel_fwd_o_kernel(
         b_s0 = load_tile(h0 + (i_n * H + i_h).to(tl.int64) * K * V, 0, K, V, c0, V, BK, BV).to(tl.float32)
         b_o = mm(b_qi.to(tl.float32), b_s0, PRECISION)
     for j in range(0, i + 1):
-        b_qk = mm(b_qi, tl.trans(load_tile(k, j * BT, L, H * K, 0, K, BT, BK)))
+        b_qk = mm(b_qi, tl.trans(load_tile(k, j * BT, L, H * K, 0, K, BT, BK)), PRECISION)
         b_qk = tl.where(causal(i, j, BT, False), b_qk, 0.0)
         b_o += mm(b_qk, load_tile(v_new, j * BT, L, H * V, c0, V, BT, BV), PRECISION)
     store_tile(o, scale * b_o, i * BT, L, H * V, c0, V, BT, BV)
@@ -200,7 +200,7 @@ def parallel_fwd_attn_kernel(
     for jj in range(0, i + 1):
         j = i - jj
         b_kj = load_tile(k, j * BT, L, H * K, 0, K, BT, BK)
-        b_g = scale * tl.where(causal(i, j, BT, False), mm(b_qi, tl.trans(b_kj)), 0.0)
+        b_g = scale * tl.where(causal(i, j, BT, False), mm(b_qi, tl.trans(b_kj), PRECISION), 0.0)
         b_kj = b_kj.to(tl.float32)
         b_g -= mm(b_r, tl.trans(b_kj), PRECISION)
         b_p = mm(b_g, load_tinv(tinv, j, L, H, BT), PRECISION) * load_beta(beta, j * BT, L, H, BT)[None, :]
@@ -241,16 +241,16 @@ def parallel_bwd_dx_kernel(
         b_qi = load_tile(q, i * BT, L, H * K, 0, K, BT, BK)
         b_doi = load_tile(do, i * BT, L, H * V, c0, V, BT, BV).to(tl.float32)
         # dV'_i = K_i dS_final + sum_{m>=i} (Q~_m K_i^T ⊙ M)^T dO_m; minus sum_{m>i} A_mi^T dX_m
-        b_qk = scale * tl.where(causal(i, i, BT, False), mm(b_qi, tl.trans(b_ki)), 0.0)
+        b_qk = scale * tl.where(causal(i, i, BT, False), mm(b_qi, tl.trans(b_ki), PRECISION), 0.0)
         b_r = mm(tl.trans(b_qk), b_doi, PRECISION)
         if HAS_DHT:
             b_r += mm(b_ki.to(tl.float32), b_dht, PRECISION)
         for m in range(i + 1, nb):
             b_km = load_tile(k, m * BT, L, H * K, 0, K, BT, BK)
-            b_qk = scale * mm(load_tile(q, m * BT, L, H * K, 0, K, BT, BK), tl.trans(b_ki))
+            b_qk = scale * mm(load_tile(q, m * BT, L, H * K, 0, K, BT, BK), tl.trans(b_ki), PRECISION)
             b_r += mm(tl.trans(b_qk), load_tile(do, m * BT, L, H * V, c0, V, BT, BV).to(tl.float32), PRECISION)
             b_bdx = load_beta(beta, m * BT, L, H, BT)[:, None] * load_tile(dx, m * BT, L, H * V, c0, V, BT, BV)
-            b_r -= mm(mm(b_ki, tl.trans(b_km)), b_bdx, PRECISION)
+            b_r -= mm(mm(b_ki, tl.trans(b_km), PRECISION), b_bdx, PRECISION)
         b_dx = mm(tl.trans(load_tinv(tinv, i, L, H, BT)), b_r, PRECISION)
         store_tile(dx, b_dx, i * BT, L, H * V, c0, V, BT, BV)
         # earlier blocks read this one back: make the stores visible to every thread of the program
@@ -317,7 +317,7 @@ def parallel_bwd_dqk_kernel(
         b_da = tl.where(causal(i, j, BT, True), -b_da, 0.0)
         b_dq += mm(b_dov, b_kj.to(tl.float32), PRECISION)
         b_dk += b_bi[:, None] * mm(b_da, b_kj.to(tl.float32), PRECISION)
-        b_db += tl.sum(b_da * mm(b_ki, tl.trans(b_kj)), axis=1)
+        b_db += tl.sum(b_da * mm(b_ki, tl.trans(b_kj), PRECISION), axis=1)
     for j in range(i, tl.cdiv(L, BT)):
         b_kj = load_tile(k, j * BT, L, H * K, 0, K, BT, BK).to(tl.float32)
         b_qj = load_tile(q, j * BT, L, H * K, 0, K, BT, BK).to(tl.float32)

@@ -22,9 +22,10 @@ IS_INTERPRET = tl.constexpr(INTERPRET)
 
 
 @triton.jit
-def mm(a, b, PRECISION: tl.constexpr = "ieee"):
+def mm(a, b, PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation. PRECISION applies to fp32 operands ("ieee", "tf32", "tf32x3");
-    16-bit operands run on the tensor cores as they are."""
+    16-bit operands run on the tensor cores as they are. (No default: triton 3.6 does not wrap a string
+    default of a nested jit call as a constexpr.)"""
     if IS_INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
     else:
