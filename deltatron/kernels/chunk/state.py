@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import SeqInfo, dot_precision, head_block, mm
+from ..utils import SeqInfo, dot_precision, head_block, mm, pipeline_stages, state_block_v
 
 
 @triton.jit
@@ -62,15 +62,6 @@ def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl
         tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_s, mask=m_kv)
 
 
-def state_block_v(K: int, V: int, programs_per_block: int) -> int:
-    """V-block of the state pass: 64 bounds the registers of S [K, BV] (32 for K = 256); halved while the
-    grid has few programs, since each program runs a whole sequence serially."""
-    bv = min(head_block(V), 64 if K <= 128 else 32)
-    while bv > 16 and programs_per_block * triton.cdiv(V, bv) < 256:
-        bv //= 2
-    return bv
-
-
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
               output_final_state: bool, info: SeqInfo,
               chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -90,5 +81,7 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: 
             k, w, u, initial_state, h, v_new, final_state, info.cu_seqlens, chunks.chunk_offsets,
             H, K, V, chunk_size, BK, BV, initial_state is not None, output_final_state, dot_precision(k.dtype),
             num_warps=8 if BK >= 256 else 4,
+            # per chunk the loop loads K and W [C, BK] and U [C, BV]
+            num_stages=pipeline_stages(chunk_size * (2 * BK + BV) * k.element_size()),
         )
     return h, v_new, final_state

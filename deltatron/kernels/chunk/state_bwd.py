@@ -14,14 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import INTERPRET, dot_precision, head_block, mm
+from ..utils import dot_precision, head_block, mm, pipeline_stages, state_block_v
 from .output_bwd import load_rows, state_offsets, store_rows
-
-# Programs wanted at least (about the SM count of a large GPU): with few sequences * heads the V columns
-# are split finer so that the serial pass still fills the machine.
-MIN_PROGRAMS = 128
-# Largest fp32 state slice BK * BV one program holds in registers.
-MAX_STATE_TILE = 8192
 
 
 @triton.jit
@@ -58,16 +52,6 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
 
 
-def state_block_v(K: int, V: int, num_states: int) -> int:
-    """V-block of the reverse pass: the whole of K per program, BV as wide as registers allow, narrower
-    when there are few sequences * heads to spread over the machine (not under the interpreter, where
-    every program runs in turn)."""
-    BV = min(64, head_block(V), MAX_STATE_TILE // head_block(K))
-    while not INTERPRET and BV > 16 and num_states * triton.cdiv(V, BV) < MIN_PROGRAMS:
-        BV //= 2
-    return BV
-
-
 def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, need_dh0: bool, info,
               chunk_size: int):
     """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
@@ -85,5 +69,7 @@ def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, 
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
             H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, dot_precision(q.dtype),
             num_warps=8 if BK >= 256 else 4,
+            # per chunk the loop loads Q, K, W [C, BK] and dO, local dV' [C, BV]
+            num_stages=pipeline_stages(chunk_size * (3 * BK + 2 * BV) * q.element_size()),
         )
     return dh, dv, dh0
