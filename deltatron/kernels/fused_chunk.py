@@ -40,29 +40,32 @@ import triton
 import triton.language as tl
 
 from .chunk.solve_tril import tril_inverse
-from .utils import INTERPRET, dot_precision, head_block, mm, tril_precision
-
-
-def _autotuned(fn):
-    """GPU: a few warp/stage configs per shape; the interpreter cannot benchmark, so it runs as is.
-    Every launch only stores (no accumulation into outputs), so benchmarking reruns are harmless."""
-    if INTERPRET:
-        return triton.jit(fn)
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (8, 1), (8, 2), (16, 2))]
-    return triton.autotune(configs, key=["K", "V", "C", "BV"])(triton.jit(fn))
+from .utils import dot_precision, head_block, mm, tril_precision
 
 
 @triton.jit
-def _load_rows(ptr, t, t_end, cols, n_cols, row_stride):
-    """Tile x[t, cols] of a token-major tensor (rows t >= t_end and cols >= n_cols read as 0)."""
-    mask = (t[:, None] < t_end) & (cols[None, :] < n_cols)
-    return tl.load(ptr + t[:, None].to(tl.int64) * row_stride + cols[None, :], mask=mask, other=0.0)
+def _tile(ptr, t0, t_end, c0, BT: tl.constexpr, BD: tl.constexpr, N_COLS: tl.constexpr, ROW: tl.constexpr):
+    """Pointers and mask of the [BT, BD] tile x[t0 + i, c0 + j] of a token-major tensor with rows of ROW
+    elements (ptr at the head's first column): rows at or past t_end, columns at or past N_COLS masked."""
+    r = tl.arange(0, BT)
+    c = c0 + tl.arange(0, BD)
+    ptrs = ptr + (t0 + r)[:, None].to(tl.int64) * ROW + c[None, :]
+    mask = (t0 + r)[:, None] < t_end
+    if N_COLS % BD != 0:  # a column mask only where the block overhangs the head (keeps loads vectorized)
+        mask = mask & (c[None, :] < N_COLS)
+    return ptrs, mask
 
 
 @triton.jit
-def _store_rows(ptr, x, t, t_end, cols, n_cols, row_stride):
-    mask = (t[:, None] < t_end) & (cols[None, :] < n_cols)
-    tl.store(ptr + t[:, None].to(tl.int64) * row_stride + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+def _load(ptr, t0, t_end, c0, BT: tl.constexpr, BD: tl.constexpr, N_COLS: tl.constexpr, ROW: tl.constexpr):
+    ptrs, mask = _tile(ptr, t0, t_end, c0, BT, BD, N_COLS, ROW)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(ptr, x, t0, t_end, c0, BT: tl.constexpr, BD: tl.constexpr, N_COLS: tl.constexpr, ROW: tl.constexpr):
+    ptrs, mask = _tile(ptr, t0, t_end, c0, BT, BD, N_COLS, ROW)
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -76,11 +79,10 @@ def _chunk_inverse(k, beta, t0, eos, i_h, H: tl.constexpr, K: tl.constexpr, C: t
 
 
 @triton.jit
-def _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION: tl.constexpr):
+def _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION: tl.constexpr, F32_DT: tl.constexpr):
     """X = V - K S and V' = Tinv diag(beta) X of one chunk (both fp32)."""
-    dt = b_k.dtype
-    b_x = b_v.to(tl.float32) - mm(b_k, b_S.to(dt), PRECISION)
-    b_vn = mm(b_Tinv, b_beta[:, None] * b_x, PRECISION)
+    b_x = b_v.to(tl.float32) - mm(b_k, b_S.to(b_k.dtype), PRECISION)
+    b_vn = mm(b_Tinv.to(F32_DT), (b_beta[:, None] * b_x).to(F32_DT), PRECISION)
     return b_x, b_vn
 
 
@@ -91,16 +93,16 @@ def _causal_scores(b_a, b_b, scale, C: tl.constexpr, PRECISION: tl.constexpr):
     return tl.where(i[:, None] >= i[None, :], scale * mm(b_a, tl.trans(b_b), PRECISION), 0.0)
 
 
-@_autotuned
+@triton.jit
 def fused_chunk_fwd_kernel(
     q, k, v, beta, h0, o, ht, h, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, WRITE_O: tl.constexpr, SAVE_STATES: tl.constexpr,
-    PRECISION: tl.constexpr, TRIL_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, F32_DT: tl.constexpr, TRIL_PRECISION: tl.constexpr,
 ):
-    """Program (V-block, sequence x head). Writes o (WRITE_O), the final state (STORE_HT) and/or the
+    """Program (sequence x head, V-block). Writes o (WRITE_O), the final state (STORE_HT) and/or the
     state entering every chunk into h [NT, H, K, V] (SAVE_STATES, for the backward)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on axis 0: no 65535 limit
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     ck = tl.arange(0, BK)
@@ -118,32 +120,34 @@ def fused_chunk_fwd_kernel(
         if SAVE_STATES:
             chunk_state = ((first_chunk + i_t).to(tl.int64) * H + i_h) * K * V
             tl.store(h + chunk_state + state_offs, b_S, mask=state_mask)
-        t = bos + i_t * C + tl.arange(0, C)
-        b_k = _load_rows(k + i_h * K, t, eos, ck, K, H * K)
-        b_v = _load_rows(v + i_h * V, t, eos, cv, V, H * V)
+        t0 = bos + i_t * C
+        t = t0 + tl.arange(0, C)
+        b_k = _load(k + i_h * K, t0, eos, 0, C, BK, K, H * K)
+        b_v = _load(v + i_h * V, t0, eos, i_v * BV, C, BV, V, H * V)
         b_beta = tl.load(beta + t.to(tl.int64) * H + i_h, mask=t < eos, other=0.0).to(tl.float32)
-        b_Tinv = _chunk_inverse(k, beta, bos + i_t * C, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
-        _, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION)
+        b_Tinv = _chunk_inverse(k, beta, t0, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
+        _, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
         b_vn = b_vn.to(b_k.dtype)
         if WRITE_O:
-            b_q = _load_rows(q + i_h * K, t, eos, ck, K, H * K)
+            b_q = _load(q + i_h * K, t0, eos, 0, C, BK, K, H * K)
             b_o = scale * mm(b_q, b_S.to(b_k.dtype), PRECISION)
             b_o += mm(_causal_scores(b_q, b_k, scale, C, PRECISION).to(b_k.dtype), b_vn, PRECISION)
-            _store_rows(o + i_h * V, b_o, t, eos, cv, V, H * V)
+            _store(o + i_h * V, b_o, t0, eos, i_v * BV, C, BV, V, H * V)
         b_S += mm(tl.trans(b_k), b_vn, PRECISION)
     if STORE_HT:
         tl.store(ht + head_state + state_offs, b_S, mask=state_mask)
 
 
-@_autotuned
+@triton.jit
 def fused_chunk_bwd_kernel(
     q, k, v, beta, h, do, dht, dq, dk, dv, dbeta, dh0, cu_seqlens, chunk_offsets, scale, total_tokens,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PRECISION: tl.constexpr, TRIL_PRECISION: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PRECISION: tl.constexpr, F32_DT: tl.constexpr,
+    TRIL_PRECISION: tl.constexpr,
 ):
-    """Program (V-block, sequence x head): reverse walk over the chunks with dS [BK, BV] in registers.
+    """Program (sequence x head, V-block): reverse walk over the chunks with dS [BK, BV] in registers.
     dq, dk [NV, TT, H, K] and dbeta [NV, TT, H] get this V-block's partial; dv, dh0 are exact."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on axis 0: no 65535 limit
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     ck = tl.arange(0, BK)
@@ -163,43 +167,56 @@ def fused_chunk_bwd_kernel(
     NT = tl.cdiv(eos - bos, C)
     for j in range(NT):
         i_t = NT - 1 - j
-        t = bos + i_t * C + tl.arange(0, C)
-        b_k = _load_rows(k + i_h * K, t, eos, ck, K, H * K)
-        b_q = _load_rows(q + i_h * K, t, eos, ck, K, H * K)
-        b_v = _load_rows(v + i_h * V, t, eos, cv, V, H * V)
-        b_do = _load_rows(do + i_h * V, t, eos, cv, V, H * V)
+        t0 = bos + i_t * C
+        t = t0 + tl.arange(0, C)
+        b_k = _load(k + i_h * K, t0, eos, 0, C, BK, K, H * K)
+        b_q = _load(q + i_h * K, t0, eos, 0, C, BK, K, H * K)
+        b_v = _load(v + i_h * V, t0, eos, i_v * BV, C, BV, V, H * V)
+        b_do = _load(do + i_h * V, t0, eos, i_v * BV, C, BV, V, H * V)
         b_beta = tl.load(beta + t.to(tl.int64) * H + i_h, mask=t < eos, other=0.0).to(tl.float32)
         chunk_state = ((first_chunk + i_t).to(tl.int64) * H + i_h) * K * V
         b_S = tl.load(h + chunk_state + state_offs, mask=state_mask, other=0.0)
         dt = b_k.dtype
         b_Sd, b_dSd = b_S.to(dt), b_dS.to(dt)
 
-        b_Tinv = _chunk_inverse(k, beta, bos + i_t * C, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
-        b_x, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION)
-        b_vnd = b_vn.to(dt)
-        # dV' = (scale Q K^T ⊙ M)^T dO + K dS_next;  dR = Tinv^T dV'
+        b_Tinv = _chunk_inverse(k, beta, t0, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
+        b_x, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
+        # (ordered so that each C x C tile dies early: the chunk's tiles all live in registers)
+        # dV' = (scale Q K^T ⊙ M)^T dO + K dS_next;  dR = Tinv^T dV';  dV = diag(beta) dR
         b_P = _causal_scores(b_q, b_k, scale, C, PRECISION)
         b_dvn = mm(tl.trans(b_P).to(dt), b_do, PRECISION) + mm(b_k, b_dSd, PRECISION)
-        b_dr = mm(tl.trans(b_Tinv), b_dvn, PRECISION)
+        b_dr = mm(tl.trans(b_Tinv).to(F32_DT), b_dvn.to(F32_DT), PRECISION)
+        b_db = tl.sum(b_dr * b_x, axis=1)
+        _store(dv + i_h * V, b_beta[:, None] * b_dr, t0, eos, i_v * BV, C, BV, V, H * V)
         b_drb = (b_beta[:, None] * b_dr).to(dt)
-        i = tl.arange(0, C)
-        b_G = _causal_scores(b_do, b_vnd, 1.0, C, PRECISION).to(dt)  # dO V'^T ⊙ M
-        b_dA = tl.where(i[:, None] > i[None, :], -mm(b_dr, tl.trans(b_vn), PRECISION), 0.0)
-
+        # dQ = scale (dO S^T + G K),  G = dO V'^T ⊙ M
+        b_vnd = b_vn.to(dt)
+        b_G = _causal_scores(b_do, b_vnd, 1.0, C, PRECISION).to(dt)
         b_dq = scale * (mm(b_do, tl.trans(b_Sd), PRECISION) + mm(b_G, b_k, PRECISION))
-        _store_rows(dq + i_h * K, b_dq, t, eos, ck, K, H * K)
-        b_dk = scale * mm(tl.trans(b_G), b_q, PRECISION)
-        b_dk += mm(b_vnd, tl.trans(b_dSd), PRECISION) - mm(b_drb, tl.trans(b_Sd), PRECISION)
+        _store(dq + i_h * K, b_dq, t0, eos, 0, C, BK, K, H * K)
+        # dK; dA = -tril(dR V'^T, -1) enters through A = tril(diag(beta) K K^T, -1)
+        i = tl.arange(0, C)
+        b_dA = tl.where(i[:, None] > i[None, :], -mm(b_dr.to(F32_DT), tl.trans(b_vn).to(F32_DT), PRECISION), 0.0)
         b_dAk = mm(b_dA.to(dt), b_k, PRECISION)
-        b_dk += b_beta[:, None] * b_dAk + mm(tl.trans(b_beta[:, None] * b_dA).to(dt), b_k, PRECISION)
-        _store_rows(dk + i_h * K, b_dk, t, eos, ck, K, H * K)
-        _store_rows(dv + i_h * V, b_beta[:, None] * b_dr, t, eos, cv, V, H * V)
-        b_db = tl.sum(b_dr * b_x, axis=1) + tl.sum(b_dAk * b_k, axis=1)  # rowsum(dA ⊙ K K^T) = rowsum(dA K ⊙ K)
+        b_db += tl.sum(b_dAk * b_k, axis=1)  # rowsum(dA ⊙ K K^T)
         tl.store(dbeta + t.to(tl.int64) * H + i_h, b_db, mask=t < eos)
-
+        b_dk = scale * mm(tl.trans(b_G), b_q, PRECISION) + b_beta[:, None] * b_dAk
+        b_dk += mm(b_vnd, tl.trans(b_dSd), PRECISION) - mm(b_drb, tl.trans(b_Sd), PRECISION)
+        b_dk += mm(tl.trans(b_beta[:, None] * b_dA).to(dt), b_k, PRECISION)
+        _store(dk + i_h * K, b_dk, t0, eos, 0, C, BK, K, H * K)
+        # dS = scale Q^T dO + dS_next - K^T diag(beta) dR
         b_dS += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_k), b_drb, PRECISION)
     if STORE_DH0:
         tl.store(dh0 + head_state + state_offs, b_dS, mask=state_mask)
+
+
+def _f32_dot_dtype(dtype: torch.dtype):
+    """Operand dtype of the dots between two fp32 intermediates (Tinv R, Tinv^T dV', dR V'^T). Measured in
+    the interpreter (tf32 emulated by truncation) with unnormalized keys and beta up to 2, T = 200: bf16
+    operands double the error of bf16 inputs (to the 1e-2 bound), so those stay fp32 (tf32 dots, 7e-3);
+    tf32 costs fp16 inputs 3e-3 on dk and dbeta (the bound) and fp16 operands 1.8e-3; tf32x3 (8e-4) makes
+    the kernels spill registers."""
+    return tl.float16 if dtype == torch.float16 else tl.float32
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,13 +224,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+# Launch shape. Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for
+# K in {64, 128, 256}, C in {32, 64}, BV in {16, 32, 64}) spilled less with 8 warps than with 4 in every
+# case, and less with smaller BV. Fixed configs: autotuning would compile each kernel several times per shape.
+NUM_WARPS = 8
+BV_MAX = {"fwd": {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}, "bwd": {16: 32, 32: 32, 64: 32, 128: 32, 256: 16}}
+
+
 def _block_v(K: int, V: int, programs: int, device: torch.device, backward: bool) -> int:
-    """Whole V up to a register budget for the [BK, BV] state tiles (the backward holds S and dS), then
-    halved while there are fewer programs than SMs."""
-    BK = head_block(K)
-    cap = {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}[BK] // (2 if backward and BK > 64 else 1)
-    BV = min(head_block(V), cap)
-    while BV > 16 and triton.cdiv(V, BV) * programs < _num_sms(device):
+    """The whole V up to a register budget for the [BK, BV] state tiles (the backward holds S and dS), then
+    halved while the (V-block, sequence x head) programs would fill less than half of the SMs."""
+    BV = min(head_block(V), BV_MAX["bwd" if backward else "fwd"][head_block(K)])
+    while BV > 16 and 2 * triton.cdiv(V, BV) * programs <= _num_sms(device):
         BV //= 2
     return BV
 
@@ -223,12 +245,13 @@ def _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=None, 
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     BV = _block_v(K, V, info.num_seqs * H, q.device, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
-    grid = (triton.cdiv(V, BV), info.num_seqs * H)
+    grid = (info.num_seqs * H, triton.cdiv(V, BV))
     fused_chunk_fwd_kernel[grid](
         q, k, v, beta, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, C=chunk_size, BK=head_block(K), BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
-        SAVE_STATES=h is not None, PRECISION=dot_precision(q.dtype), TRIL_PRECISION=tril_precision(),
+        SAVE_STATES=h is not None, PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
+        TRIL_PRECISION=tril_precision(), num_warps=NUM_WARPS,
     )
 
 
@@ -244,7 +267,9 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, chunk
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
     """Contract of deltatron.autograd: (dq, dk, dv, dbeta, dh0 or None), dq, dk, dbeta in fp32.
 
-    Memory: the per-chunk states, fp32 [NT, H, K, V], and fp32 partials of dq, dk, dbeta per V-block."""
+    The states entering the chunks are recomputed here rather than saved by the forward, so inference pays
+    nothing for training. Memory: those states, fp32 [NT, H, K, V] (acceptable for this form: one state per
+    chunk, as the chunk pipeline's h), and fp32 partials of dq, dk, dbeta per V-block."""
     N, H, K, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
     chunks = info.chunks(chunk_size)
     h = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
@@ -257,11 +282,16 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     dbeta = q.new_empty(NV, *beta.shape, dtype=torch.float32)
     dv = torch.empty_like(v)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
-    fused_chunk_bwd_kernel[(NV, N * H)](
+    fused_chunk_bwd_kernel[(N * H, NV)](
         q, k, v, beta, h, do, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
         info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=head_block(K), BV=BV,
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        PRECISION=dot_precision(q.dtype), TRIL_PRECISION=tril_precision(),
+        PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype), TRIL_PRECISION=tril_precision(),
+        num_warps=NUM_WARPS,
     )
-    # fixed-order reduction over the V-blocks: deterministic
-    return dq.sum(0), dk.sum(0), dv, dbeta.sum(0), dh0
+    return _sum_blocks(dq), _sum_blocks(dk), dv, _sum_blocks(dbeta), dh0
+
+
+def _sum_blocks(partials: torch.Tensor) -> torch.Tensor:
+    """Sum over the V-blocks (dim 0) in a fixed order: deterministic, unlike atomics."""
+    return partials[0] if partials.shape[0] == 1 else partials.sum(0)
