@@ -33,14 +33,12 @@ and bounds the registers of the [K, BV] state tiles; BV is the whole V (capped b
 unless there are too few (sequence, head) programs to fill the GPU."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .chunk.solve_tril import tril_inverse
-from .utils import dot_precision, head_block, mm, tril_precision
+from .utils import dot_precision, head_block, mm, pipeline_stages, state_block_v, tril_precision
 
 
 @triton.jit
@@ -219,39 +217,36 @@ def _f32_dot_dtype(dtype: torch.dtype):
     return tl.float16 if dtype == torch.float16 else tl.float32
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-# Launch shape. Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for
-# K in {64, 128, 256}, C in {32, 64}, BV in {16, 32, 64}) spilled less with 8 warps than with 4 in every
-# case, and less with smaller BV. Fixed configs: autotuning would compile each kernel several times per shape.
+# Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for K in {64, 128,
+# 256}, C in {32, 64}, BV in {16, 32, 64}) spilled less with 8 warps than with 4 in every case. A fixed
+# config: autotuning would compile each kernel several times per shape.
 NUM_WARPS = 8
-BV_MAX = {"fwd": {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}, "bwd": {16: 32, 32: 32, 64: 32, 128: 32, 256: 16}}
 
 
-def _block_v(K: int, V: int, programs: int, device: torch.device, backward: bool) -> int:
-    """The whole V up to a register budget for the [BK, BV] state tiles (the backward holds S and dS), then
-    halved while the (V-block, sequence x head) programs would fill less than half of the SMs."""
-    BV = min(head_block(V), BV_MAX["bwd" if backward else "fwd"][head_block(K)])
-    while BV > 16 and 2 * triton.cdiv(V, BV) * programs <= _num_sms(device):
-        BV //= 2
-    return BV
+def _launch(q, v, info, chunk_size, backward: bool):
+    """(BK, BV, num_stages). The backward holds two [K, BV] fp32 tiles (S and dS) where the forward holds
+    one: its V-block is that of a state of 2K rows. Pipelining depth from what the loop loads per chunk
+    (q, k [C, BK], v [C, BV]; backward also do [C, BV] and S [BK, BV] fp32)."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    BK = head_block(K)
+    BV = state_block_v(2 * K if backward else K, V, info.num_seqs * H)
+    stage_bytes = chunk_size * (2 * BK + (2 if backward else 1) * BV) * q.element_size()
+    if backward:
+        stage_bytes += BK * BV * 4
+    return BK, BV, pipeline_stages(stage_bytes)
 
 
 def _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=None, ht=None, h=None):
     """Runs the forward kernel: o (if given), final state ht (if given), per-chunk states h (if given)."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    BV = _block_v(K, V, info.num_seqs * H, q.device, backward=False)
+    BK, BV, stages = _launch(q, v, info, chunk_size, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
-    grid = (info.num_seqs * H, triton.cdiv(V, BV))
-    fused_chunk_fwd_kernel[grid](
+    fused_chunk_fwd_kernel[(info.num_seqs * H, triton.cdiv(V, BV))](
         q, k, v, beta, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
-        H=H, K=K, V=V, C=chunk_size, BK=head_block(K), BV=BV,
+        H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
         SAVE_STATES=h is not None, PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
-        TRIL_PRECISION=tril_precision(), num_warps=NUM_WARPS,
+        TRIL_PRECISION=tril_precision(), num_warps=NUM_WARPS, num_stages=stages,
     )
 
 
@@ -275,7 +270,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     h = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
     _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, h=h)
 
-    BV = _block_v(K, V, N * H, q.device, backward=True)
+    BK, BV, stages = _launch(q, v, info, chunk_size, backward=True)
     NV = triton.cdiv(V, BV)
     dq = q.new_empty(NV, *q.shape, dtype=torch.float32)
     dk = q.new_empty(NV, *k.shape, dtype=torch.float32)
@@ -284,10 +279,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
     fused_chunk_bwd_kernel[(N * H, NV)](
         q, k, v, beta, h, do, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
-        info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=head_block(K), BV=BV,
+        info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
         PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype), TRIL_PRECISION=tril_precision(),
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, num_stages=stages,
     )
     return _sum_blocks(dq), _sum_blocks(dk), dv, _sum_blocks(dbeta), dh0
 

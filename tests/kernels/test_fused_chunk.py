@@ -8,6 +8,7 @@ import torch
 
 import deltatron.kernels.fused_chunk as fused_chunk
 from deltatron import fused_chunk_delta_rule
+from deltatron.kernels.utils import seq_info
 from deltatron.reference import recurrent_delta_rule
 
 from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, random_cu_seqlens, rel_rms
@@ -111,11 +112,13 @@ def test_varlen(dtype, chunk_size, poison):
 
 
 def test_several_v_blocks(poison):
-    # V = 100 takes two 64-wide V-blocks (the second one partial) forward and backward: the V-blocks' partial
-    # sums of dq, dk and dbeta must add up
-    assert fused_chunk._block_v(24, 100, 1, torch.device(DEVICE), backward=True) < 100
-    assert fused_chunk._block_v(24, 100, 1, torch.device(DEVICE), backward=False) < 100
-    check(1, 40, 1, 24, 100, torch.float32, 32, seed=4)
+    # K = 130 takes 256 state rows: V = 70 is split into V-blocks (the last one partial) forward and backward,
+    # whose partial sums of dq, dk and dbeta must add up
+    inp = make_inputs(1, 9, 1, 130, 70, torch.float32)
+    info = seq_info(1, 9, torch.device(DEVICE), None, None)
+    for backward in (False, True):
+        assert fused_chunk._launch(inp["q"], inp["v"], info, 16, backward)[1] < 70
+    check(1, 9, 1, 130, 70, torch.float32, 16, seed=4)
 
 
 def test_backward_is_deterministic():
