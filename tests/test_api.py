@@ -1,5 +1,4 @@
 """The public API on the PyTorch backend: results, dtypes, and every validation error."""
-import os
 
 import pytest
 import torch

@@ -43,7 +43,7 @@ def main() -> int:
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
-        f"- command: `python tests/gpu/run_suite.py` (pytest tests/gpu -m gpu, then deltatron check)",
+        "- command: `python tests/gpu/run_suite.py` (pytest tests/gpu -m gpu, then deltatron check)",
         f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
         f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s",
         f"- deltatron check: exit code {check.returncode}",

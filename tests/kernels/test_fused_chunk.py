@@ -21,18 +21,6 @@ def triton_backend(monkeypatch):
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """Uninitialized float allocations come back NaN-filled, so a skipped write cannot pass."""
-    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
-
-    def nan_filled(out):
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_filled(empty_like(*a, **kw)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **kw: nan_filled(new_empty(*a, **kw)))
-
-
 def run(fn, inp, cu_seqlens, chunk_size, output_final_state, use_l2norm, seed):
     """o, final state and the gradients of every input under a random linear loss on o and the state."""
     kwargs = dict(chunk_size=chunk_size) if fn is fused_chunk_delta_rule else {}
