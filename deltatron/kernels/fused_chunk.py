@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .chunk.solve_tril import tril_inverse
-from .utils import dot_precision, head_block, mm, pipeline_stages, state_block_v, tril_precision
+from .utils import PIPELINE_STAGES, dot_precision, head_block, mm, state_block_v, tril_precision
 
 
 @triton.jit
@@ -223,35 +223,36 @@ def _f32_dot_dtype(dtype: torch.dtype):
 NUM_WARPS = 8
 
 
-def _launch(q, v, info, chunk_size, backward: bool):
-    """(BK, BV, num_stages). The backward holds two [K, BV] fp32 tiles (S and dS) where the forward holds
-    one: its V-block is that of a state of 2K rows. Pipelining depth from what the loop loads per chunk
-    (q, k [C, BK], v [C, BV]; backward also do [C, BV] and S [BK, BV] fp32)."""
+def _blocks(q, v, info, backward: bool):
+    """(BK, BV). The backward holds two [K, BV] fp32 tiles (S and dS) where the forward holds one: its
+    V-block is that of a state of 2K rows."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    BK = head_block(K)
-    BV = state_block_v(2 * K if backward else K, V, info.num_seqs * H)
-    stage_bytes = chunk_size * (2 * BK + (2 if backward else 1) * BV) * q.element_size()
-    if backward:
-        stage_bytes += BK * BV * 4
-    return BK, BV, pipeline_stages(stage_bytes)
+    return head_block(K), state_block_v(2 * K if backward else K, V, info.num_seqs * H)
 
 
 def _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=None, ht=None, h=None):
     """Runs the forward kernel: o (if given), final state ht (if given), per-chunk states h (if given)."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    BK, BV, stages = _launch(q, v, info, chunk_size, backward=False)
+    BK, BV = _blocks(q, v, info, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
     fused_chunk_fwd_kernel[(info.num_seqs * H, triton.cdiv(V, BV))](
         q, k, v, beta, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
         SAVE_STATES=h is not None, PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
-        TRIL_PRECISION=tril_precision(), num_warps=NUM_WARPS, num_stages=stages,
+        TRIL_PRECISION=tril_precision(), num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
     )
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, chunk_size=64):
     """Contract of deltatron.autograd. Saves nothing beyond the inputs: the backward recomputes."""
+    if q.is_cuda and q.dtype != torch.float32:
+        # On the H200 (triton 3.6) the 16-bit variant gives illegal memory accesses or NaN although the
+        # interpreter runs it right (benchmarks/diagnostics/num_stages_sweep.py): refuse rather than guess.
+        raise NotImplementedError(
+            f"fused_chunk_delta_rule's Triton kernel does not run {q.dtype} inputs on GPUs yet; use "
+            "chunk_delta_rule (same algorithm and results), float32 inputs, or DELTATRON_BACKEND=torch"
+        )
     N, H, K, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -270,7 +271,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     h = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
     _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, h=h)
 
-    BK, BV, stages = _launch(q, v, info, chunk_size, backward=True)
+    BK, BV = _blocks(q, v, info, backward=True)
     NV = triton.cdiv(V, BV)
     dq = q.new_empty(NV, *q.shape, dtype=torch.float32)
     dk = q.new_empty(NV, *k.shape, dtype=torch.float32)
@@ -282,7 +283,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
         PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype), TRIL_PRECISION=tril_precision(),
-        num_warps=NUM_WARPS, num_stages=stages,
+        num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
     )
     return _sum_blocks(dq), _sum_blocks(dk), dv, _sum_blocks(dbeta), dh0
 

@@ -88,10 +88,11 @@ def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> i
     return bv
 
 
-def pipeline_stages(stage_bytes: int, budget: int = 120 * 1024, max_stages: int = 3) -> int:
-    """Software-pipelining depth of a loop whose loads take stage_bytes of shared memory per stage: as deep
-    as fits the budget (the rest of the 227 KiB goes to the dots' operand staging), at least 1."""
-    return max(1, min(max_stages, budget // max(stage_bytes, 1)))
+# Software-pipelining depth of the chunk kernels' loops. Measured on the H200 with triton 3.6
+# (benchmarks/diagnostics/num_stages_sweep.py, forward + backward, K = 64/128/256, bf16 and fp32): 1 gives
+# wrong results or illegal memory accesses with 16-bit dots, 3 runs out of shared memory at K = 256, 2 is
+# right everywhere.
+PIPELINE_STAGES = 2
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Runs the GPU suite and `deltatron check` on the current GPU and writes a summary (LAST_RUN.md).
 
-    python tests/gpu/run_suite.py [--out DIR] [pytest args...]
+    python tests/gpu/run_suite.py [--out DIR] [--no-check] [pytest args...]
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
 (default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it."""
@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "tests", "gpu"))
+    parser.add_argument("--no-check", action="store_true", help="skip deltatron check after the suite")
     args, pytest_args = parser.parse_known_args()
     os.makedirs(args.out, exist_ok=True)
     junit = os.path.join(args.out, "junit.xml")
@@ -35,7 +36,8 @@ def main() -> int:
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
               if c.find("failure") is not None or c.find("error") is not None]
-    check = subprocess.run([sys.executable, "-m", "deltatron", "check"], capture_output=True, text=True, cwd=ROOT)
+    check = None if args.no_check else subprocess.run([sys.executable, "-m", "deltatron", "check"],
+                                                      capture_output=True, text=True, cwd=ROOT)
 
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     lines = [
@@ -43,18 +45,21 @@ def main() -> int:
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
-        "- command: `python tests/gpu/run_suite.py` (pytest tests/gpu -m gpu, then deltatron check)",
+        f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` (pytest tests/gpu -m gpu"
+        f"{'' if check is None else ', then deltatron check'})",
         f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
         f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s",
-        f"- deltatron check: exit code {check.returncode}",
+        f"- deltatron check: {'not run (--no-check)' if check is None else f'exit code {check.returncode}'}",
     ]
     if failed:
         lines += ["", "## Failures", ""] + [f"- `{f}`" for f in failed]
-    lines += ["", "## deltatron check", "", "```", check.stdout.rstrip(), check.stderr.rstrip()[-3000:], "```", ""]
+    if check is not None:
+        lines += ["", "## deltatron check", "", "```", check.stdout.rstrip(), check.stderr.rstrip()[-3000:], "```"]
+    lines.append("")
     with open(os.path.join(args.out, "LAST_RUN.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines[:8]))
-    return 0 if rc == 0 and check.returncode == 0 else 1
+    return 0 if rc == 0 and (check is None or check.returncode == 0) else 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import dot_precision, head_block, mm
+from ..utils import PIPELINE_STAGES, dot_precision, head_block, mm
 from .kkt import chunk_span
 
 
@@ -118,7 +118,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     if chunks.num_chunks:
         dv_local_kernel[(chunks.num_chunks, H)](
             q, k, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, tile(K), tile(V), dot_precision(q.dtype),
+            H, K, V, chunk_size, tile(K), tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
     return dv
 
@@ -137,6 +137,6 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
         BK = tile(K)
         dqkw_kernel[(triton.cdiv(K, BK), chunks.num_chunks, H)](
             q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, BK, tile(V), dot_precision(q.dtype),
+            H, K, V, chunk_size, BK, tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw

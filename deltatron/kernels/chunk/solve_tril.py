@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import SeqInfo, mm, tril_precision
+from ..utils import PIPELINE_STAGES, SeqInfo, mm, tril_precision
 from .kkt import chunk_span, kkt_tile
 
 
@@ -129,6 +129,6 @@ def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
         solve_tril_kernel[(chunks.num_chunks, H)](
-            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(), num_warps=4,
+            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(), num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return tinv

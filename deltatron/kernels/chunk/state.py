@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import SeqInfo, dot_precision, head_block, mm, pipeline_stages, state_block_v
+from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm, state_block_v
 
 
 @triton.jit
@@ -81,7 +81,6 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: 
             k, w, u, initial_state, h, v_new, final_state, info.cu_seqlens, chunks.chunk_offsets,
             H, K, V, chunk_size, BK, BV, initial_state is not None, output_final_state, dot_precision(k.dtype),
             num_warps=8 if BK >= 256 else 4,
-            # per chunk the loop loads K and W [C, BK] and U [C, BV]
-            num_stages=pipeline_stages(chunk_size * (2 * BK + BV) * k.element_size()),
+            num_stages=PIPELINE_STAGES,
         )
     return h, v_new, final_state

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import dot_precision, head_block, mm, pipeline_stages, state_block_v
+from ..utils import PIPELINE_STAGES, dot_precision, head_block, mm, state_block_v
 from .output_bwd import load_rows, state_offsets, store_rows
 
 
@@ -69,7 +69,6 @@ def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, 
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
             H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, dot_precision(q.dtype),
             num_warps=8 if BK >= 256 else 4,
-            # per chunk the loop loads Q, K, W [C, BK] and dO, local dV' [C, BV]
-            num_stages=pipeline_stages(chunk_size * (3 * BK + 2 * BV) * q.element_size()),
+            num_stages=PIPELINE_STAGES,
         )
     return dh, dv, dh0

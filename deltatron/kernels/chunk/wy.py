@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import SeqInfo, dot_precision, head_block, mm, tril_precision
+from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm, tril_precision
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
 
@@ -64,7 +64,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             min(head_block(K), 64), min(head_block(V), 64), fused, dot_precision(k.dtype), tril_precision(),
-            num_warps=4,
+            num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return w, u
 

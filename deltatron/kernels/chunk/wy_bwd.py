@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import dot_precision, mm
+from ..utils import PIPELINE_STAGES, dot_precision, mm
 from .kkt import chunk_span
 from .output_bwd import load_rows, store_rows, tile
 
@@ -79,6 +79,6 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     if chunks.num_chunks:
         wy_bwd_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
-            H, K, V, chunk_size, tile(K), tile(V), dot_precision(k.dtype),
+            H, K, V, chunk_size, tile(K), tile(V), dot_precision(k.dtype), num_stages=PIPELINE_STAGES,
         )
     return dk, dv, dbeta
