@@ -40,7 +40,7 @@ _NOT_ASKED = (0,)
 
 def _eager(form, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
            use_qk_l2norm, chunk_size, output_attentions):
-    from . import api
+    from . import api  # here, not at the top: api imports this module
 
     options = dict(chunk_size=chunk_size, output_attentions=output_attentions)
     return api._run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,

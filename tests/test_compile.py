@@ -42,6 +42,16 @@ def test_model_fullgraph_forward_backward_match_eager():
         assert rel_rms(g, g_ref) <= 1e-4
 
 
+def test_model_on_packed_sequences_is_one_graph():
+    torch.manual_seed(0)
+    model = DeltaNetLM(vocab_size=16, d_model=16, num_layers=2, num_heads=2)
+    tokens, cu = torch.randint(0, 16, (1, 12)), random_cu_seqlens([5, 0, 1, 6])
+    explanation = torch._dynamo.explain(model)(tokens, cu_seqlens=cu)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert rel_rms(compiled(tokens, cu_seqlens=cu), model(tokens, cu_seqlens=cu)) <= 1e-6
+
+
 @pytest.mark.parametrize("fn", [chunk_delta_rule, parallel_delta_rule, fused_recurrent_delta_rule])
 def test_api_varlen_with_states_is_one_graph(fn):
     lengths = [3, 0, 1, 9]

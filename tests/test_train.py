@@ -93,7 +93,8 @@ class _Quiet:
 
 
 def test_same_seed_same_losses():
-    cfg = Config(steps=6, batch_size=8, seq_len=24, num_kv=4, vocab_size=32, d_model=16, eval_every=3, eval_size=16)
+    cfg = Config.preset("cpu", steps=6, batch_size=8, seq_len=24, num_kv=4, vocab_size=32, d_model=16, num_heads=2,
+                        eval_every=3, eval_size=16)
     first, second = train(cfg, _Quiet), train(cfg, _Quiet)
     assert first["losses"] == second["losses"] and first["evals"][-1]["loss"] == second["evals"][-1]["loss"]
     other = train(Config(**dict(vars(cfg), seed=1)), _Quiet)
