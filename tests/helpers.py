@@ -26,6 +26,14 @@ def rel_rms(x: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> float:
     return float((x - ref).norm() / denom)
 
 
+def assert_within_bounds(got: dict, want: dict, dtype: torch.dtype) -> None:
+    """Every quantity of want (o, state, gradients...) within the rel-RMS bound of dtype; names the ones
+    that are not."""
+    errors = {name: rel_rms(got[name], want[name]) for name in want}
+    bad = {name: f"{e:.2e}" for name, e in errors.items() if not e <= BOUNDS[dtype]}
+    assert not bad, f"rel RMS above {BOUNDS[dtype]:.0e}: {bad}"
+
+
 def make_inputs(B, T, H, K, V, dtype=torch.float32, device="cpu", normalized_keys=True, beta_max=1.0,
                 initial_state=False, N: Optional[int] = None, seed: Optional[int] = None, requires_grad=False):
     """Fresh random q, k, v, beta (beta in (0, beta_max)) and optionally h0 [N or B, H, K, V] (fp32; float64 for float64 inputs).

@@ -8,7 +8,7 @@ import torch
 from deltatron import fused_chunk_delta_rule
 from deltatron.reference import chunk_delta_rule_reference
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import assert_within_bounds, make_inputs, random_cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -38,9 +38,7 @@ def check(B, T, H, K, V, dtype, chunk_size, lengths=None, use_l2norm=False, seed
     got = run(fused_chunk_delta_rule, inp, cu, chunk_size, use_l2norm, seed)
     rounded = {n: x.detach().double().requires_grad_() for n, x in inp.items()}
     want = run(chunk_delta_rule_reference, rounded, cu, chunk_size, use_l2norm, seed)
-    errors = {name: rel_rms(got[name], want[name]) for name in want}
-    bad = {name: f"{e:.2e}" for name, e in errors.items() if not e <= BOUNDS[dtype]}
-    assert not bad, f"rel RMS above {BOUNDS[dtype]:.0e}: {bad}"
+    assert_within_bounds(got, want, dtype)
 
 
 # fp32 only: 16-bit inputs are refused on GPUs for now (see test_16_bit_inputs_are_refused_on_gpu)

@@ -8,7 +8,7 @@ import torch
 from deltatron import chunk_delta_rule, fused_recurrent_delta_rule
 from deltatron.reference import recurrent_delta_rule
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import BOUNDS, assert_within_bounds, make_inputs, random_cu_seqlens, rel_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -47,9 +47,7 @@ def check(B, T, H, K, V, dtype, lengths=None, use_l2norm=False, grads=True, seed
         got = run(fused_recurrent_delta_rule, inp, cu, use_l2norm, seed, grads)
         rounded = {n: x.detach().double().requires_grad_(grads) for n, x in inp.items()}
         want = run(reference, rounded, cu, use_l2norm, seed, grads)
-    errors = {name: rel_rms(got[name], want[name]) for name in want}
-    bad = {name: f"{e:.2e}" for name, e in errors.items() if not e <= BOUNDS[dtype]}
-    assert not bad, f"rel RMS above {BOUNDS[dtype]:.0e}: {bad}"
+    assert_within_bounds(got, want, dtype)
 
 
 @pytest.mark.parametrize("B, T, H, K, V, dtype, use_l2norm", [
