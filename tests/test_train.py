@@ -9,7 +9,7 @@ from deltatron.reference.common import l2norm
 from deltatron.train import Config, LinearAttention, mqar_batch, train
 
 TINY = ["--device", "cpu", "--steps", "40", "--batch-size", "16", "--seq-len", "24", "--num-kv", "4",
-        "--vocab-size", "32", "--d-model", "32", "--eval-every", "20", "--eval-size", "32", "--lr", "1e-2"]
+        "--vocab-size", "32", "--d-model", "32", "--num-heads", "2", "--eval-every", "20", "--eval-size", "32", "--lr", "1e-2"]
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +63,7 @@ def test_short_run_lowers_the_loss_and_writes_its_log(mixer, tmp_path, capsys):
     log = json.loads((tmp_path / f"mqar_{mixer}.json").read_text())
     losses = log["losses"]
     assert len(losses) == 40 and all(l == l for l in losses)
-    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5
     assert [e["step"] for e in log["evals"]] == [20, 40]
     assert log["final_accuracy"] == log["evals"][-1]["accuracy"] and log["config"]["mixer"] == mixer
     out = capsys.readouterr()
