@@ -43,7 +43,7 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
         if inplace:
             final_state = initial_state.copy_(final_state)
         return (o, final_state, *extras)
-    from .autograd import DeltaRuleFunction
+    from .autograd import run_form
     from .kernels.utils import seq_info
 
     backends.check_triton_inputs(q, v)
@@ -52,10 +52,8 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return DeltaRuleFunction.apply(
-        q, k, v, beta, initial_state, backends.triton_form(form), scale, output_final_state,
-        use_qk_l2norm_in_kernel, info, options,
-    )
+    return run_form(backends.triton_form(form), q, k, v, beta, initial_state, scale, output_final_state,
+                    use_qk_l2norm_in_kernel, info, options)
 
 
 def chunk_delta_rule(

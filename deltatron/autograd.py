@@ -18,6 +18,20 @@ import torch
 from .kernels.l2norm import l2norm_bwd, l2norm_fwd
 
 
+def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_qk_l2norm, info, options):
+    """(o, final_state, *extras) of a Triton form: through DeltaRuleFunction when a gradient can flow,
+    else straight to the form's forward (inference and decoding: no autograd node, nothing kept alive, and an
+    in-place state update returns the caller's own state tensor)."""
+    inputs = (q, k, v, beta, initial_state)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        return DeltaRuleFunction.apply(*inputs, form, scale, output_final_state, use_qk_l2norm, info, options)
+    if use_qk_l2norm:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    o, final_state, _, extras = form.forward(q, k, v, beta, scale, initial_state, output_final_state, info,
+                                             **options)
+    return (o, final_state, *extras)
+
+
 class DeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, initial_state, form, scale, output_final_state, use_qk_l2norm, info, options):
