@@ -103,7 +103,7 @@ def test_several_v_blocks(poison):
     inp = make_inputs(1, 9, 1, 130, 70, torch.float32)
     info = seq_info(1, 9, torch.device(DEVICE), None, None)
     for backward in (False, True):
-        assert fused_chunk._launch(inp["q"], inp["v"], info, 16, backward)[1] < 70
+        assert fused_chunk._blocks(inp["q"], inp["v"], info, backward)[1] < 70
     check(1, 9, 1, 130, 70, torch.float32, 16, seed=4)
 
 
