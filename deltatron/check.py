@@ -120,6 +120,10 @@ def run_checks(device: torch.device, backend_names, dtypes, seed: int = 0, print
                     except NotImplementedError as e:
                         printer(line + f"  unavailable: {e}")
                         continue
+                    except Exception as e:  # a broken row fails the check without hiding the others
+                        ok = False
+                        printer(line + f"  FAIL: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                        continue
                     errs = [_rel_rms(got[q], ref[q]) for q in QUANTITIES]
                     passed = all(e <= BOUNDS[dtype] for e in errs)  # inf/nan never pass
                     ok &= passed
