@@ -6,7 +6,7 @@ import sys
 COMMANDS = {
     "check": ("deltatron.check", "every implementation and backend on this device against the float64 oracle"),
     "bench": ("deltatron.bench", "time deltatron against fla-core and FlashQLA, with a roofline"),
-    "train": ("deltatron.train", "train a small DeltaNet LM on associative recall (MQAR), or a linear-attention baseline"),
+    "train": ("deltatron.train", "train a small DeltaNet LM on associative recall (MQAR), or a linear baseline"),
 }
 
 

@@ -36,8 +36,8 @@ def assert_within_bounds(got: dict, want: dict, dtype: torch.dtype) -> None:
 
 def make_inputs(B, T, H, K, V, dtype=torch.float32, device="cpu", normalized_keys=True, beta_max=1.0,
                 initial_state=False, N: Optional[int] = None, seed: Optional[int] = None, requires_grad=False):
-    """Fresh random q, k, v, beta (beta in (0, beta_max)) and optionally h0 [N or B, H, K, V] (fp32; float64 for float64 inputs).
-    Keys are unit-norm when normalized_keys, else N(0, 1/K)-scaled. Returns a dict."""
+    """Fresh random q, k, v, beta (beta in (0, beta_max)) and optionally h0 [N or B, H, K, V] (fp32; float64
+    for float64 inputs). Keys are unit-norm when normalized_keys, else N(0, 1.5/K)-scaled. Returns a dict."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
     k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)

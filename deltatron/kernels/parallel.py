@@ -384,7 +384,8 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, outpu
     final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     parallel_fwd_vnew_kernel[(triton.cdiv(V, BV), N * H)](
         k, v, beta, tinv, initial_state, v_new, final_state, info.cu_seqlens,
-        H, K, V, BT, BK, BV, initial_state is not None, output_final_state, precision, num_warps=warps, num_stages=NUM_STAGES,
+        H, K, V, BT, BK, BV, initial_state is not None, output_final_state, precision,
+        num_warps=warps, num_stages=NUM_STAGES,
     )
     o = torch.empty_like(v)
     attn = torch.zeros(B, H, T, T, dtype=torch.float32, device=q.device) if output_attentions else None

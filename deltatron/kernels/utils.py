@@ -139,7 +139,10 @@ def _chunk_index(cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.de
 
 @functools.lru_cache(maxsize=64)
 def _fixed_length_info(B: int, T: int, device: torch.device) -> SeqInfo:
-    cpu = torch.arange(0, B * T + 1, max(T, 1), dtype=torch.int64)[: B + 1] if T else torch.zeros(B + 1, dtype=torch.int64)
+    if T:
+        cpu = torch.arange(0, B * T + 1, T, dtype=torch.int64)
+    else:
+        cpu = torch.zeros(B + 1, dtype=torch.int64)
     return SeqInfo(cpu.to(torch.int32).to(device), cpu, B, B * T)
 
 

@@ -129,6 +129,7 @@ def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
         solve_tril_kernel[(chunks.num_chunks, H)](
-            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(), num_warps=4, num_stages=PIPELINE_STAGES,
+            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(),
+            num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return tinv
