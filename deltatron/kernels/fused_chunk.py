@@ -38,32 +38,8 @@ import triton
 import triton.language as tl
 
 from .chunk.solve_tril import tril_inverse
-from .utils import PIPELINE_STAGES, dot_precision, head_block, mm, state_block_v, tril_precision
-
-
-@triton.jit
-def _tile(ptr, t0, t_end, c0, BT: tl.constexpr, BD: tl.constexpr, N_COLS: tl.constexpr, ROW: tl.constexpr):
-    """Pointers and mask of the [BT, BD] tile x[t0 + i, c0 + j] of a token-major tensor with rows of ROW
-    elements (ptr at the head's first column): rows at or past t_end, columns at or past N_COLS masked."""
-    r = tl.arange(0, BT)
-    c = c0 + tl.arange(0, BD)
-    ptrs = ptr + (t0 + r)[:, None].to(tl.int64) * ROW + c[None, :]
-    mask = (t0 + r)[:, None] < t_end
-    if N_COLS % BD != 0:  # a column mask only where the block overhangs the head (keeps loads vectorized)
-        mask = mask & (c[None, :] < N_COLS)
-    return ptrs, mask
-
-
-@triton.jit
-def _load(ptr, t0, t_end, c0, BT: tl.constexpr, BD: tl.constexpr, N_COLS: tl.constexpr, ROW: tl.constexpr):
-    ptrs, mask = _tile(ptr, t0, t_end, c0, BT, BD, N_COLS, ROW)
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _store(ptr, x, t0, t_end, c0, BT: tl.constexpr, BD: tl.constexpr, N_COLS: tl.constexpr, ROW: tl.constexpr):
-    ptrs, mask = _tile(ptr, t0, t_end, c0, BT, BD, N_COLS, ROW)
-    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
+from .utils import (PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets, store_rows,
+                    tril_precision)
 
 
 @triton.jit
@@ -103,37 +79,33 @@ def fused_chunk_fwd_kernel(
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on axis 0: no 65535 limit
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    state_offs = ck[:, None] * V + cv[None, :]
-    state_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    head_state = i_nh.to(tl.int64) * K * V
+    head_offs, state_mask = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)  # this program's state slice
 
     b_S = tl.zeros((BK, BV), dtype=tl.float32)
     if USE_H0:
-        b_S += tl.load(h0 + head_state + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+        b_S += tl.load(h0 + head_offs, mask=state_mask, other=0.0).to(tl.float32)
     if SAVE_STATES:
         first_chunk = tl.load(chunk_offsets + i_n)
     for i_t in range(tl.cdiv(eos - bos, C)):
         if SAVE_STATES:
-            chunk_state = ((first_chunk + i_t).to(tl.int64) * H + i_h) * K * V
-            tl.store(h + chunk_state + state_offs, b_S, mask=state_mask)
+            chunk_offs, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+            tl.store(h + chunk_offs, b_S, mask=state_mask)
         t0 = bos + i_t * C
         t = t0 + tl.arange(0, C)
-        b_k = _load(k + i_h * K, t0, eos, 0, C, BK, K, H * K)
-        b_v = _load(v + i_h * V, t0, eos, i_v * BV, C, BV, V, H * V)
+        b_k = load_rows(k, t0, eos - t0, i_h, 0, H, K, C, BK)
+        b_v = load_rows(v, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
         b_beta = tl.load(beta + t.to(tl.int64) * H + i_h, mask=t < eos, other=0.0).to(tl.float32)
         b_Tinv = _chunk_inverse(k, beta, t0, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
         _, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
         b_vn = b_vn.to(b_k.dtype)
         if WRITE_O:
-            b_q = _load(q + i_h * K, t0, eos, 0, C, BK, K, H * K)
+            b_q = load_rows(q, t0, eos - t0, i_h, 0, H, K, C, BK)
             b_o = scale * mm(b_q, b_S.to(b_k.dtype), PRECISION)
             b_o += mm(_causal_scores(b_q, b_k, scale, C, PRECISION).to(b_k.dtype), b_vn, PRECISION)
-            _store(o + i_h * V, b_o, t0, eos, i_v * BV, C, BV, V, H * V)
+            store_rows(o, b_o, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
         b_S += mm(tl.trans(b_k), b_vn, PRECISION)
     if STORE_HT:
-        tl.store(ht + head_state + state_offs, b_S, mask=state_mask)
+        tl.store(ht + head_offs, b_S, mask=state_mask)
 
 
 @triton.jit
@@ -148,11 +120,7 @@ def fused_chunk_bwd_kernel(
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences x heads on axis 0: no 65535 limit
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    state_offs = ck[:, None] * V + cv[None, :]
-    state_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    head_state = i_nh.to(tl.int64) * K * V
+    head_offs, state_mask = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)  # this program's state slice
     # this V-block's slice of the partial sums
     dq += i_v.to(tl.int64) * total_tokens * H * K
     dk += i_v.to(tl.int64) * total_tokens * H * K
@@ -160,20 +128,20 @@ def fused_chunk_bwd_kernel(
 
     b_dS = tl.zeros((BK, BV), dtype=tl.float32)
     if USE_DHT:
-        b_dS += tl.load(dht + head_state + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+        b_dS += tl.load(dht + head_offs, mask=state_mask, other=0.0).to(tl.float32)
     first_chunk = tl.load(chunk_offsets + i_n)
     NT = tl.cdiv(eos - bos, C)
     for j in range(NT):
         i_t = NT - 1 - j
         t0 = bos + i_t * C
         t = t0 + tl.arange(0, C)
-        b_k = _load(k + i_h * K, t0, eos, 0, C, BK, K, H * K)
-        b_q = _load(q + i_h * K, t0, eos, 0, C, BK, K, H * K)
-        b_v = _load(v + i_h * V, t0, eos, i_v * BV, C, BV, V, H * V)
-        b_do = _load(do + i_h * V, t0, eos, i_v * BV, C, BV, V, H * V)
+        b_k = load_rows(k, t0, eos - t0, i_h, 0, H, K, C, BK)
+        b_q = load_rows(q, t0, eos - t0, i_h, 0, H, K, C, BK)
+        b_v = load_rows(v, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
+        b_do = load_rows(do, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
         b_beta = tl.load(beta + t.to(tl.int64) * H + i_h, mask=t < eos, other=0.0).to(tl.float32)
-        chunk_state = ((first_chunk + i_t).to(tl.int64) * H + i_h) * K * V
-        b_S = tl.load(h + chunk_state + state_offs, mask=state_mask, other=0.0)
+        chunk_offs, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+        b_S = tl.load(h + chunk_offs, mask=state_mask, other=0.0)
         dt = b_k.dtype
         b_Sd, b_dSd = b_S.to(dt), b_dS.to(dt)
 
@@ -185,13 +153,13 @@ def fused_chunk_bwd_kernel(
         b_dvn = mm(tl.trans(b_P).to(dt), b_do, PRECISION) + mm(b_k, b_dSd, PRECISION)
         b_dr = mm(tl.trans(b_Tinv).to(F32_DT), b_dvn.to(F32_DT), PRECISION)
         b_db = tl.sum(b_dr * b_x, axis=1)
-        _store(dv + i_h * V, b_beta[:, None] * b_dr, t0, eos, i_v * BV, C, BV, V, H * V)
+        store_rows(dv, b_beta[:, None] * b_dr, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
         b_drb = (b_beta[:, None] * b_dr).to(dt)
         # dQ = scale (dO S^T + G K),  G = dO V'^T ⊙ M
         b_vnd = b_vn.to(dt)
         b_G = _causal_scores(b_do, b_vnd, 1.0, C, PRECISION).to(dt)
         b_dq = scale * (mm(b_do, tl.trans(b_Sd), PRECISION) + mm(b_G, b_k, PRECISION))
-        _store(dq + i_h * K, b_dq, t0, eos, 0, C, BK, K, H * K)
+        store_rows(dq, b_dq, t0, eos - t0, i_h, 0, H, K, C, BK)
         # dK; dA = -tril(dR V'^T, -1) enters through A = tril(diag(beta) K K^T, -1)
         i = tl.arange(0, C)
         b_dA = tl.where(i[:, None] > i[None, :], -mm(b_dr.to(F32_DT), tl.trans(b_vn).to(F32_DT), PRECISION), 0.0)
@@ -201,11 +169,11 @@ def fused_chunk_bwd_kernel(
         b_dk = scale * mm(tl.trans(b_G), b_q, PRECISION) + b_beta[:, None] * b_dAk
         b_dk += mm(b_vnd, tl.trans(b_dSd), PRECISION) - mm(b_drb, tl.trans(b_Sd), PRECISION)
         b_dk += mm(tl.trans(b_beta[:, None] * b_dA).to(dt), b_k, PRECISION)
-        _store(dk + i_h * K, b_dk, t0, eos, 0, C, BK, K, H * K)
+        store_rows(dk, b_dk, t0, eos - t0, i_h, 0, H, K, C, BK)
         # dS = scale Q^T dO + dS_next - K^T diag(beta) dR
         b_dS += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_k), b_drb, PRECISION)
     if STORE_DH0:
-        tl.store(dh0 + head_state + state_offs, b_dS, mask=state_mask)
+        tl.store(dh0 + head_offs, b_dS, mask=state_mask)
 
 
 def _f32_dot_dtype(dtype: torch.dtype):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, head_block
+from .utils import INTERPRET, head_block, state_offsets
 
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
@@ -44,8 +44,7 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
     m_k = o_k < K
     m_v = o_v < V
     # this program's [BK, BV] slice of the [K, V] state; rows of V contiguous (coalesced)
-    p_S = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    m_S = m_k[:, None] & m_v[None, :]
+    p_S, m_S = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
     if USE_INITIAL_STATE:
         b_S = tl.load(h0 + p_S, mask=m_S, other=0.0).to(tl.float32)
     else:
@@ -95,8 +94,7 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    p_S = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    m_S = m_k[:, None] & m_v[None, :]
+    p_S, m_S = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
     b_S = tl.load(ht + p_S, mask=m_S, other=0.0)
     if USE_FINAL_STATE_GRADIENT:
         b_dS = tl.load(dht + p_S, mask=m_S, other=0.0).to(tl.float32)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .chunk.kkt import chunk_span
 from .chunk.solve_tril import tril_inverse
-from .utils import dot_precision, head_block, mm, tril_precision
+from .utils import dot_precision, head_block, load_tile, mm, store_tile, tril_precision
 
 # No software pipelining: on the H200 (triton 3.6) depths 2 and 3 run out of shared memory at K = 64-128
 # in 16-bit, and 1 is right everywhere (benchmarks/diagnostics/num_stages_sweep.py).
@@ -41,23 +41,6 @@ def block_size(K: int) -> int:
 
 
 # ---- tile access: a row view x[L, D] of one (sequence, head), `stride` elements per row ------------------
-
-@triton.jit
-def load_tile(x, row0, n_rows, stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    """x[row0 : row0 + BR, col0 : col0 + BC], zero outside rows < n_rows and cols < n_cols."""
-    rows = row0 + tl.arange(0, BR)
-    cols = col0 + tl.arange(0, BC)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return tl.load(x + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def store_tile(x, value, row0, n_rows, stride, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    rows = row0 + tl.arange(0, BR)
-    cols = col0 + tl.arange(0, BC)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    tl.store(x + rows[:, None].to(tl.int64) * stride + cols[None, :], value.to(x.dtype.element_ty), mask=mask)
-
 
 @triton.jit
 def load_beta(beta, row0, n_rows, H, BT: tl.constexpr):

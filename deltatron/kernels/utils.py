@@ -59,6 +59,51 @@ def mm(a, b, PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def tile_offsets(row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.constexpr):
+    """Offsets and mask of the [BR, BC] tile x[row0 + i, col0 + j] of a row-major view whose rows are
+    `stride` elements apart; rows at or past row_end and columns at or past col_end are masked. Row offsets
+    are int64 (tokens * H * D passes 2^31 on long batches)."""
+    rows = row0 + tl.arange(0, BR)
+    cols = col0 + tl.arange(0, BC)
+    offs = rows[:, None].to(tl.int64) * stride + cols[None, :]
+    mask = (rows[:, None] < row_end) & (cols[None, :] < col_end)
+    return offs, mask
+
+
+@triton.jit
+def load_tile(x, row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.constexpr):
+    """x[row0 : row0 + BR, col0 : col0 + BC] of a row-major view, zero where masked (see tile_offsets)."""
+    offs, mask = tile_offsets(row0, row_end, stride, col0, col_end, BR, BC)
+    return tl.load(x + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(x, value, row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.constexpr):
+    offs, mask = tile_offsets(row0, row_end, stride, col0, col_end, BR, BC)
+    tl.store(x + offs, value.to(x.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_rows(x, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Tokens [start, start + BT) of head i_h, columns [d0, d0 + BD), of a packed [TT, H, D] tensor; rows
+    from n on (past the end of the sequence) read as zero."""
+    return load_tile(x + i_h * D, start, start + n, H * D, d0, D, BT, BD)
+
+
+@triton.jit
+def store_rows(x, value, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+               BD: tl.constexpr):
+    store_tile(x + i_h * D, value, start, start + n, H * D, d0, D, BT, BD)
+
+
+@triton.jit
+def state_offsets(i_s, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets and mask of the tile [k0:k0+BK, v0:v0+BV] of state i_s of a [*, K, V] state tensor
+    (i_s = chunk * H + head, or sequence * H + head)."""
+    return tile_offsets(i_s.to(tl.int64) * K + k0, (i_s.to(tl.int64) + 1) * K, V, v0, V, BK, BV)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """Precision of fp32 dots for inputs of this dtype: fp32 inputs must stay ieee-accurate (bound 1e-4),
     16-bit inputs round their fp32 intermediates to 16 bits anyway, so tf32 costs nothing there."""

@@ -5,51 +5,15 @@
               dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; WY backward adds the rest)
               dW = -dV' S^T                                 (after it: needs dS_next and the full dV')
 
-Both are parallel over chunks; every output element is written by exactly one program (deterministic).
-The row-tile helpers here are shared by the other backward stages."""
+Both are parallel over chunks; every output element is written by exactly one program (deterministic)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, dot_precision, head_block, mm
+from ..utils import PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_offsets, store_rows
 from .kkt import chunk_span
-
-
-@triton.jit
-def row_offsets(start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Offsets and mask of the tile [start:start+BT, i_h, d0:d0+BD] of a packed [TT, H, D] tensor, rows
-    from n on masked (past the end of the sequence)."""
-    r = tl.arange(0, BT)
-    cols = d0 + tl.arange(0, BD)
-    offs = ((start + r.to(tl.int64))[:, None] * H + i_h) * D + cols[None, :]
-    mask = (r < n)[:, None] & (cols < D)[None, :]
-    return offs, mask
-
-
-@triton.jit
-def load_rows(x, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    offs, mask = row_offsets(start, n, i_h, d0, H, D, BT, BD)
-    return tl.load(x + offs, mask=mask, other=0.0)
-
-
-@triton.jit
-def store_rows(x, value, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-               BD: tl.constexpr):
-    offs, mask = row_offsets(start, n, i_h, d0, H, D, BT, BD)
-    tl.store(x + offs, value.to(x.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def state_offsets(i_s, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Offsets and mask of the tile [k0:k0+BK, v0:v0+BV] of state i_s of a [*, K, V] state tensor
-    (i_s = chunk * H + head, or sequence * H + head)."""
-    rk = k0 + tl.arange(0, BK)
-    rv = v0 + tl.arange(0, BV)
-    offs = (i_s.to(tl.int64) * K + rk[:, None]) * V + rv[None, :]
-    mask = (rk < K)[:, None] & (rv < V)[None, :]
-    return offs, mask
 
 
 @triton.jit

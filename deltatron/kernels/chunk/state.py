@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm, state_block_v
+from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm, state_block_v, state_offsets
 
 
 @triton.jit
@@ -31,10 +31,9 @@ def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl
     rows = tl.arange(0, C)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    m_kv = (ck[:, None] < K) & (cv[None, :] < V)
-    o_kv = ck[:, None] * V + cv[None, :]  # [K, BV] block of a [K, V] state
+    o_kv, m_kv = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)  # this program's [K, BV] state slice
     if HAS_H0:
-        b_s = tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_s = tl.load(h0 + o_kv, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -42,7 +41,8 @@ def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl
     for i_t in range(0, num_chunks):
         start = bos + i_t * C
         m_rows = rows < eos - start
-        tl.store(h + ((first_chunk + i_t) * H + i_h) * K * V + o_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
+        h_kv, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+        tl.store(h + h_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
 
         m_wk = m_rows[:, None] & (ck[None, :] < K)
         b_w = tl.load(w + (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :], mask=m_wk, other=0.0)
@@ -59,7 +59,7 @@ def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl
         b_s += mm(b_kt, b_vn, PRECISION)
 
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * K * V + o_kv, b_s, mask=m_kv)
+        tl.store(ht + o_kv, b_s, mask=m_kv)
 
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],

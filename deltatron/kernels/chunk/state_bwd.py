@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, dot_precision, head_block, mm, state_block_v
-from .output_bwd import load_rows, state_offsets, store_rows
+from ..utils import PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets, store_rows
 
 
 @triton.jit

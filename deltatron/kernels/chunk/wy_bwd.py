@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, dot_precision, mm
+from ..utils import PIPELINE_STAGES, dot_precision, load_rows, mm, store_rows
 from .kkt import chunk_span
-from .output_bwd import load_rows, store_rows, tile
+from .output_bwd import tile
 
 
 @triton.jit
