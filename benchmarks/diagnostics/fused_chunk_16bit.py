@@ -1,10 +1,11 @@
 """Which compile-time choice breaks fused_chunk's 16-bit kernels on this GPU.
 
-fused_chunk refuses 16-bit CUDA inputs because bf16 gave illegal memory accesses or NaN on the H200
-(triton 3.6) while the interpreter runs it right. Each variant below lifts the refusal, changes one knob
-of the launch (operand dtype of the fp32 x fp32 dots, fp32 dot precision, warps, pipelining depth, chunk
-size, head size) and runs forward, then forward + backward, against the PyTorch backend on the same rounded
-inputs. Each variant runs in its own process (an illegal memory access poisons the CUDA context).
+fused_chunk in bf16 gave illegal memory accesses or garbage on the H200 (triton 3.6) while the interpreter
+ran it right, and shipped refusing 16-bit GPU inputs until this diagnostic found the cause: tf32 precision
+of its fp32 x fp32 dots (it now runs them in ieee for bf16). Each variant changes one knob of the launch
+(operand dtype of the fp32 x fp32 dots, their precision, warps, pipelining depth, chunk size, head size)
+and runs forward, then forward + backward, against the PyTorch backend on the same rounded inputs. Each
+variant runs in its own process (an illegal memory access poisons the CUDA context).
 
     python benchmarks/diagnostics/fused_chunk_16bit.py [--jobs 4] [--out FILE]
 """
@@ -22,7 +23,8 @@ VARIANTS = {
     "bf16 K=64": ("bfloat16", 64, 64, {}),
     "bf16 C=32": ("bfloat16", 128, 32, {}),
     "bf16 f32 dots in bf16": ("bfloat16", 128, 64, {"_f32_dot_dtype": "bf16"}),
-    "bf16 ieee dots": ("bfloat16", 128, 64, {"dot_precision": "ieee"}),
+    "bf16 tf32 dots": ("bfloat16", 128, 64, {"_precisions": ("tf32", "ieee")}),
+    "bf16 tf32 dots K=64": ("bfloat16", 64, 64, {"_precisions": ("tf32", "ieee")}),
     "bf16 4 warps": ("bfloat16", 128, 64, {"NUM_WARPS": 4}),
     "bf16 1 stage": ("bfloat16", 128, 64, {"PIPELINE_STAGES": 1}),
     "bf16 3 stages": ("bfloat16", 128, 64, {"PIPELINE_STAGES": 3}),
@@ -42,18 +44,9 @@ def one_case(name: str, stage: str) -> str:
     for attr, value in knobs.items():
         if attr == "_f32_dot_dtype":
             value = {"bf16": lambda dt: tl.bfloat16}[value]
-        elif attr == "dot_precision":
+        elif attr == "_precisions":
             value = (lambda p: lambda dt: p)(value)
         setattr(fused_chunk, attr, value)
-    # lift the refusal: the forward's body without its dtype check
-    def unrefused_forward(q, k, v, beta, scale, initial_state, output_final_state, info, chunk_size=64):
-        N, H, Kd, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
-        o = torch.empty_like(v)
-        ht = q.new_empty(N, H, Kd, V, dtype=torch.float32) if output_final_state else None
-        fused_chunk._state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=o, ht=ht)
-        return o, ht, (), ()
-
-    fused_chunk.forward = unrefused_forward
     g = torch.Generator(device="cuda").manual_seed(K)
     B, T, H = 2, 1000, 4
     q = torch.randn(B, T, H, K, device="cuda", generator=g)

@@ -178,11 +178,19 @@ def fused_chunk_bwd_kernel(
 
 def _f32_dot_dtype(dtype: torch.dtype):
     """Operand dtype of the dots between two fp32 intermediates (Tinv R, Tinv^T dV', dR V'^T). Measured in
-    the interpreter (tf32 emulated by truncation) with unnormalized keys and beta up to 2, T = 200: bf16
-    operands double the error of bf16 inputs (to the 1e-2 bound), so those stay fp32 (tf32 dots, 7e-3);
-    tf32 costs fp16 inputs 3e-3 on dk and dbeta (the bound) and fp16 operands 1.8e-3; tf32x3 (8e-4) makes
-    the kernels spill registers."""
+    the interpreter with unnormalized keys and beta up to 2, T = 200: bf16 operands double the error of bf16
+    inputs (to the 1e-2 bound), so those stay fp32; fp16 operands cost fp16 inputs 1.8e-3, under its bound."""
     return tl.float16 if dtype == torch.float16 else tl.float32
+
+
+def _precisions(dtype: torch.dtype):
+    """(PRECISION, TRIL_PRECISION) of this form's launches. With bf16 inputs the fp32 x fp32 dots run in
+    ieee, whatever DELTATRON_TRIL_PRECISION says: on the H200 with triton 3.6 the tf32 variant of these
+    kernels returns garbage forward and makes illegal memory accesses backward, while ieee is right
+    (benchmarks/diagnostics/fused_chunk_16bit.py, NOTES.md)."""
+    if dtype == torch.bfloat16:
+        return "ieee", "ieee"
+    return dot_precision(dtype), tril_precision()
 
 
 # Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for K in {64, 128,
@@ -203,24 +211,18 @@ def _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=None, 
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     BK, BV = _blocks(q, v, info, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
+    precision, tril_prec = _precisions(q.dtype)
     fused_chunk_fwd_kernel[(info.num_seqs * H, triton.cdiv(V, BV))](
         q, k, v, beta, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
-        SAVE_STATES=h is not None, PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
-        TRIL_PRECISION=tril_precision(), num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
+        SAVE_STATES=h is not None, PRECISION=precision, F32_DT=_f32_dot_dtype(q.dtype),
+        TRIL_PRECISION=tril_prec, num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
     )
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, chunk_size=64):
     """Contract of deltatron.autograd. Saves nothing beyond the inputs: the backward recomputes."""
-    if q.is_cuda and q.dtype != torch.float32:
-        # On the H200 (triton 3.6) the 16-bit variant gives illegal memory accesses or NaN although the
-        # interpreter runs it right (benchmarks/diagnostics/num_stages_sweep.py): refuse rather than guess.
-        raise NotImplementedError(
-            f"fused_chunk_delta_rule's Triton kernel does not run {q.dtype} inputs on GPUs yet; use "
-            "chunk_delta_rule (same algorithm and results), float32 inputs, or DELTATRON_BACKEND=torch"
-        )
     N, H, K, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -241,6 +243,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
 
     BK, BV = _blocks(q, v, info, backward=True)
     NV = triton.cdiv(V, BV)
+    precision, tril_prec = _precisions(q.dtype)
     dq = q.new_empty(NV, *q.shape, dtype=torch.float32)
     dk = q.new_empty(NV, *k.shape, dtype=torch.float32)
     dbeta = q.new_empty(NV, *beta.shape, dtype=torch.float32)
@@ -250,7 +253,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         q, k, v, beta, h, do, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
         info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        PRECISION=dot_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype), TRIL_PRECISION=tril_precision(),
+        PRECISION=precision, F32_DT=_f32_dot_dtype(q.dtype), TRIL_PRECISION=tril_prec,
         num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
     )
     return _sum_blocks(dq), _sum_blocks(dk), dv, _sum_blocks(dbeta), dh0
