@@ -16,12 +16,15 @@ from torch import nn
 
 def packed_positions(T: int, cu_seqlens: torch.Tensor, device):
     """For the T tokens of packed sequences: (sequence index, position within the sequence) of each token,
-    and the start offset and length of each sequence."""
+    and the start offset and length of each sequence. Gathers only, no slices of cu_seqlens: inductor in
+    torch 2.11 fails on slices of it feeding searchsorted or an index (NotImplementedError: SliceView)."""
     tokens = torch.arange(T, device=device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-    seq = torch.searchsorted(cu[1:], tokens, right=True)
-    return seq, tokens - starts[seq], starts, lengths
+    seqs = torch.arange(cu.shape[0] - 1, device=device)
+    starts, ends = cu[seqs], cu[seqs + 1]
+    # the last start at or before each token (empty sequences share a start and are skipped by right=True)
+    seq = torch.searchsorted(cu, tokens, right=True) - 1
+    return seq, tokens - cu[seq], starts, ends - starts
 
 
 class ShortConvolution(nn.Module):
