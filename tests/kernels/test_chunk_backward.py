@@ -245,3 +245,44 @@ def test_gradients_varlen(monkeypatch, dtype, C, poison):
 def test_gradients_with_qk_l2norm(monkeypatch, poison):
     check_against_recurrence(monkeypatch, 1, 65, 2, 24, 16, torch.float16, 32, True, True, growing=True,
                              l2norm=True, seed=4)
+
+
+def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch):
+    """Memory: W, U, the chunk states h, V' and dS are dead when the WY backward allocates its outputs, so
+    they do not add to the peak of forward+backward (benchmarks/NOTES.md, peak memory)."""
+    import importlib
+    import types
+    import weakref
+
+    from deltatron.kernels.chunk import state, wy
+
+    # the module: the package exports a function of the same name
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
+
+    refs = {}
+
+    def recording(fn, labels):
+        """fn, keeping a weak reference to each output named in labels (None: not watched)."""
+        def wrapped(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            refs.update({label: weakref.ref(x) for label, x in zip(labels, result) if label})
+            return result
+        return wrapped
+
+    def wy_bwd_checking(*args, **kwargs):
+        alive = sorted(name for name, ref in refs.items() if ref() is not None)
+        assert alive == [], f"still alive when the WY backward runs: {alive}"
+        return wy_bwd.wy_bwd(*args, **kwargs)
+
+    stages = dict(
+        wy=types.SimpleNamespace(recompute_w_u=recording(wy.recompute_w_u, ("w", "u"))),
+        state=types.SimpleNamespace(state_fwd=recording(state.state_fwd, ("h", "v_new", None))),
+        state_bwd=types.SimpleNamespace(state_bwd=recording(state_bwd.state_bwd, ("dh", None, None))),
+        wy_bwd=types.SimpleNamespace(wy_bwd=wy_bwd_checking),
+    )
+    for name, stage in stages.items():
+        monkeypatch.setattr(chunk_backward, name, stage)
+    inp = make_inputs(1, 100, 2, 32, 32, torch.float32, device=DEVICE, seed=0, requires_grad=True)
+    o, _ = deltatron.chunk_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"])
+    torch.autograd.grad(o.sum(), (inp["q"], inp["k"], inp["v"], inp["beta"]))
+    assert set(refs) == {"w", "u", "h", "v_new", "dh"}

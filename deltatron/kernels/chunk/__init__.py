@@ -37,5 +37,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     the state pass, the output. Only Tinv is saved: W, U and the per-chunk states are recomputed."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size)
     h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
+    del w, u  # not needed by the output: its peak is h, v_new and o
     o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
     return o, final_state, (tinv,), ()

@@ -7,12 +7,19 @@ from . import output_bwd, state, state_bwd, wy, wy_bwd
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
     """Gradients (dq, dk, dv in the input dtype, dbeta fp32, dh0 fp32 or None without initial_state)
-    of the chunkwise delta rule; saved = (Tinv,) from the forward. Deterministic: no atomics."""
+    of the chunkwise delta rule; saved = (Tinv,) from the forward. Deterministic: no atomics.
+
+    Each intermediate is released right after the last stage that reads it (`del`), so the peak is the set
+    alive at the widest stage (dqkw), not every tensor of the backward at once."""
     (tinv,) = saved
     w, u = wy.recompute_w_u(k, v, beta, tinv, info, chunk_size)
     h, v_new, _ = state.state_fwd(k, w, u, initial_state, False, info, chunk_size)
-    dv = output_bwd.dv_local(q, k, do, scale, info, chunk_size)
-    dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, dv, dht, scale, initial_state is not None, info, chunk_size)
-    dq, dk, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
-    dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk, info, chunk_size)
+    del u
+    dv_local = output_bwd.dv_local(q, k, do, scale, info, chunk_size)
+    dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, dv_local, dht, scale, initial_state is not None, info,
+                                      chunk_size)
+    del w, dv_local
+    dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
+    del h, v_new, dh
+    dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
     return dq, dk, dv, dbeta, dh0
