@@ -51,13 +51,15 @@ RECURRENT_MAX_T = 4096        # the token-serial form runs the short configurati
 DEFAULT_BUDGET_S = 480        # rows not started by then are recorded as not run (the device limit is 600 s)
 GRAD_INPUTS = ("q", "k", "v", "beta")
 
+# Also the run order: the head-to-head rows first, so that a run cut short by --budget-s keeps the
+# comparisons and loses the slow forms (fused_chunk and fused_recurrent take most of a full run).
 IMPLS = (
     "deltatron.chunk",
-    "deltatron.fused_chunk",
-    "deltatron.fused_recurrent",
     "fla.chunk",
-    "fla.fused_recurrent",    # decode rows only
     "flash_qla.g0",           # chunk_gated_delta_rule with log-decay g = 0; K = V = 128 only
+    "fla.fused_recurrent",    # decode rows only
+    "deltatron.fused_recurrent",
+    "deltatron.fused_chunk",
 )
 OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
 
@@ -556,7 +558,8 @@ guard in tests/test_benchmarks_smoke.py), `--list`.
 
 
 def render_report(results: Optional[dict], json_path: Optional[Path], png_path: Optional[Path], md_path: Path) -> str:
-    """BENCHMARKS.md: the committed run's table and plot, and how to reproduce it."""
+    """BENCHMARKS.md: the committed run's table and plot, its hand-written notes (<results>.notes.md beside
+    the JSON, if any), and how to reproduce it."""
     parts = ["# Benchmarks\n",
              "deltatron's chunk, fused_chunk and fused_recurrent delta rule against fla-core's chunk_delta_rule "
              "and FlashQLA's chunk_gated_delta_rule with g = 0, forward and forward+backward, bf16, with the "
@@ -573,6 +576,10 @@ def render_report(results: Optional[dict], json_path: Optional[Path], png_path: 
         parts.append(legend(meta) + "\n")
         if png_path is not None:
             parts.append(f"![speedup over fla]({rel(png_path)})\n")
+        notes = json_path.with_suffix(".notes.md")  # what the numbers alone do not say, written by hand
+        if notes.exists():
+            parts.append(f"### About this run ([{notes.name}]({rel(notes)}))\n")
+            parts.append(notes.read_text().strip() + "\n")
     parts.append(REPRODUCE)
     return "\n".join(parts)
 
