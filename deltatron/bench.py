@@ -664,11 +664,11 @@ def run(impls: Sequence[str], configs: Sequence[Config], opts: Options, out: Opt
     resolved: Dict[str, object] = {}
     for impl in impls:
         for cfg in (c for c in configs if applies(impl, c)):
-            if time.perf_counter() - start > opts.budget_s:
+            if impl not in resolved:  # resolved even past the budget: a missing package says so
+                resolved[impl] = _resolve_or_reason(impl, opts.smoke)
+            if time.perf_counter() - start > opts.budget_s and not isinstance(resolved[impl], Unavailable):
                 row = dict(identity(impl, cfg), error=f"not run: time budget of {opts.budget_s:.0f} s spent")
             else:
-                if impl not in resolved:
-                    resolved[impl] = _resolve_or_reason(impl, opts.smoke)
                 row = _row_or_error(impl, resolved[impl], cfg, opts, peaks)
                 free_memory(opts)
             results["rows"].append(row)

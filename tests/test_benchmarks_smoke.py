@@ -141,6 +141,16 @@ def test_time_budget_records_rows_as_not_run():
     assert [r["error"] for r in results["rows"]] == ["not run: time budget of -1 s spent"] * 2
 
 
+def test_past_the_budget_a_missing_competitor_still_says_why(monkeypatch):
+    def missing(impl, smoke):
+        raise bench.Unavailable("not installed: No module named 'tilelang'")
+
+    monkeypatch.setattr(bench, "resolve", missing)
+    opts = bench.Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=-1)
+    results = bench.run(["flash_qla.g0"], [bench.dense(1, 64, 1, 128)], opts, None, "x", [], log=lambda *a, **k: None)
+    assert [r["error"] for r in results["rows"]] == ["not installed: No module named 'tilelang'"]
+
+
 def test_script_runs_as_a_subprocess(tmp_path):
     """benchmarks/run.py finds the package from a checkout and prints the table last."""
     env = dict(os.environ, DELTATRON_BACKEND="triton")   # smoke mode must override it
@@ -158,3 +168,17 @@ def test_script_runs_as_a_subprocess(tmp_path):
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--configs", "no-such-config"])
+
+
+def test_stage_times_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/stage_times.py (the per-stage breakdown for the GPU) runs its smoke mode: every
+    stage of the chunk forward and backward timed, and the decode step."""
+    out = tmp_path / "stages.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_times.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    times = json.loads(out.read_text())
+    dense = times[bench.SMOKE_CONFIGS[0].name]
+    assert sum(name.startswith("fwd:") for name in dense) == 3 and sum(name.startswith("bwd:") for name in dense) == 6
+    assert all(t > 0 for t in dense.values())
+    assert "API call" in times[bench.SMOKE_CONFIGS[2].name]

@@ -1,0 +1,144 @@
+"""Where the time of chunk_delta_rule and of the decode step goes: each stage timed apart.
+
+Chunk (bf16, the benchmark's inputs): the forward's three launches (wy_fwd: A, Tinv, W, U; the state pass;
+the output) and the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
+pass; dQ/dK/dW; the WY backward), each on inputs prepared by the stages before it, beside the whole
+forward and forward+backward through the public API. The sum of the stages against the whole call is the
+host and allocation overhead.
+
+Decode (B=64, H=16, K=V=128, one token, in-place fp32 state): the public API call, the form's forward
+without the API's validation and dispatch, and the API call replayed from a CUDA graph (launch cost gone).
+
+    python benchmarks/diagnostics/stage_times.py [--configs b8-t2048-h16-k128 ...] [--out FILE.json]
+    python benchmarks/diagnostics/stage_times.py --smoke     # CPU, interpreter, tiny sizes: does it run
+
+Times: triton.testing.do_bench medians in ms (smoke: one wall-clock call)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["DELTATRON_BACKEND"] = "triton"
+
+import torch  # noqa: E402
+
+import deltatron  # noqa: E402
+from deltatron import bench  # noqa: E402
+from deltatron.kernels import fused_recurrent  # noqa: E402
+from deltatron.kernels.chunk import output, output_bwd, state, state_bwd, wy, wy_bwd  # noqa: E402
+from deltatron.kernels.utils import seq_info  # noqa: E402
+
+C = 64
+
+
+def timer(smoke: bool):
+    if smoke:
+        def wall_ms(fn):
+            fn()
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        return wall_ms
+    import triton
+
+    return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def chunk_stages(cfg: bench.Config, device, measure) -> dict:
+    x = bench.make_inputs(cfg, device, seed=0)
+    q, k, v, beta, do = (x[n].detach() for n in ("q", "k", "v", "beta", "do"))
+    B, T = q.shape[:2]
+    packed = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, beta, do)]
+    q1, k1, v1, beta1, do1 = packed
+    cu, cu_cpu = x.get("cu_seqlens"), x.get("cu_seqlens_cpu")
+    info = seq_info(1, B * T, device, cu, cu_cpu) if cu is not None else seq_info(B, T, device, None, None)
+    scale = q.shape[-1] ** -0.5
+
+    tinv, w, u = wy.wy_fwd(k1, v1, beta1, info, C)
+    h, v_new, _ = state.state_fwd(k1, w, u, None, False, info, C)
+    dv_local = output_bwd.dv_local(q1, k1, do1, scale, info, C)
+    dh, dv, _ = state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False, info, C)
+    _, dk_direct, dw = output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
+    stages = {
+        "fwd: wy_fwd (A, Tinv, W, U)": lambda: wy.wy_fwd(k1, v1, beta1, info, C),
+        "fwd: state pass": lambda: state.state_fwd(k1, w, u, None, False, info, C),
+        "fwd: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
+        "bwd: recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
+        "bwd: state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
+        "bwd: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
+        "bwd: reverse state pass": lambda: state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
+                                                               info, C),
+        "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
+        "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
+    }
+    times = {name: measure(fn) for name, fn in stages.items()}
+    kwargs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu) if cu is not None else {}
+    grads_of = [x[n] for n in bench.GRAD_INPUTS]
+    with torch.no_grad():
+        times["whole forward (API, no_grad)"] = measure(lambda: deltatron.chunk_delta_rule(q, k, v, beta,
+                                                                                           **kwargs))
+    times["whole forward+backward (API)"] = measure(lambda: torch.autograd.grad(
+        deltatron.chunk_delta_rule(*grads_of, **kwargs)[0], grads_of, do))
+    times["sum of forward stages"] = sum(t for n, t in times.items() if n.startswith("fwd:"))
+    times["sum of all stages"] = sum(t for n, t in times.items() if n.startswith(("fwd:", "bwd:")))
+    return times
+
+
+def decode_step(cfg: bench.Config, device, measure, smoke: bool) -> dict:
+    x = bench.make_inputs(cfg, device, seed=0)
+    q, k, v, beta, h = (x[n] for n in ("q", "k", "v", "beta", "h"))
+    info = seq_info(cfg.B, 1, device, None, None)
+
+    def api():
+        return deltatron.fused_recurrent_delta_rule(q, k, v, beta, initial_state=h, inplace_final_state=True)
+
+    def form():
+        return fused_recurrent.forward(q, k, v, beta, cfg.K ** -0.5, h, True, info, inplace_final_state=True)
+
+    with torch.no_grad():
+        times = {"API call": measure(api), "form forward (no API)": measure(form)}
+        if not smoke:
+            api()  # compiled and warm before capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                api()
+            times["API call replayed from a CUDA graph"] = measure(graph.replay)
+    state_bytes = 8 * cfg.B * cfg.H * cfg.K * cfg.V
+    times["state read+write at the benchmark's copy anchor (4.27 TB/s)"] = state_bytes / 4.27e12 * 1e3
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["b8-t2048-h16-k128", "b2-t8192-h32-k128",
+                                                        "b1-t32768-h16-k128", "decode-b64-h16-k128"])
+    parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes")
+    parser.add_argument("--out", help="JSON of the times")
+    args = parser.parse_args()
+    if args.smoke:
+        device, configs = torch.device("cpu"), list(bench.SMOKE_CONFIGS)
+    else:
+        device = torch.device("cuda")
+        known = {c.name: c for c in bench.CONFIGS}
+        configs = [known[n] for n in args.configs]
+    measure = timer(args.smoke)
+    results = {}
+    for cfg in configs:
+        results[cfg.name] = (decode_step(cfg, device, measure, args.smoke) if cfg.decode
+                             else chunk_stages(cfg, device, measure))
+        print(f"\n{cfg.name}")
+        for name, ms in results[cfg.name].items():
+            print(f"  {name:<62} {ms * 1e3:10.1f} us" if cfg.decode else f"  {name:<62} {ms:10.3f} ms")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
