@@ -182,3 +182,12 @@ def test_stage_times_diagnostic_runs(tmp_path):
     assert sum(name.startswith("fwd:") for name in dense) == 3 and sum(name.startswith("bwd:") for name in dense) == 6
     assert all(t > 0 for t in dense.values())
     assert "API call" in times[bench.SMOKE_CONFIGS[2].name]
+
+
+def test_decode_configs_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/decode_configs.py (the decode launch sweep for the GPU) runs its smoke mode and
+    finds the shipped launch among those it tries, with the same result."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "decode_configs.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "(shipped)" in proc.stdout and "RESULT DIFFERS" not in proc.stdout
