@@ -282,6 +282,7 @@ def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch):
     )
     for name, stage in stages.items():
         monkeypatch.setattr(chunk_backward, name, stage)
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
     inp = make_inputs(1, 100, 2, 32, 32, torch.float32, device=DEVICE, seed=0, requires_grad=True)
     o, _ = deltatron.chunk_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"])
     torch.autograd.grad(o.sum(), (inp["q"], inp["k"], inp["v"], inp["beta"]))
