@@ -4,6 +4,7 @@ DELTATRON_BACKEND=torch|triton|auto (default auto): auto runs Triton on CUDA ten
 otherwise; triton on CPU tensors runs the kernels in Triton's interpreter (needs TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -20,6 +21,7 @@ def requested_backend() -> str:
     return name
 
 
+@functools.lru_cache(maxsize=None)  # asked on every call; an import does not come or go within a process
 def triton_available() -> bool:
     try:
         importlib.import_module("triton")
@@ -54,8 +56,10 @@ def check_triton_inputs(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"the Triton backend supports head sizes up to {MAX_HEAD_SIZE}, got K = {K}, V = {V}")
 
 
+@functools.lru_cache(maxsize=None)
 def triton_form(name: str):
-    """The module of deltatron.kernels implementing a form (contract in deltatron.autograd)."""
+    """The module of deltatron.kernels implementing a form (contract in deltatron.autograd); cached, since
+    importlib's lookup costs about as much as the rest of a small call's dispatch."""
     try:
         return importlib.import_module(f"deltatron.kernels.{name}")
     except ModuleNotFoundError as e:
