@@ -2,9 +2,10 @@
 
 A form is a module of deltatron.kernels with two functions (contract):
 
-    forward(q, k, v, beta, scale, initial_state, output_final_state, info, **options)
+    forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward, **options)
         -> (o, final_state or None, saved: tuple of tensors for backward, extras: tuple of outputs
-            that take no gradient, e.g. an attention matrix)
+            that take no gradient, e.g. an attention matrix); without needs_backward (inference) a form
+            may save nothing and skip work done only for its backward
     backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, **options)
         -> (dq, dk, dv, dbeta, dh0 or None)
 
@@ -28,7 +29,7 @@ def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_
     if use_qk_l2norm:
         q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
     o, final_state, _, extras = form.forward(q, k, v, beta, scale, initial_state, output_final_state, info,
-                                             **options)
+                                             needs_backward=False, **options)
     return (o, final_state, *extras)
 
 
@@ -40,7 +41,7 @@ class DeltaRuleFunction(torch.autograd.Function):
             q, q_rstd = l2norm_fwd(q)
             k, k_rstd = l2norm_fwd(k)
         o, final_state, saved, extras = form.forward(
-            q, k, v, beta, scale, initial_state, output_final_state, info, **options
+            q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True, **options
         )
         ctx.form, ctx.scale, ctx.info, ctx.options = form, scale, info, options
         ctx.use_qk_l2norm = use_qk_l2norm

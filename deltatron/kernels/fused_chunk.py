@@ -221,8 +221,9 @@ def _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=None, 
     )
 
 
-def forward(q, k, v, beta, scale, initial_state, output_final_state, info, chunk_size=64):
-    """Contract of deltatron.autograd. Saves nothing beyond the inputs: the backward recomputes."""
+def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True, chunk_size=64):
+    """Contract of deltatron.autograd. Saves nothing beyond the inputs (the backward recomputes), with or
+    without needs_backward."""
     N, H, K, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None

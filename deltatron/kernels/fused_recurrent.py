@@ -5,15 +5,14 @@ slice of the fp32 state in registers. V-blocks are independent: S^T k, the updat
 never mix columns of S. The same kernel is the decode step: with inplace_final_state it reads the
 state once and writes it back over itself.
 
-Backward: one reverse sweep per (V-block, sequence, head) carrying dS, with the state rebuilt from the
-final state token by token, S_{t-1} = S_t - k_t v'_t^T. The forward saves only what this needs: the
-per-token error e_t = v_t - S_{t-1}^T k_t in fp32 (so v'_t = beta_t e_t is bit-for-bit the forward's)
-and the final state; nothing of size K x V per token. dq, dk and dbeta sum over all of V: each V-block
-writes its partial sums and the host adds them in a fixed order (deterministic, no atomics).
-Rebuilding the state by subtraction adds an error of about eps |S_T| to S_t: at the fp32 rounding level
-while the transitions I - beta k k^T are contractions or grow the state moderately (the tests cover
-beta up to 2 with keys not normalized); only dk degrades when the state grows by orders of magnitude
-along one sequence."""
+Backward: one reverse sweep per (V-block, sequence, head) carrying dS, with the state rebuilt token by
+token, S_{t-1} = S_t - k_t v'_t^T. What the forward saves for it (only when a gradient is wanted): the
+per-token error e_t = v_t - S_{t-1}^T k_t in fp32 (so v'_t = beta_t e_t is bit-for-bit the forward's), the
+final state, and a checkpoint of the state every SEGMENT tokens. Rebuilding by subtraction adds an error of
+about eps |S| per step; the sweep restarts from the exact checkpoint at each segment's start, so that error
+spans at most SEGMENT tokens and not the whole sequence (a state that grows by orders of magnitude along a
+long sequence would otherwise swamp dk). dq, dk and dbeta sum over all of V: each V-block writes its
+partial sums and the host adds them in a fixed order (deterministic, no atomics)."""
 from __future__ import annotations
 
 import functools
@@ -27,13 +26,19 @@ from .utils import INTERPRET, head_block, state_offsets
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
 BWD_TILE = 4096
+# Tokens between state checkpoints for the backward: the memory of the chunk form's per-chunk states (one
+# fp32 [K, V] per 64 tokens and head, a quarter of e's size at K = 64, a half at 128).
+SEGMENT = 64
 
 
 @triton.jit
-def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
+def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segment_offsets, scale,
                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                               BK: tl.constexpr, BV: tl.constexpr,
-                               USE_INITIAL_STATE: tl.constexpr, SAVE_ERROR: tl.constexpr):
+                               BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
+                               USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                               SAVE_FOR_BACKWARD: tl.constexpr):
+    """SAVE_FOR_BACKWARD: also e [tokens, H, V] and the state entering every SEG-token segment into
+    h [segments, H, K, V] (segment_offsets: first global segment of each sequence)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # int64 token offsets: tokens * H * K may pass 2^31
@@ -56,10 +61,15 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
     p_k = k + first * K + o_k
     p_v = v + first * V + o_v
     p_o = o + first * V + o_v
-    if SAVE_ERROR:
+    if SAVE_FOR_BACKWARD:
         p_e = e + first * V + o_v
+        first_segment = tl.load(segment_offsets + i_n)
     p_beta = beta + first
-    for _ in range(bos, eos):
+    for t in range(bos, eos):
+        if SAVE_FOR_BACKWARD:
+            if (t - bos) % SEG == 0:  # checkpoint: the state entering this segment
+                p_h, _ = state_offsets((first_segment + (t - bos) // SEG) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+                tl.store(h + p_h, b_S, mask=m_S)
         b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
@@ -68,7 +78,7 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
         b_S += b_k[:, None] * (b_beta * b_e)[None, :]          # S += k v'^T, v' = beta e
         b_o = scale * tl.sum(b_S * b_q[:, None], 0)            # scale S^T q
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
-        if SAVE_ERROR:
+        if SAVE_FOR_BACKWARD:
             tl.store(p_e, b_e, mask=m_v)
             p_e += H * V
         p_q += H * K
@@ -76,13 +86,14 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h0, ht, cu_seqlens, scale,
         p_v += H * V
         p_o += H * V
         p_beta += H
-    tl.store(ht + p_S, b_S, mask=m_S)
+    if STORE_FINAL_STATE:
+        tl.store(ht + p_S, b_S, mask=m_S)
 
 
 @triton.jit
-def fused_recurrent_bwd_kernel(q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh0, cu_seqlens, scale,
-                               num_tokens, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                               BK: tl.constexpr, BV: tl.constexpr,
+def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta, dh0, cu_seqlens,
+                               segment_offsets, scale, num_tokens, H: tl.constexpr, K: tl.constexpr,
+                               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """Reverse sweep. dq, dk [NV, tokens, H, K] and dbeta [NV, tokens, H] receive this V-block's partial
     sums over V; dv [tokens, H, V] and dh0 are complete per V-block."""
@@ -96,6 +107,7 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh
     m_v = o_v < V
     p_S, m_S = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
     b_S = tl.load(ht + p_S, mask=m_S, other=0.0)
+    first_segment = tl.load(segment_offsets + i_n)
     if USE_FINAL_STATE_GRADIENT:
         b_dS = tl.load(dht + p_S, mask=m_S, other=0.0).to(tl.float32)
     else:
@@ -113,7 +125,8 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh
     p_dk = dk + (part + last) * K + o_k
     p_dv = dv + last * V + o_v
     p_dbeta = dbeta + part + last
-    for _ in range(bos, eos):
+    for j in range(bos, eos):
+        t = bos + eos - 1 - j  # the token of this step, from the last
         b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         b_e = tl.load(p_e, mask=m_v, other=0.0)
@@ -123,8 +136,13 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh
         # o_t = scale S_t^T q_t
         b_dq = scale * tl.sum(b_S * b_do[None, :], 1)
         b_dS += (scale * b_q)[:, None] * b_do[None, :]
-        # S_t = S_{t-1} + k_t v'_t^T: step the state back, then its gradient
-        b_S -= b_k[:, None] * b_vn[None, :]
+        # S_t = S_{t-1} + k_t v'_t^T: step the state back (exactly, from the checkpoint, at a segment's
+        # first token), then its gradient
+        if (t - bos) % SEG == 0:
+            p_h, _ = state_offsets((first_segment + (t - bos) // SEG) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+            b_S = tl.load(h + p_h, mask=m_S, other=0.0)
+        else:
+            b_S -= b_k[:, None] * b_vn[None, :]
         b_dvn = tl.sum(b_dS * b_k[:, None], 0)                  # dv' = dS_t^T k
         b_dv = b_beta * b_dvn                                   # v' = beta (v - S_{t-1}^T k)
         b_dk = tl.sum(b_dS * b_vn[None, :] - b_S * b_dv[None, :], 1)
@@ -162,34 +180,43 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
     return BV, num_warps
 
 
-def forward(q, k, v, beta, scale, initial_state, output_final_state, info, inplace_final_state=False):
-    """Returns (o, final_state, saved, extras); saved = (e, final state) unless inplace_final_state, which
-    writes the final state over initial_state (fp32, contiguous: checked by the api) and saves nothing."""
+def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
+            inplace_final_state=False):
+    """Returns (o, final_state, saved, extras). With needs_backward, saved = (e, per-segment states, final
+    state) for the backward; without it (inference, decoding) nothing is saved or written beyond o and the
+    final state. inplace_final_state writes the final state over initial_state (fp32, contiguous: checked by
+    the api)."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     N = info.num_seqs
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     if inplace_final_state:
-        e, ht = None, initial_state
-    else:
-        e = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+        ht = initial_state
+    elif output_final_state or needs_backward:  # the backward starts from the final state
         ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+    else:
+        ht = None
+    e = h = segment_offsets = None
+    if needs_backward:
+        segments = info.chunks(SEGMENT)
+        e = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+        h = torch.empty(segments.num_chunks, H, K, V, dtype=torch.float32, device=q.device)
+        segment_offsets = segments.chunk_offsets
     BK = head_block(K)
     BV, num_warps = _launch_config(V, BK, N * H, FWD_TILE, q.device)
     # sequences x heads on grid axis 0, which takes up to 2^31 - 1 programs (axis 1 only 65535)
     grid = (N * H, triton.cdiv(V, BV))
     fused_recurrent_fwd_kernel[grid](
-        q, k, v, beta, o, e, initial_state, ht, info.cu_seqlens, scale,
-        H=H, K=K, V=V, BK=BK, BV=BV,
-        USE_INITIAL_STATE=initial_state is not None, SAVE_ERROR=not inplace_final_state, num_warps=num_warps,
+        q, k, v, beta, o, e, h, initial_state, ht, info.cu_seqlens, segment_offsets, scale,
+        H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, num_warps=num_warps,
     )
-    if inplace_final_state:
-        return o, ht, (), ()
-    return o, ht if output_final_state else None, (e, ht), ()
+    saved = (e, h, ht) if needs_backward else ()
+    return o, ht if output_final_state or inplace_final_state else None, saved, ()
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_final_state=False):
     """Returns (dq, dk, dv, dbeta, dh0 or None); dq, dk, dbeta in fp32, dv in v's dtype."""
-    e, ht = saved
+    e, h, ht = saved
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     N = info.num_seqs
     BK = head_block(K)
@@ -201,8 +228,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     dh0 = None if initial_state is None else torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
     fused_recurrent_bwd_kernel[(N * H, NV)](
-        q, k, beta, e, do, ht, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, scale, info.total_tokens,
-        H=H, K=K, V=V, BK=BK, BV=BV,
+        q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens,
+        info.chunks(SEGMENT).chunk_offsets, scale, info.total_tokens, H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT,
         USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=initial_state is not None,
         num_warps=num_warps,
     )

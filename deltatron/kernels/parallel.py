@@ -351,7 +351,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
-def forward(q, k, v, beta, scale, initial_state, output_final_state, info, output_attentions=False):
+def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
+            output_attentions=False):
+    """Contract of deltatron.autograd. Saves Tinv and V', both computed by the forward anyway (needs_backward
+    changes nothing)."""
     B, T, H = q.shape[:3]
     K, V, BK, BT, BV, warps = _config(q, v)
     N = info.num_seqs

@@ -9,6 +9,7 @@ import torch
 
 import deltatron.kernels.fused_recurrent as fused_recurrent
 from deltatron import fused_recurrent_delta_rule
+from deltatron.kernels.utils import seq_info
 from deltatron.reference import recurrent_delta_rule
 
 from ..helpers import BOUNDS, DEVICE, INTERPRET, assert_within_bounds, make_inputs, random_cu_seqlens, rel_rms
@@ -83,6 +84,30 @@ def test_without_final_state():
 def test_keys_not_normalized_beta_up_to_2():
     # the transitions I - beta k k^T are no longer contractions: the same function must come out
     check(1, 64, 1, 24, 40, torch.float32, normalized_keys=False, beta_max=2.0, seed=2)
+
+
+def test_growing_state_over_a_long_sequence():
+    # keys not normalized, beta up to 2: the state grows about 5000-fold over these 1000 tokens. Rebuilding
+    # it backwards by subtraction from the final state alone put dk at 1.7e-4 (over the fp32 bound); from
+    # the checkpoint of each 64-token segment the error stays that of a short sequence
+    check(1, 1000, 1, 16, 16, torch.float32, normalized_keys=False, beta_max=2.0, seed=0)
+
+
+def test_segments_across_packed_sequences(poison):
+    # checkpoints are per sequence: lengths on both sides of the 64-token segment, an empty one between
+    lengths = [130, 0, 64, 65, 1]
+    assert fused_recurrent.SEGMENT == 64
+    check(1, sum(lengths), 1, 16, 24, torch.float32, lengths=lengths, seed=6)
+
+
+def test_inference_saves_nothing():
+    inp = make_inputs(2, 70, 1, 16, 16, torch.float32, device=DEVICE, initial_state=True, seed=7)
+    info = seq_info(2, 70, torch.device(DEVICE), None, None)
+    args = (inp["q"], inp["k"], inp["v"], inp["beta"], 0.25, inp["initial_state"])
+    o, final, saved, _ = fused_recurrent.forward(*args, False, info, needs_backward=False)
+    assert final is None and saved == ()
+    o_train, final_train, saved_train, _ = fused_recurrent.forward(*args, True, info, needs_backward=True)
+    assert torch.equal(o, o_train) and len(saved_train) == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

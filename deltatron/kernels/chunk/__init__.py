@@ -32,9 +32,11 @@ __all__ = ["forward", "backward"]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
-            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo, chunk_size: int = 64):
+            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
+            needs_backward: bool = True, chunk_size: int = 64):
     """o, final_state, saved = (Tinv,), extras = (). Three launches: A, Tinv, W, U in one kernel (wy_fwd),
-    the state pass, the output. Only Tinv is saved: W, U and the per-chunk states are recomputed."""
+    the state pass, the output. Only Tinv is saved (W, U and the per-chunk states are recomputed); it is a
+    by-product of the forward, so needs_backward changes nothing."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size)
     h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
     del w, u  # not needed by the output: its peak is h, v_new and o
