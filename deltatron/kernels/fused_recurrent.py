@@ -26,8 +26,8 @@ from .utils import INTERPRET, head_block, state_offsets
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
 BWD_TILE = 4096
-# Tokens between state checkpoints for the backward: the memory of the chunk form's per-chunk states (one
-# fp32 [K, V] per 64 tokens and head, a quarter of e's size at K = 64, a half at 128).
+# Tokens between state checkpoints for the backward: one fp32 [K, V] per 64 tokens and head, K V / 16 bytes
+# per token and head (e's size at K = 64, twice it at K = 128), the memory of the chunk form's states.
 SEGMENT = 64
 
 
