@@ -9,6 +9,7 @@ import deltatron
 from deltatron.reference import chunk_delta_rule_reference
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from . import CHUNK_SHAPES
 
 pytestmark = pytest.mark.gpu
 
@@ -55,13 +56,7 @@ def check(x, scale, C, cu_seqlens=None, ref_dtype=torch.float64, outputs=False):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, T, H, D, C", [
-    (2, 8192, 4, 128, 64),
-    (4, 2048, 16, 64, 64),
-    (1, 4096, 8, 256, 64),
-    (8, 1000, 8, 100, 32),
-    (2, 777, 32, 128, 16),
-])
+@pytest.mark.parametrize("B, T, H, D, C", CHUNK_SHAPES)
 def test_backward_fixed_length(triton_backend, poison, dtype, B, T, H, D, C):
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + D, requires_grad=True)
     check(x, D ** -0.5, C)

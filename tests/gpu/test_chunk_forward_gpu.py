@@ -12,6 +12,7 @@ from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
 from deltatron.reference.chunk import from_chunks, to_chunks
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from . import CHUNK_SHAPES
 
 pytestmark = pytest.mark.gpu
 
@@ -34,13 +35,7 @@ def run_forward(x, scale, C, info):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B, T, H, D, C", [
-    (2, 8192, 4, 128, 64),
-    (4, 2048, 16, 64, 64),
-    (1, 4096, 8, 256, 64),
-    (8, 1000, 8, 100, 32),
-    (2, 777, 32, 128, 16),
-])
+@pytest.mark.parametrize("B, T, H, D, C", CHUNK_SHAPES)
 def test_forward_fixed_length(poison, dtype, B, T, H, D, C):
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + D)
     o, final = run_forward(x, D ** -0.5, C, seq_info(B, T, torch.device("cuda"), None, None))
