@@ -191,3 +191,16 @@ def test_decode_configs_diagnostic_runs(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "(shipped)" in proc.stdout and "RESULT DIFFERS" not in proc.stdout
+
+
+def test_stage_configs_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/stage_configs.py (the per-stage launch sweep for the GPU) runs its smoke mode:
+    every stage compared with its shipped launch and timed."""
+    out = tmp_path / "configs.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_configs.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())["report"]
+    assert len(report) == 9
+    for stage in report.values():
+        assert stage["best"] is not None and all(r["error"] == 0.0 for k, r in stage["rows"].items() if k != "shipped")

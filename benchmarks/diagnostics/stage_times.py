@@ -49,7 +49,9 @@ def timer(smoke: bool):
     return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
 
 
-def chunk_stages(cfg: bench.Config, device, measure) -> dict:
+def stage_calls(cfg: bench.Config, device):
+    """({stage name: a call running that stage alone}, the benchmark's inputs), each stage on inputs
+    prepared by the stages before it."""
     x = bench.make_inputs(cfg, device, seed=0)
     q, k, v, beta, do = (x[n].detach() for n in ("q", "k", "v", "beta", "do"))
     B, T = q.shape[:2]
@@ -76,7 +78,14 @@ def chunk_stages(cfg: bench.Config, device, measure) -> dict:
         "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
         "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
     }
+    return stages, x
+
+
+def chunk_stages(cfg: bench.Config, device, measure) -> dict:
+    stages, x = stage_calls(cfg, device)
     times = {name: measure(fn) for name, fn in stages.items()}
+    q, k, v, beta, do = (x[n].detach() for n in ("q", "k", "v", "beta", "do"))
+    cu, cu_cpu = x.get("cu_seqlens"), x.get("cu_seqlens_cpu")
     kwargs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu) if cu is not None else {}
     grads_of = [x[n] for n in bench.GRAD_INPUTS]
     with torch.no_grad():
