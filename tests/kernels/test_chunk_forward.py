@@ -194,6 +194,10 @@ def check_forward(dtype, C, lengths, K, V, has_h0, seed, H=1, scale=None, **kw):
     o2, no_final, _, _ = chunk.forward(inp["q"], inp["k"], inp["v"], inp["beta"], scale,
                                        inp.get("initial_state"), False, info, chunk_size=C)
     assert no_final is None and torch.equal(o2, o)
+    # inference: Tinv is neither written nor saved, the results are the same
+    o3, final3, nothing, _ = chunk.forward(inp["q"], inp["k"], inp["v"], inp["beta"], scale,
+                                           inp.get("initial_state"), True, info, needs_backward=False, chunk_size=C)
+    assert nothing == () and torch.equal(o3, o) and torch.equal(final3, final)
 
 
 @pytest.mark.parametrize("dtype, C, T, K, V, has_h0", [

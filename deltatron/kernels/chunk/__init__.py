@@ -34,11 +34,11 @@ __all__ = ["forward", "backward"]
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
             needs_backward: bool = True, chunk_size: int = 64):
-    """o, final_state, saved = (Tinv,), extras = (). Three launches: A, Tinv, W, U in one kernel (wy_fwd),
-    the state pass, the output. Only Tinv is saved (W, U and the per-chunk states are recomputed); it is a
-    by-product of the forward, so needs_backward changes nothing."""
-    tinv, w, u = wy_fwd(k, v, beta, info, chunk_size)
+    """o, final_state, saved = (Tinv,) (or () without needs_backward), extras = (). Three launches: A, Tinv,
+    W, U in one kernel (wy_fwd), the state pass, the output. Only Tinv is saved: W, U and the per-chunk
+    states are recomputed; without needs_backward it is not even written out."""
+    tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
     h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
     del w, u  # not needed by the output: its peak is h, v_new and o
     o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
-    return o, final_state, (tinv,), ()
+    return o, final_state, (tinv,) if needs_backward else (), ()

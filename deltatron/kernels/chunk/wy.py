@@ -4,11 +4,11 @@ Two entry points share one kernel:
     recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute);
     wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built tile by tile
                                                           from K on chip, inverted, applied, and only
-                                                          Tinv (saved for the backward), W and U are written.
+                                                          W, U and (for the backward) Tinv are written.
 W and U have the input dtype: they feed 16-bit dots in the state pass."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -37,17 +37,21 @@ def apply_tinv(t, x, b_beta, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.cons
 @triton.jit
 def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
-              PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr):
+              STORE_TINV: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr):
+    """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     k_c = k + start * H * K + i_h * K
     beta_c = beta + start * H + i_h
     rows = tl.arange(0, C)
-    t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
     if FUSED:
-        b_t = tril_inverse(tinv, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC)
-        tl.store(t_c, b_t, mask=rows[:, None] < n)
+        # (A comes from K here: the first argument, A's address, is not read)
+        b_t = tril_inverse(k_c, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC)
+        if STORE_TINV:
+            t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
+            tl.store(t_c, b_t, mask=rows[:, None] < n)
     else:
+        t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
         b_t = tl.load(t_c, mask=(rows[:, None] < n) & (rows[None, :] < n), other=0.0)
     # 16-bit inputs: Tinv is rounded to the input dtype so that the products run on the tensor cores
     b_t = b_t.to(w.dtype.element_ty)
@@ -57,13 +61,15 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
 
 
 def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
+    """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv."""
     H, K, V = k.shape[2], k.shape[3], v.shape[3]
     w, u = torch.empty_like(k), torch.empty_like(v)
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
-            min(head_block(K), 64), min(head_block(V), 64), fused, dot_precision(k.dtype), tril_precision(),
+            min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, dot_precision(k.dtype),
+            tril_precision(),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return w, u
@@ -76,8 +82,9 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: to
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
-           chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, w, u)."""
-    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
+           chunk_size: int, store_tinv: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
+    (inference: nothing needs it after W and U), w, u)."""
+    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
     w, u = _wy(k, v, beta, tinv, True, info, chunk_size)
     return tinv, w, u
