@@ -1,0 +1,157 @@
+"""Every Triton launch of the four forms (forward and backward), compiled for the H200 (sm_90) on a machine
+without a GPU: catches compile errors and shared-memory overflows before a device call, and shows what
+each kernel costs in registers, spills and shared memory and whether its dots became Hopper's wgmma.
+
+The forms' host code runs on CPU tensors; each kernel launch is intercepted and compiled (not run) with
+the same specialization a GPU launch would get, by whatever triton is importable (the H200 has 3.6: put a
+`pip install --target DIR triton==3.6.0` first on PYTHONPATH to compile with it). Results are garbage
+(nothing runs), so a host step that reads them is not meaningful; the kernels are what is looked at.
+
+    python benchmarks/diagnostics/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("offline_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import compile as triton_compile  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from deltatron.kernels import chunk, fused_chunk, fused_recurrent, parallel  # noqa: E402
+from deltatron.kernels.utils import seq_info  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+H200_SMS = 132
+SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90
+FORMS = {"chunk": chunk, "fused_chunk": fused_chunk, "fused_recurrent": fused_recurrent, "parallel": parallel}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class OfflineLaunches:
+    """While active, a Triton launch compiles its kernel for sm_90 instead of running it; one row per
+    distinct compilation."""
+
+    def __init__(self):
+        self.backend = make_backend(H200)
+        self.rows, self.seen = [], set()
+
+    def __enter__(self):
+        self.run = JITFunction.run
+        offline = self
+
+        def compile_instead(fn, *args, grid, warmup, **kwargs):
+            offline.compile(fn, args, kwargs)
+
+        JITFunction.run = compile_instead
+        return self
+
+    def __exit__(self, *exc):
+        JITFunction.run = self.run
+
+    def compile(self, fn: JITFunction, args, kwargs):
+        binder = create_function_from_signature(fn.signature, fn.params, self.backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
+        key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
+               options.num_warps, options.num_stages)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        named = {fn.arg_names[path[0]]: value for path, value in constexprs.items()
+                 if len(path) == 1 and isinstance(value, (int, str)) and not isinstance(value, bool)}
+        row = dict(kernel=fn.__name__, constexprs=named, warps=options.num_warps, stages=options.num_stages)
+        start = time.perf_counter()
+        try:
+            compiled = triton_compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=H200,
+                                      options=options.__dict__)
+        except Exception as e:  # reported: a compile failure is what this tool is for
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        else:
+            ptx = compiled.asm["ptx"]
+            md = compiled.metadata
+            row.update(**ptxas_usage(ptx), shared=md.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                       mma=len(re.findall(r"\bmma\.sync", ptx)))
+            if md.shared > SHARED_LIMIT:
+                row.update(error=f"shared memory {md.shared} > {SHARED_LIMIT}")
+        row["seconds"] = time.perf_counter() - start
+        self.rows.append(row)
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers per thread and spilled bytes of the kernel, from `ptxas -v` (the first of triton's own
+    ptxas binaries that accepts this PTX version)."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        for name in ("ptxas", "ptxas-blackwell"):
+            out = subprocess.run([os.path.join(bin_dir, name), "-v", "--gpu-name", "sm_90a", f.name, "-o",
+                                  os.devnull], capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", out)
+            if regs:
+                spills = re.search(r"(\d+) bytes spill stores", out)
+                return dict(regs=int(regs.group(1)), spills=int(spills.group(1)) if spills else 0)
+    return dict(regs=-1, spills=-1)
+
+
+def inputs(B, T, H, K, V, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = {n: torch.randn(*shape, generator=g).to(dtype) for n, shape in
+         dict(q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), do=(B, T, H, V)).items()}
+    x["beta"] = torch.rand(B, T, H, generator=g).to(dtype)
+    x["h0"] = torch.randn(B, H, K, V, generator=g)
+    return x
+
+
+def run_form(form, x, info):
+    """The form's forward (saving for the backward) and backward on x; every launch goes to OfflineLaunches."""
+    args = (x["q"], x["k"], x["v"], x["beta"], x["q"].shape[-1] ** -0.5, x["h0"])
+    o, final, saved, _ = form.forward(*args, True, info, needs_backward=True)
+    form.backward(*args, saved, x["do"], torch.randn_like(final), info)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--heads", type=int, nargs="+", default=[128], help="head sizes K = V")
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
+    parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
+                        help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
+    args = parser.parse_args()
+    fused_recurrent._num_sms = lambda device: H200_SMS  # its V-blocks depend on the SM count
+    B, H = args.batch_heads
+    failed = False
+    for D in args.heads:
+        x = inputs(B, 128, H, D, D, DTYPES[args.dtype])
+        info = seq_info(B, 128, torch.device("cpu"), None, None)
+        for name in args.forms:
+            with OfflineLaunches() as offline:
+                run_form(FORMS[name], x, info)
+            for r in offline.rows:
+                shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
+                                 ("K", "V", "C", "BT", "BK", "BV", "BD", "SEG"))
+                head = f"{name:<16}{r['kernel']:<30}{shape:<32}w{r['warps']} s{r['stages']}"
+                if "error" in r:
+                    failed = True
+                    print(f"{head}  FAILED {r['error']}")
+                else:
+                    print(f"{head}  regs {r['regs']:>3}  spills {r['spills']:>5}  shared {r['shared']:>6}  "
+                          f"wgmma {r['wgmma']:>3}  mma.sync {r['mma']:>3}  ({r['seconds']:.0f} s)", flush=True)
+    print(f"triton {triton.__version__}, target sm_90, {args.dtype}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
