@@ -17,12 +17,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels import fused_recurrent  # noqa: E402
@@ -38,19 +38,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         cfg, device, widths, warps = bench.SMOKE_CONFIGS[2], torch.device("cpu"), (16,), (1,)
-
-        def measure(fn):
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
     else:
-        import triton
-
         cfg, device = bench.decode(64, 16, 128), torch.device("cuda")
         widths, warps = (16, 32, 64, 128), (1, 2, 4, 8)
-
-        def measure(fn):
-            return triton.testing.do_bench(fn, warmup=25, rep=100)
+    measure = timer(args.smoke)
 
     x = bench.make_inputs(cfg, device, seed=0)
     q, k, v, beta, h = (x[n] for n in ("q", "k", "v", "beta", "h"))
