@@ -234,6 +234,12 @@ def test_gradients_match_recurrence(monkeypatch, dtype, C, T, with_state, with_d
     check_against_recurrence(monkeypatch, 2, T, 1, 40, 24, dtype, C, with_state, with_dht, growing, seed=T + C)
 
 
+def test_gradients_head_size_over_128_fp32(monkeypatch, poison):
+    # K = 130 takes 256-row state tiles; in fp32 the reverse state pass then uses 16-column V-blocks (the
+    # 32 of other dtypes do not fit sm_90's shared memory), so V = 40 spans three of them, the last partial
+    check_against_recurrence(monkeypatch, 1, 70, 1, 130, 40, torch.float32, 16, True, True, False, seed=130)
+
+
 @pytest.mark.parametrize("dtype, C", [(torch.float32, 16), (torch.bfloat16, 32)])
 def test_gradients_varlen(monkeypatch, dtype, C, poison):
     lengths = [0, 1, C + 1, C - 1, 2 * C, 0]

@@ -63,6 +63,10 @@ def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, 
     dv = torch.empty_like(do)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BK, BV = head_block(K), state_block_v(K, V, N * H)
+    if q.element_size() == 4 and BK >= 256:
+        # fp32 [C, 256] tiles, pipelined, leave no shared memory for BV = 32 (offline sm_90 compile with
+        # triton 3.6: 237,568 bytes, 232,448 allowed; benchmarks/diagnostics/offline_compile.py); 16 fits
+        BV = min(BV, 16)
     if N:
         state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
