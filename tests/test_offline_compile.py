@@ -1,12 +1,12 @@
 """Every Triton launch of the four forms (forward and backward, bf16) compiles for the H200 (sm_90) within
-its shared memory, checked on this machine without a GPU (benchmarks/diagnostics/offline_compile.py, with
-the installed triton: the compile errors and shared-memory overflows that otherwise first show on the GPU)."""
+its shared memory at the largest head size, and so does the fp32 kernel that once did not; checked on this
+machine without a GPU (benchmarks/diagnostics/offline_compile.py with the installed triton: the compile
+errors and shared-memory overflows that otherwise first show on the GPU)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "offline_compile.py"
 
@@ -21,14 +21,15 @@ def compile_rows(*args):
     return rows
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
-def test_all_forms_compile_for_sm90(head_size):
+def test_all_forms_compile_for_sm90():
+    # K = V = 256: the largest tiles, so the most shared memory (a compile error would show at any size).
     # chunk: 9 launches (the state pass twice); fused_chunk 3; fused_recurrent 2; parallel 5
-    assert len(compile_rows("--heads", str(head_size))) == 19
+    assert len(compile_rows("--heads", "256")) == 19
 
 
 def test_fp32_chunk_at_head_size_256_fits_shared_memory():
     # fp32 tiles are twice the size: the reverse state pass at K = 256 needs its narrower V-block (it used
     # 237,568 bytes of shared memory at BV = 32, over sm_90's 232,448, with 16 sequences x heads or more)
-    rows = compile_rows("--dtype", "fp32", "--heads", "256", "--forms", "chunk")
-    assert len(rows) == 9 and any("state_bwd_kernel" in row and "BV=16" in row for row in rows)
+    # (fp32 kernels take minutes to compile on two cores: this one only)
+    rows = compile_rows("--dtype", "fp32", "--heads", "256", "--forms", "chunk", "--kernels", "state_bwd_kernel")
+    assert len(rows) == 1 and "state_bwd_kernel" in rows[0] and "BV=16" in rows[0]

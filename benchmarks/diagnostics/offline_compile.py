@@ -43,8 +43,9 @@ class OfflineLaunches:
     """While active, a Triton launch compiles its kernel for sm_90 instead of running it; one row per
     distinct compilation."""
 
-    def __init__(self):
+    def __init__(self, kernels=None):
         self.backend = make_backend(H200)
+        self.kernels = kernels  # names of the kernels to compile (None: all)
         self.rows, self.seen = [], set()
 
     def __enter__(self):
@@ -61,6 +62,8 @@ class OfflineLaunches:
         JITFunction.run = self.run
 
     def compile(self, fn: JITFunction, args, kwargs):
+        if self.kernels is not None and fn.__name__ not in self.kernels:
+            return
         binder = create_function_from_signature(fn.signature, fn.params, self.backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
@@ -127,6 +130,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--heads", type=int, nargs="+", default=[128], help="head sizes K = V")
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
+    parser.add_argument("--kernels", nargs="+", help="compile only these kernels (e.g. state_bwd_kernel)")
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
     args = parser.parse_args()
@@ -137,7 +141,7 @@ def main() -> int:
         x = inputs(B, 128, H, D, D, DTYPES[args.dtype])
         info = seq_info(B, 128, torch.device("cpu"), None, None)
         for name in args.forms:
-            with OfflineLaunches() as offline:
+            with OfflineLaunches(args.kernels) as offline:
                 run_form(FORMS[name], x, info)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
