@@ -60,11 +60,4 @@ def check_triton_inputs(q: torch.Tensor, v: torch.Tensor) -> None:
 def triton_form(name: str):
     """The module of deltatron.kernels implementing a form (contract in deltatron.autograd); cached, since
     importlib's lookup costs about as much as the rest of a small call's dispatch."""
-    try:
-        return importlib.import_module(f"deltatron.kernels.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"deltatron.kernels.{name}":
-            raise
-        raise NotImplementedError(
-            f"the Triton backend of {name}_delta_rule is not available yet; use DELTATRON_BACKEND=torch"
-        ) from None
+    return importlib.import_module(f"deltatron.kernels.{name}")

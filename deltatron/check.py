@@ -117,9 +117,6 @@ def run_checks(device: torch.device, backend_names, dtypes, seed: int = 0, print
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         ms = (time.perf_counter() - t0) * 1e3
-                    except NotImplementedError as e:
-                        printer(line + f"  unavailable: {e}")
-                        continue
                     except Exception as e:  # a broken row fails the check without hiding the others
                         ok = False
                         printer(line + f"  FAIL: {type(e).__name__}: {str(e).splitlines()[0][:120]}")

@@ -1,6 +1,6 @@
-"""Shared by the correctness diagnostics: one case per process (an illegal memory access poisons the CUDA
-context, and a later case must not inherit it), and the worst error of a form's Triton run against the
-PyTorch backend on the same rounded inputs."""
+"""Shared by the diagnostics: one case per process (an illegal memory access poisons the CUDA context, and
+a later case must not inherit it), the worst error of a form's Triton run against the PyTorch backend on the
+same rounded inputs, and launches forced to one warp count / pipelining depth."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,31 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable, Dict, Sequence, Tuple
 
 Case = Tuple[str, ...]
+
+
+@contextmanager
+def forced_launch(num_warps=None, num_stages=None):
+    """Every Triton launch inside runs with these num_warps / num_stages (None: as the code says)."""
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+
+    def forced(self, *args, **kwargs):
+        if num_warps is not None:
+            kwargs["num_warps"] = num_warps
+        if num_stages is not None:
+            kwargs["num_stages"] = num_stages
+        return run(self, *args, **kwargs)
+
+    JITFunction.run = forced
+    try:
+        yield
+    finally:
+        JITFunction.run = run
 
 
 def worst_error_vs_torch(fn: Callable, K: int, dtype, backward: bool = True, **kwargs) -> str:

@@ -10,7 +10,7 @@ error over o, final state and the five gradients, or the exception.
 import argparse
 import itertools
 
-from isolated import run_cases, save, serve_case, worst_error_vs_torch
+from isolated import forced_launch, run_cases, save, serve_case, worst_error_vs_torch
 
 FORMS = ["chunk", "fused_chunk", "fused_recurrent", "parallel"]
 HEAD_SIZES = [64, 128, 256]
@@ -20,19 +20,11 @@ STAGES = [1, 2, 3, 0]  # 0: the code's own choice
 
 def one_case(form: str, K: str, dtype_name: str, stages: str) -> str:
     import torch
-    import triton
 
     import deltatron
 
-    if int(stages):
-        run = triton.runtime.jit.JITFunction.run
-
-        def forced(self, *args, **kwargs):
-            kwargs["num_stages"] = int(stages)
-            return run(self, *args, **kwargs)
-
-        triton.runtime.jit.JITFunction.run = forced
-    return worst_error_vs_torch(getattr(deltatron, f"{form}_delta_rule"), int(K), getattr(torch, dtype_name))
+    with forced_launch(num_stages=int(stages) or None):
+        return worst_error_vs_torch(getattr(deltatron, f"{form}_delta_rule"), int(K), getattr(torch, dtype_name))
 
 
 def main():

@@ -18,40 +18,19 @@ import itertools
 import json
 import os
 import sys
-from contextlib import contextmanager
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from stage_times import stage_calls, timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
+from isolated import forced_launch  # noqa: E402  (same folder: sys.path[0] when run as a script)
+from stage_times import stage_calls, timer  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 
 WARPS = (2, 4, 8)
 STAGES = (2, 3)
 WRONG = 1e-2  # relative RMS from the shipped launch's outputs beyond which a configuration is wrong
-
-
-@contextmanager
-def forced_launch(num_warps=None, num_stages=None):
-    """Every Triton launch inside runs with these num_warps / num_stages (None: as the code says)."""
-    from triton.runtime.jit import JITFunction
-
-    run = JITFunction.run
-
-    def forced(self, *args, **kwargs):
-        if num_warps is not None:
-            kwargs["num_warps"] = num_warps
-        if num_stages is not None:
-            kwargs["num_stages"] = num_stages
-        return run(self, *args, **kwargs)
-
-    JITFunction.run = forced
-    try:
-        yield
-    finally:
-        JITFunction.run = run
 
 
 def tensors(result):
