@@ -8,7 +8,7 @@ with those of the shipped launch (relative RMS; a wrong configuration shows as a
 exception, not as a speed-up) and times it. Prints per stage: the shipped time, the best right
 configuration and its time.
 
-    python benchmarks/diagnostics/stage_configs.py [--config b8-t2048-h16-k128] [--out FILE.json]
+    python benchmarks/diagnostics/stage_configs.py [--config b8-t2048-h16-k128] [--stages wy ...] [--out FILE.json]
     python benchmarks/diagnostics/stage_configs.py --smoke     # CPU, interpreter, one configuration
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ def worst_difference(got, want) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="b8-t2048-h16-k128")
+    parser.add_argument("--stages", nargs="+", help="only the stages whose names contain one of these")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -64,6 +65,8 @@ def main() -> int:
     stages, _ = stage_calls(cfg, device)
     report = {}
     for name, call in stages.items():
+        if args.stages and not any(part in name for part in args.stages):
+            continue
         shipped = call()
         rows = {"shipped": dict(ms=measure(call))}
         for warps, depth in choices:

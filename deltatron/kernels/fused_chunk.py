@@ -190,7 +190,7 @@ def _precisions(dtype: torch.dtype):
     (benchmarks/diagnostics/fused_chunk_16bit.py, NOTES.md)."""
     if dtype == torch.bfloat16:
         return "ieee", "ieee"
-    return dot_precision(dtype), tril_precision()
+    return dot_precision(dtype), tril_precision(dtype)
 
 
 # Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for K in {64, 128,

@@ -364,7 +364,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     if chunks.num_chunks:
         parallel_fwd_tinv_kernel[(chunks.num_chunks, H)](
             k, beta, tinv, info.cu_seqlens, chunks.chunk_indices, H, K, BT, min(BK, 64),
-            dot_precision(k.dtype), tril_precision(), num_warps=4, num_stages=NUM_STAGES,
+            dot_precision(k.dtype), tril_precision(k.dtype), num_warps=4, num_stages=NUM_STAGES,
         )
     v_new = v.new_empty(v.shape, dtype=torch.float32)
     final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None

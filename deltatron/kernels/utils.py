@@ -110,9 +110,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def tril_precision() -> str:
-    """Dot precision inside the triangular inverse: DELTATRON_TRIL_PRECISION=ieee|tf32|tf32x3 (default ieee)."""
-    p = os.environ.get("DELTATRON_TRIL_PRECISION", "ieee")
+def tril_precision(dtype: torch.dtype) -> str:
+    """Dot precision inside the triangular inverse for inputs of this dtype: DELTATRON_TRIL_PRECISION=
+    ieee|tf32|tf32x3, else that of dot_precision. With 16-bit inputs T is rounded to 16 bits before it
+    multiplies K and V, so tf32's rounding (2^-11) stays below what follows; fp32 inputs keep ieee."""
+    p = os.environ.get("DELTATRON_TRIL_PRECISION", dot_precision(dtype))
     if p not in ("ieee", "tf32", "tf32x3"):
         raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of ieee, tf32, tf32x3; got {p!r}")
     return p

@@ -74,6 +74,27 @@ def test_kkt_and_solve_tril(poison, dtype, C, lengths, K):
     assert rel_rms(T, T_ref) < 1e-5
 
 
+@pytest.mark.parametrize("C", [32, 64])
+def test_solve_tril_nearly_parallel_keys(poison, C):
+    # repeated tokens: keys almost equal and beta near 2 make A almost 2 * (strictly lower ones), whose
+    # powers grow like binomial coefficients while the inverse stays bounded (1, -2, 2, -2, ... down each
+    # diagonal): an inverse built from series or powers of A would cancel catastrophically here
+    torch.manual_seed(5)
+    lengths, K = [C, C - 3], 32
+    base = torch.nn.functional.normalize(torch.randn(K, dtype=torch.float64), dim=0)
+    keys = torch.nn.functional.normalize(base + 1e-3 * torch.randn(sum(lengths), 2, K, dtype=torch.float64), dim=-1)
+    k = keys[None].float().to(DEVICE)
+    beta = (1.95 + 0.05 * torch.rand(1, sum(lengths), 2)).to(DEVICE)
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
+    _, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, *(x.cpu().double() for x in (k, k, beta)))
+    assert T_ref.abs().max() <= 2.5  # bounded, as the comment says
+    T = solve_tril.solve_tril(kkt.chunk_kkt(k, beta, info, C), info, C)
+    assert rel_rms(T, T_ref) < 1e-5
+    tinv, _, _ = wy.wy_fwd(k, k, beta, info, C)
+    assert rel_rms(tinv, T_ref) < 1e-5
+
+
 @pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
 def test_solve_tril_precision_switch(poison, monkeypatch, precision):
     # the switch reaches the merge products (the interpreter computes tf32 dots in full fp32, so the GPU

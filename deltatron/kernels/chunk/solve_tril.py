@@ -1,16 +1,20 @@
 """Stage 2 of the chunk forward: Tinv = (I + A)^{-1} per chunk, A strictly lower triangular (DESIGN.md §2).
 
-The C x C inverse is built from 16 x 16 pieces: each diagonal 16-block is inverted by forward
-substitution (cheap elementwise work on a small tile), then pairs of inverses are merged into 32 x 32 and
-64 x 64 inverses by the block formula
+The whole C x C tile of A stays in registers (from K by one product, or loaded), and the inverse is grown
+from its diagonal 16-blocks:
 
-    [[L11, 0], [A21, L22]]^{-1} = [[T11, 0], [T21, T22]],   T21 = -T22 A21 T11,
+1. all C/16 diagonal 16-blocks at once by forward substitution: 15 steps, step i forms row i of every
+   block (rows i, 16 + i, ...), each row needing only rows above it in its own block;
+2. then, for S = 16, 32, ..., the inverse of the 2S-block diagonal part from that of the S-block part by
 
-which is all matrix products. Everything stays fp32; the merge products run at tril_precision().
+       [[L11, 0], [A21, L22]]^{-1} = [[T11, 0], [T21, T22]],   T21 = -T22 A21 T11,
 
-The jit helpers (invert_unit_lower_16, merge_lower, tril_inverse) work on register tiles so that fused
-kernels can use them: tril_inverse(FROM_K=True) builds the A tiles it needs straight from K and beta and
-never materializes A (wy.wy_fwd does this)."""
+   applied to every 2S-block of the tile at once as T <- T - T E T, with E the A21 blocks of that level
+   (T is block diagonal, so T E T has exactly the T22 A21 T11 blocks).
+
+Step 1 is 15 dependent steps instead of C - 1; step 2 is matrix products (at tril_precision(): tf32 for 16-bit inputs, ieee for fp32). Everything
+stays fp32. The jit helper tril_inverse works on register tiles so that fused kernels can use it: with
+FROM_K=True it builds A straight from K and beta and never materializes it (wy.wy_fwd does this)."""
 from __future__ import annotations
 
 import torch
@@ -20,91 +24,52 @@ import triton.language as tl
 from ..utils import PIPELINE_STAGES, SeqInfo, mm, tril_precision
 from .kkt import chunk_span, kkt_tile
 
-
 @triton.jit
-def invert_unit_lower_16(a):
-    """(I + a)^{-1} for a strictly lower triangular [16, 16] fp32 tile, by forward substitution:
-    row i of the inverse is e_i - sum_{j<i} a_ij t_j, and rows j < i are final when row i is formed."""
-    r = tl.arange(0, 16)
+def invert_diagonal_blocks(a, C: tl.constexpr, B: tl.constexpr):
+    """(I + D)^{-1}, D the diagonal B-blocks of the strictly lower [C, C] fp32 tile a: a block diagonal
+    tile. Forward substitution on all blocks at once: row R = bB + i of block b is
+    e_R - sum_{j < R in block b} a[R, j] t[j, :], and its rows j < R are final when row R is formed."""
+    r = tl.arange(0, C)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    same_block = (r[:, None] // B) == (r[None, :] // B)
     t = eye
-    for i in range(1, 16):
-        a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)  # row i of a, indexed by j
-        t_i = tl.sum(a_i[:, None] * t, axis=0)  # sum_j a_ij t_j
-        t = tl.where(r[:, None] == i, eye - t_i[None, :], t)
+    for i in range(1, B):
+        rows_i = same_block & ((r[:, None] % B) == i)  # row i of each block, its own columns
+        # a_i[j] = a[row i of j's block, j]
+        a_i = tl.sum(tl.where(rows_i, a, 0.0), axis=0)
+        # sum_j a_i[j] t[j, c] only meets j in c's block: t is block diagonal
+        t_i = tl.sum(a_i[:, None] * t, axis=0)
+        t = tl.where(rows_i, eye - t_i[None, :], t)
     return t
 
 
 @triton.jit
-def hcat(x, y):
-    """[x, y] side by side."""
-    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), (x.shape[0], 2 * x.shape[1]))
-
-
-@triton.jit
-def vcat(x, y):
-    """[x; y] stacked."""
-    return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), (2 * x.shape[0], x.shape[1]))
-
-
-@triton.jit
-def merge_lower(t11, t22, a21, PRECISION: tl.constexpr):
-    """Inverse of the unit lower triangular [[I + A11, 0], [A21, I + A22]] from t11 = (I + A11)^{-1} and
-    t22 = (I + A22)^{-1}: [[t11, 0], [-t22 a21 t11, t22]], a tile twice the size."""
-    t21 = -mm(t22, mm(a21, t11, PRECISION), PRECISION)
-    return vcat(hcat(t11, tl.zeros_like(t11)), hcat(t21, t22))
-
-
-@triton.jit
-def a_tile(a, k, beta, n, H: tl.constexpr, I0: tl.constexpr, J0: tl.constexpr, B: tl.constexpr,
-           C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, FROM_K: tl.constexpr, KKT_PREC: tl.constexpr):
-    """The [B, B] tile of A at rows I0, columns J0 of one chunk: computed from k and beta (FROM_K) or
-    loaded from a; zero at rows and columns >= n, strictly lower on the diagonal."""
-    if FROM_K:
-        tile = kkt_tile(k, beta, n, H, I0, J0, B, B, K, BK, KKT_PREC)
-    else:
-        i = I0 + tl.arange(0, B)
-        j = J0 + tl.arange(0, B)
-        mask = (i[:, None] < n) & (j[None, :] < n)
-        if I0 == J0:
-            mask = mask & (i[:, None] > j[None, :])
-        tile = tl.load(a + i[:, None] * (H * C) + j[None, :], mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
-def inverse_16(a, k, beta, n, H: tl.constexpr, I0: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-               BK: tl.constexpr, FROM_K: tl.constexpr, KKT_PREC: tl.constexpr):
-    """Inverse of the diagonal 16-block of I + A at row I0."""
-    return invert_unit_lower_16(a_tile(a, k, beta, n, H, I0, I0, 16, C, K, BK, FROM_K, KKT_PREC))
-
-
-@triton.jit
-def inverse_32(a, k, beta, n, H: tl.constexpr, I0: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-               BK: tl.constexpr, FROM_K: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr):
-    """Inverse of the diagonal 32-block of I + A at row I0."""
-    t11 = inverse_16(a, k, beta, n, H, I0, C, K, BK, FROM_K, KKT_PREC)
-    t22 = inverse_16(a, k, beta, n, H, I0 + 16, C, K, BK, FROM_K, KKT_PREC)
-    a21 = a_tile(a, k, beta, n, H, I0 + 16, I0, 16, C, K, BK, FROM_K, KKT_PREC)
-    return merge_lower(t11, t22, a21, TRIL_PREC)
+def merge_diagonal_blocks(t, a, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr):
+    """From t = inverse of the S-block diagonal part of I + a to that of its 2S-block diagonal part:
+    t - t e t, e = the blocks of a below the diagonal S-blocks inside each diagonal 2S-block."""
+    r = tl.arange(0, C)
+    e = tl.where((r[:, None] // (2 * S) == r[None, :] // (2 * S)) & (r[:, None] // S > r[None, :] // S), a, 0.0)
+    return t - mm(t, mm(e, t, PRECISION), PRECISION)
 
 
 @triton.jit
 def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                  FROM_K: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr):
-    """(I + A)^{-1} of one chunk as a [C, C] fp32 tile (C = 16, 32 or 64). a (or k and beta, FROM_K) point
-    at the chunk's first token and its head; n = tokens in the chunk: rows past n come out as identity.
-    KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the merge products."""
-    if C == 16:
-        t = inverse_16(a, k, beta, n, H, 0, C, K, BK, FROM_K, KKT_PREC)
-    elif C == 32:
-        t = inverse_32(a, k, beta, n, H, 0, C, K, BK, FROM_K, KKT_PREC, TRIL_PREC)
+    """(I + A)^{-1} of one chunk as a [C, C] fp32 tile (C = 16, 32 or 64). a (or k and beta, FROM_K)
+    point at the chunk's first token and its head; n = tokens in the chunk: rows past n come out as
+    identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the merge products."""
+    tl.static_assert(C == 16 or C == 32 or C == 64, "chunk size must be 16, 32 or 64")
+    if FROM_K:
+        b_a = kkt_tile(k, beta, n, H, 0, 0, C, C, K, BK, KKT_PREC)
     else:
-        tl.static_assert(C == 64, "chunk size must be 16, 32 or 64")
-        t11 = inverse_32(a, k, beta, n, H, 0, C, K, BK, FROM_K, KKT_PREC, TRIL_PREC)
-        t22 = inverse_32(a, k, beta, n, H, 32, C, K, BK, FROM_K, KKT_PREC, TRIL_PREC)
-        a21 = a_tile(a, k, beta, n, H, 32, 0, 32, C, K, BK, FROM_K, KKT_PREC)
-        t = merge_lower(t11, t22, a21, TRIL_PREC)
+        r = tl.arange(0, C)
+        b_a = tl.load(a + r[:, None] * (H * C) + r[None, :],
+                      mask=(r[:, None] < n) & (r[None, :] < n) & (r[:, None] > r[None, :]), other=0.0)
+    t = invert_diagonal_blocks(b_a, C, 16)
+    if C >= 32:
+        t = merge_diagonal_blocks(t, b_a, C, 16, TRIL_PREC)
+    if C == 64:
+        t = merge_diagonal_blocks(t, b_a, C, 32, TRIL_PREC)
     return t
 
 
@@ -129,7 +94,7 @@ def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
         solve_tril_kernel[(chunks.num_chunks, H)](
-            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(),
+            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(A.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return tinv

@@ -69,7 +69,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, dot_precision(k.dtype),
-            tril_precision(),
+            tril_precision(k.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return w, u
