@@ -20,8 +20,8 @@ VARIANTS = {
     "bf16 K=64": ("bfloat16", 64, 64, {}),
     "bf16 C=32": ("bfloat16", 128, 32, {}),
     "bf16 f32 dots in bf16": ("bfloat16", 128, 64, {"_f32_dot_dtype": "bf16"}),
-    "bf16 tf32 dots": ("bfloat16", 128, 64, {"_precisions": ("tf32", "ieee")}),
-    "bf16 tf32 dots K=64": ("bfloat16", 64, 64, {"_precisions": ("tf32", "ieee")}),
+    "bf16 tf32 dots": ("bfloat16", 128, 64, {"_precision": "tf32"}),
+    "bf16 tf32 dots K=64": ("bfloat16", 64, 64, {"_precision": "tf32"}),
     "bf16 4 warps": ("bfloat16", 128, 64, {"NUM_WARPS": 4}),
     "bf16 1 stage": ("bfloat16", 128, 64, {"PIPELINE_STAGES": 1}),
     "bf16 3 stages": ("bfloat16", 128, 64, {"PIPELINE_STAGES": 3}),
@@ -40,7 +40,7 @@ def one_case(name: str, stage: str) -> str:
     for attr, value in knobs.items():
         if attr == "_f32_dot_dtype":
             value = {"bf16": lambda dt: tl.bfloat16}[value]
-        elif attr == "_precisions":
+        elif attr == "_precision":
             value = (lambda p: lambda dt: p)(value)
         setattr(fused_chunk, attr, value)
     return worst_error_vs_torch(deltatron.fused_chunk_delta_rule, K, getattr(torch, dtype_name),

@@ -3,21 +3,23 @@ every intermediate of a chunk on chip (DESIGN.md §2, §3).
 
 Per chunk, with S the state entering it (fp32, in registers across the whole walk):
 
-    A  = tril(diag(beta) K K^T, -1),  Tinv = (I + A)^{-1}              (fp32, only depends on K)
+    Tinv = (I + tril(diag(beta) K K^T, -1))^{-1}                      (fp32, only depends on K)
     X  = V - K S                                                       (what the state mispredicts)
     V' = Tinv diag(beta) X                                             (= U - W S of DESIGN.md §2)
     O  = scale (Q S + (Q K^T ⊙ M) V'),   S <- S + K^T V'
 
 Writing V' = Tinv R with R = diag(beta) X never forms W = Tinv (beta K) [C, K]: one C x C x V product
-replaces two C x C x K ones, and no [C, K] fp32 tile is live. HBM traffic of the forward: q, k, v, beta
-read once, o written once, plus the initial and final state.
+replaces two C x C x K ones, and no [C, K] fp32 tile is live. Tinv only depends on K, so it is not part
+of the walk: the chunk pipeline's WY kernel computes it for all chunks at once beforehand
+(chunk.wy.tinv_fwd, fp32 [TT, H, C]), and the walk loads it. HBM traffic of the forward: q, k, v, beta read
+once, Tinv written and read once, o written once, plus the initial and final state.
 
 Backward (two launches and a reduction):
   1. the forward kernel again, in its state-saving mode (no output): the state entering every chunk,
      fp32 [NT, H, K, V]; the one intermediate that goes through HBM, the price of walking the chunks
      in reverse without inverting the transitions (numerically unsafe);
   2. one kernel per (sequence, head, V-block) walking the chunks in reverse with dS [K, BV] in
-     registers, recomputing A, Tinv, X, V' on chip. With dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and
+     registers, recomputing X, V' on chip from the loaded Tinv. With dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and
      dR = Tinv^T dV', the gradient through the inverse collapses to dA = -tril(dR V'^T, -1) (from
      (I + A) V' = R), so no C x C x C product is needed:
          dQ = scale (dO S^T + G K),  G = dO V'^T ⊙ M
@@ -27,8 +29,7 @@ Backward (two launches and a reduction):
   3. dq, dk and dbeta sum over all of V: each V-block program writes its own fp32 partial
      [NV, ...] and torch sums them in a fixed order, so two runs give bitwise-identical gradients.
 
-V-blocking: A, Tinv and Q K^T only depend on K, so each V-block program recomputes them (2 C^2 K flops
-per chunk). That buys parallelism, the only kind a serial chunk walk has besides sequences x heads,
+V-blocking: Q K^T only depends on K, so each V-block program recomputes it (C^2 K flops per chunk). That buys parallelism, the only kind a serial chunk walk has besides sequences x heads,
 and bounds the registers of the [K, BV] state tiles; BV is the whole V (capped by register budget)
 unless there are too few (sequence, head) programs to fill the GPU."""
 from __future__ import annotations
@@ -37,19 +38,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk.solve_tril import tril_inverse
-from .utils import (PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets, store_rows,
-                    tril_precision)
+from .chunk.wy import tinv_fwd
+from .utils import PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets, store_rows
 
 
 @triton.jit
-def _chunk_inverse(k, beta, t0, eos, i_h, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   PRECISION: tl.constexpr, TRIL_PRECISION: tl.constexpr):
-    """Tinv = (I + tril(diag(beta) K K^T, -1))^{-1} of the chunk starting at token t0 (fp32 [C, C]): the
-    A tiles come straight from K (cache hits: the caller loads the same rows) and never leave the chip."""
-    k_c = k + t0.to(tl.int64) * H * K + i_h * K
-    beta_c = beta + t0.to(tl.int64) * H + i_h
-    return tril_inverse(k, k_c, beta_c, eos - t0, H, C, K, BK, True, PRECISION, TRIL_PRECISION)
+def _load_tinv(tinv, t0, eos, i_h, H: tl.constexpr, C: tl.constexpr):
+    """Tinv [C, C] fp32 of the chunk starting at token t0, zero past the sequence's end (those rows of V'
+    and dR then stay zero, as beta does there)."""
+    r = tl.arange(0, C)
+    n = eos - t0
+    offs = (t0 + r[:, None]).to(tl.int64) * (H * C) + i_h * C + r[None, :]
+    return tl.load(tinv + offs, mask=(r[:, None] < n) & (r[None, :] < n), other=0.0)
 
 
 @triton.jit
@@ -69,10 +69,10 @@ def _causal_scores(b_a, b_b, scale, C: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def fused_chunk_fwd_kernel(
-    q, k, v, beta, h0, o, ht, h, cu_seqlens, chunk_offsets, scale,
+    q, k, v, beta, tinv, h0, o, ht, h, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, WRITE_O: tl.constexpr, SAVE_STATES: tl.constexpr,
-    PRECISION: tl.constexpr, F32_DT: tl.constexpr, TRIL_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, F32_DT: tl.constexpr,
 ):
     """Program (sequence x head, V-block). Writes o (WRITE_O), the final state (STORE_HT) and/or the
     state entering every chunk into h [NT, H, K, V] (SAVE_STATES, for the backward)."""
@@ -95,7 +95,7 @@ def fused_chunk_fwd_kernel(
         b_k = load_rows(k, t0, eos - t0, i_h, 0, H, K, C, BK)
         b_v = load_rows(v, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
         b_beta = tl.load(beta + t.to(tl.int64) * H + i_h, mask=t < eos, other=0.0).to(tl.float32)
-        b_Tinv = _chunk_inverse(k, beta, t0, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
+        b_Tinv = _load_tinv(tinv, t0, eos, i_h, H, C)
         _, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
         b_vn = b_vn.to(b_k.dtype)
         if WRITE_O:
@@ -110,10 +110,9 @@ def fused_chunk_fwd_kernel(
 
 @triton.jit
 def fused_chunk_bwd_kernel(
-    q, k, v, beta, h, do, dht, dq, dk, dv, dbeta, dh0, cu_seqlens, chunk_offsets, scale, total_tokens,
+    q, k, v, beta, tinv, h, do, dht, dq, dk, dv, dbeta, dh0, cu_seqlens, chunk_offsets, scale, total_tokens,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PRECISION: tl.constexpr, F32_DT: tl.constexpr,
-    TRIL_PRECISION: tl.constexpr,
 ):
     """Program (sequence x head, V-block): reverse walk over the chunks with dS [BK, BV] in registers.
     dq, dk [NV, TT, H, K] and dbeta [NV, TT, H] get this V-block's partial; dv, dh0 are exact."""
@@ -145,7 +144,7 @@ def fused_chunk_bwd_kernel(
         dt = b_k.dtype
         b_Sd, b_dSd = b_S.to(dt), b_dS.to(dt)
 
-        b_Tinv = _chunk_inverse(k, beta, t0, eos, i_h, H, K, C, BK, PRECISION, TRIL_PRECISION)
+        b_Tinv = _load_tinv(tinv, t0, eos, i_h, H, C)
         b_x, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
         # (ordered so that each C x C tile dies early: the chunk's tiles all live in registers)
         # dV' = (scale Q K^T ⊙ M)^T dO + K dS_next;  dR = Tinv^T dV';  dV = diag(beta) dR
@@ -183,14 +182,11 @@ def _f32_dot_dtype(dtype: torch.dtype):
     return tl.float16 if dtype == torch.float16 else tl.float32
 
 
-def _precisions(dtype: torch.dtype):
-    """(PRECISION, TRIL_PRECISION) of this form's launches. With bf16 inputs the fp32 x fp32 dots run in
-    ieee, whatever DELTATRON_TRIL_PRECISION says: on the H200 with triton 3.6 the tf32 variant of these
-    kernels returns garbage forward and makes illegal memory accesses backward, while ieee is right
-    (benchmarks/diagnostics/fused_chunk_16bit.py, NOTES.md)."""
-    if dtype == torch.bfloat16:
-        return "ieee", "ieee"
-    return dot_precision(dtype), tril_precision(dtype)
+def _precision(dtype: torch.dtype) -> str:
+    """PRECISION of this form's walks. With bf16 inputs the fp32 x fp32 dots run in ieee: on the H200 with
+    triton 3.6 the tf32 variant of these kernels returns garbage forward and makes illegal memory accesses
+    backward, while ieee is right (benchmarks/diagnostics/fused_chunk_16bit.py, NOTES.md)."""
+    return "ieee" if dtype == torch.bfloat16 else dot_precision(dtype)
 
 
 # Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for K in {64, 128,
@@ -206,29 +202,29 @@ def _blocks(q, v, info, backward: bool):
     return head_block(K), state_block_v(2 * K if backward else K, V, info.num_seqs * H)
 
 
-def _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=None, ht=None, h=None):
+def _state_sweep(q, k, v, beta, tinv, scale, initial_state, info, chunk_size, o=None, ht=None, h=None):
     """Runs the forward kernel: o (if given), final state ht (if given), per-chunk states h (if given)."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     BK, BV = _blocks(q, v, info, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
-    precision, tril_prec = _precisions(q.dtype)
     fused_chunk_fwd_kernel[(info.num_seqs * H, triton.cdiv(V, BV))](
-        q, k, v, beta, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
+        q, k, v, beta, tinv, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
-        SAVE_STATES=h is not None, PRECISION=precision, F32_DT=_f32_dot_dtype(q.dtype),
-        TRIL_PRECISION=tril_prec, num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
+        SAVE_STATES=h is not None, PRECISION=_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
+        num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
     )
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True, chunk_size=64):
-    """Contract of deltatron.autograd. Saves nothing beyond the inputs (the backward recomputes), with or
-    without needs_backward."""
+    """Contract of deltatron.autograd. Saves Tinv (fp32 [TT, H, C]) with needs_backward; the backward
+    recomputes the rest."""
     N, H, K, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, o=o, ht=ht)
-    return o, ht, (), ()
+    tinv = tinv_fwd(k, beta, info, chunk_size)
+    _state_sweep(q, k, v, beta, tinv, scale, initial_state, info, chunk_size, o=o, ht=ht)
+    return o, ht, (tinv,) if needs_backward else (), ()
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
@@ -237,25 +233,27 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     The states entering the chunks are recomputed here rather than saved by the forward, so inference pays
     nothing for training. Memory: those states, fp32 [NT, H, K, V] (acceptable for this form: one state per
     chunk, as the chunk pipeline's h), and fp32 partials of dq, dk, dbeta per V-block."""
+    (tinv,) = saved
     N, H, K, V = info.num_seqs, q.shape[2], q.shape[3], v.shape[3]
     chunks = info.chunks(chunk_size)
     h = q.new_empty(chunks.num_chunks, H, K, V, dtype=torch.float32)
-    _state_sweep(q, k, v, beta, scale, initial_state, info, chunk_size, h=h)
+    _state_sweep(q, k, v, beta, tinv, scale, initial_state, info, chunk_size, h=h)
 
     BK, BV = _blocks(q, v, info, backward=True)
     NV = triton.cdiv(V, BV)
-    precision, tril_prec = _precisions(q.dtype)
     dq = q.new_empty(NV, *q.shape, dtype=torch.float32)
     dk = q.new_empty(NV, *k.shape, dtype=torch.float32)
     dbeta = q.new_empty(NV, *beta.shape, dtype=torch.float32)
     dv = torch.empty_like(v)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
     fused_chunk_bwd_kernel[(N * H, NV)](
-        q, k, v, beta, h, do, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
+        q, k, v, beta, tinv, h, do, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
         info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        PRECISION=precision, F32_DT=_f32_dot_dtype(q.dtype), TRIL_PRECISION=tril_prec,
-        num_warps=NUM_WARPS, num_stages=PIPELINE_STAGES,
+        PRECISION=_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
+        # one stage: prefetching the next chunk's tiles (Tinv among them) overflows sm_90's shared memory at
+        # K = 256 (233,472 > 232,448 bytes, offline compile), and the walk's body is long enough to hide it
+        num_warps=NUM_WARPS, num_stages=1,
     )
     return _sum_blocks(dq), _sum_blocks(dk), dv, _sum_blocks(dbeta), dh0
 

@@ -1,10 +1,11 @@
 """Stage 3 of the chunk forward: the WY factors W = Tinv (beta*K), U = Tinv (beta*V) (DESIGN.md §2).
 
-Two entry points share one kernel:
+Three entry points share one kernel:
     recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute);
-    wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built tile by tile
-                                                          from K on chip, inverted, applied, and only
-                                                          W, U and (for the backward) Tinv are written.
+    wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built from K on
+                                                          chip, inverted, applied, and only W, U and (for
+                                                          the backward) Tinv are written;
+    tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input).
 W and U have the input dtype: they feed 16-bit dots in the state pass."""
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def apply_tinv(t, x, b_beta, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.cons
 @triton.jit
 def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
-              STORE_TINV: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr):
-    """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv."""
+              STORE_TINV: tl.constexpr, APPLY: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr):
+    """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     k_c = k + start * H * K + i_h * K
@@ -53,24 +54,31 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
     else:
         t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
         b_t = tl.load(t_c, mask=(rows[:, None] < n) & (rows[None, :] < n), other=0.0)
-    # 16-bit inputs: Tinv is rounded to the input dtype so that the products run on the tensor cores
-    b_t = b_t.to(w.dtype.element_ty)
-    b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
-    apply_tinv(b_t, k_c, b_beta, w + start * H * K + i_h * K, n, H, K, BK, C, PRECISION)
-    apply_tinv(b_t, v + start * H * V + i_h * V, b_beta, u + start * H * V + i_h * V, n, H, V, BV, C, PRECISION)
+    if APPLY:
+        # 16-bit inputs: Tinv is rounded to the input dtype so that the products run on the tensor cores
+        b_t = b_t.to(w.dtype.element_ty)
+        b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
+        apply_tinv(b_t, k_c, b_beta, w + start * H * K + i_h * K, n, H, K, BK, C, PRECISION)
+        apply_tinv(b_t, v + start * H * V + i_h * V, b_beta, u + start * H * V + i_h * V, n, H, V, BV, C,
+                   PRECISION)
 
 
 def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
-    """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv."""
-    H, K, V = k.shape[2], k.shape[3], v.shape[3]
-    w, u = torch.empty_like(k), torch.empty_like(v)
+    """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
+    no W, U (returns None, None)."""
+    H, K = k.shape[2], k.shape[3]
+    V = K if v is None else v.shape[3]
+    w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
+    # the inverse's forward substitution crosses warps at every step: 2 warps measured 0.44 -> 0.25 ms
+    # (H200, b8-t2048-h16, bf16; NOTES.md); fp32's ieee products need 4 (2 spill over 100 KB)
+    warps = 2 if fused and k.dtype != torch.float32 else 4
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
-            min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, dot_precision(k.dtype),
-            tril_precision(k.dtype),
-            num_warps=4, num_stages=PIPELINE_STAGES,
+            min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, v is not None,
+            dot_precision(k.dtype), tril_precision(k.dtype),
+            num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return w, u
 
@@ -88,3 +96,11 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
     w, u = _wy(k, v, beta, tinv, True, info, chunk_size)
     return tinv, w, u
+
+
+def tinv_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """Tinv = (I + A)^{-1} per chunk [B, T, H, C] fp32, from K on chip (kkt and solve_tril in one launch,
+    A never written): the same Tinv as wy_fwd's."""
+    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
+    _wy(k, None, beta, tinv, True, info, chunk_size)
+    return tinv
