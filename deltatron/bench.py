@@ -545,8 +545,10 @@ competitors as optional imports. Through the team's device tool, from the checko
    `python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-tl/*.whl`
 4. Device call, timeout 600:
    `PYTHONPATH=/tmp/site python3 benchmarks/run.py --out $OUT --plot`
-   (FlashQLA compiles its TileLang kernels on first use, 2-3 minutes; rows not started after `--budget-s`,
-   default 480 s, are recorded as not run. fla-core imports einops: it must be in the image or in /tmp/site.)
+   (FlashQLA compiles its TileLang kernels on first use, 2-3 minutes, and fla-core autotunes 100-130 s on
+   each new shape; rows not started after `--budget-s`, default 480 s, are recorded as not run, but a row
+   that starts runs to its end. A whole run needs more than one 600 s call: split it with `--impls`.
+   fla-core imports einops: it must be in the image or in /tmp/site.)
 5. Copy the returned `<gpu>-<date>.json` / `.png` into `benchmarks/results/`, commit them, and regenerate
    this page: `python benchmarks/run.py --report benchmarks/results/<gpu>-<date>.json`.
 
