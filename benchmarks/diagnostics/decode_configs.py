@@ -48,6 +48,9 @@ def main() -> int:
     info = seq_info(cfg.B, 1, device, None, None)
     scale = cfg.K ** -0.5
 
+    def rel_rms(got, want):
+        return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
     def step(state):
         return fused_recurrent.forward(q, k, v, beta, scale, state, True, info, inplace_final_state=True)
 
@@ -63,7 +66,9 @@ def main() -> int:
                 fused_recurrent._launch_config = lambda *a, bv=bv, nw=nw: (bv, nw)
                 state = h.clone()
                 o, s = step(state)[:2]
-                same = bool(torch.equal(o, reference[0]) and torch.allclose(s, reference[1], rtol=1e-6, atol=1e-6))
+                # another V-block or warp count reorders the sums over K: bf16 outputs may differ in their last
+                # bit (exact equality flagged every variant on the H200), so compare as the tests do
+                same = rel_rms(o, reference[0]) <= 1e-2 and rel_rms(s, reference[1]) <= 1e-5
                 us = measure(lambda: step(state)) * 1e3
                 results.append(dict(BV=bv, num_warps=nw, us=us, pct_floor=100 * floor_us / us, same=same,
                                     shipped=(bv, nw) == tuple(shipped)))
