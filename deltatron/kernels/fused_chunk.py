@@ -1,5 +1,6 @@
-"""fused_chunk_delta_rule in Triton: one kernel walks the chunks of a (sequence, head, V-block) and keeps
-every intermediate of a chunk on chip (DESIGN.md §2, §3).
+"""fused_chunk_delta_rule in Triton: after one launch that inverts every chunk's I + A, one kernel walks the
+chunks of a (sequence, head, V-block) and keeps every other intermediate of a chunk on chip (DESIGN.md §2,
+§3).
 
 Per chunk, with S the state entering it (fp32, in registers across the whole walk):
 
@@ -11,16 +12,18 @@ Per chunk, with S the state entering it (fp32, in registers across the whole wal
 Writing V' = Tinv R with R = diag(beta) X never forms W = Tinv (beta K) [C, K]: one C x C x V product
 replaces two C x C x K ones, and no [C, K] fp32 tile is live. Tinv only depends on K, so it is not part
 of the walk: the chunk pipeline's WY kernel computes it for all chunks at once beforehand
-(chunk.wy.tinv_fwd, fp32 [TT, H, C]), and the walk loads it. HBM traffic of the forward: q, k, v, beta read
-once, Tinv written and read once, o written once, plus the initial and final state.
+(chunk.wy.tinv_fwd, fp32 [TT, H, C], the same Tinv as chunk_delta_rule's, with its merge products at
+tril_precision: tf32 for 16-bit inputs), and the walk loads it. HBM traffic of the forward: q, k, v, beta
+read once, Tinv written once and read by every V-block program, o written once, plus the initial and
+final state.
 
 Backward (two launches and a reduction):
   1. the forward kernel again, in its state-saving mode (no output): the state entering every chunk,
-     fp32 [NT, H, K, V]; the one intermediate that goes through HBM, the price of walking the chunks
-     in reverse without inverting the transitions (numerically unsafe);
+     fp32 [NT, H, K, V], which goes through HBM (as Tinv does): the price of walking the chunks in
+     reverse without inverting the transitions (numerically unsafe);
   2. one kernel per (sequence, head, V-block) walking the chunks in reverse with dS [K, BV] in
-     registers, recomputing X, V' on chip from the loaded Tinv. With dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and
-     dR = Tinv^T dV', the gradient through the inverse collapses to dA = -tril(dR V'^T, -1) (from
+     registers, recomputing X, V' on chip from the loaded Tinv. With
+     dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and dR = Tinv^T dV', the gradient through the inverse collapses to dA = -tril(dR V'^T, -1) (from
      (I + A) V' = R), so no C x C x C product is needed:
          dQ = scale (dO S^T + G K),  G = dO V'^T ⊙ M
          dK = scale G^T Q + V' dS_next^T - diag(beta) dR S^T + diag(beta) dA K + (diag(beta) dA)^T K
@@ -29,8 +32,8 @@ Backward (two launches and a reduction):
   3. dq, dk and dbeta sum over all of V: each V-block program writes its own fp32 partial
      [NV, ...] and torch sums them in a fixed order, so two runs give bitwise-identical gradients.
 
-V-blocking: Q K^T only depends on K, so each V-block program recomputes it (C^2 K flops per chunk). That buys parallelism, the only kind a serial chunk walk has besides sequences x heads,
-and bounds the registers of the [K, BV] state tiles; BV is the whole V (capped by register budget)
+V-blocking: Q K^T only depends on K, so each V-block program recomputes it (C^2 K flops per chunk). That
+buys parallelism, the only kind a serial chunk walk has besides sequences x heads, and bounds the registers of the [K, BV] state tiles; BV is the whole V (capped by register budget)
 unless there are too few (sequence, head) programs to fill the GPU."""
 from __future__ import annotations
 

@@ -112,8 +112,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def tril_precision(dtype: torch.dtype) -> str:
     """Dot precision inside the triangular inverse for inputs of this dtype: DELTATRON_TRIL_PRECISION=
-    ieee|tf32|tf32x3, else that of dot_precision. With 16-bit inputs T is rounded to 16 bits before it
-    multiplies K and V, so tf32's rounding (2^-11) stays below what follows; fp32 inputs keep ieee."""
+    ieee|tf32|tf32x3, else that of dot_precision. With 16-bit inputs the chunk form rounds T to the input
+    dtype before it multiplies K and V: tf32's unit roundoff (2^-11) equals fp16's and is below bf16's, and
+    the GPU tests hold every form within its bounds with it; ieee there spilled 3.3 KB (NOTES.md). fp32
+    inputs keep ieee."""
     p = os.environ.get("DELTATRON_TRIL_PRECISION", dot_precision(dtype))
     if p not in ("ieee", "tf32", "tf32x3"):
         raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of ieee, tf32, tf32x3; got {p!r}")
