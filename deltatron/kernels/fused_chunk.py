@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from .chunk.wy import tinv_fwd
-from .utils import PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets, store_rows
+from .utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
+                    store_rows)
 
 
 @triton.jit
@@ -210,7 +211,7 @@ def _state_sweep(q, k, v, beta, tinv, scale, initial_state, info, chunk_size, o=
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     BK, BV = _blocks(q, v, info, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
-    fused_chunk_fwd_kernel[(info.num_seqs * H, triton.cdiv(V, BV))](
+    fused_chunk_fwd_kernel[(info.num_seqs * H, cdiv(V, BV))](
         q, k, v, beta, tinv, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
@@ -243,7 +244,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     _state_sweep(q, k, v, beta, tinv, scale, initial_state, info, chunk_size, h=h)
 
     BK, BV = _blocks(q, v, info, backward=True)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     dq = q.new_empty(NV, *q.shape, dtype=torch.float32)
     dk = q.new_empty(NV, *k.shape, dtype=torch.float32)
     dbeta = q.new_empty(NV, *beta.shape, dtype=torch.float32)

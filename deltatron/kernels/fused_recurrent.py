@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, head_block, state_offsets
+from .utils import INTERPRET, cdiv, head_block, next_power_of_2, state_offsets
 
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
@@ -173,8 +173,8 @@ def _num_sms(device: torch.device) -> int:
 def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch.device):
     """(BV, num_warps): the widest V-block whose state tile fits max_tile, narrowed (down to 16) until
     there are at least two programs per SM, since each program is one serial walk over its tokens."""
-    BV = min(triton.next_power_of_2(V), max(16, max_tile // BK))
-    while BV > 16 and triton.cdiv(V, BV) * num_heads < 2 * _num_sms(device):
+    BV = min(next_power_of_2(V), max(16, max_tile // BK))
+    while BV > 16 and cdiv(V, BV) * num_heads < 2 * _num_sms(device):
         BV //= 2
     num_warps = 1 if INTERPRET else max(1, min(4, BK * BV // 1024))
     return BV, num_warps
@@ -204,7 +204,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     BK = head_block(K)
     BV, num_warps = _launch_config(V, BK, N * H, FWD_TILE, q.device)
     # sequences x heads on grid axis 0, which takes up to 2^31 - 1 programs (axis 1 only 65535)
-    grid = (N * H, triton.cdiv(V, BV))
+    grid = (N * H, cdiv(V, BV))
     fused_recurrent_fwd_kernel[grid](
         q, k, v, beta, o, e, h, initial_state, ht, info.cu_seqlens, segment_offsets, scale,
         H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
@@ -221,7 +221,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_
     N = info.num_seqs
     BK = head_block(K)
     BV, num_warps = _launch_config(V, BK, N * H, BWD_TILE, q.device)
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     dq = torch.empty(NV, *q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(NV, *k.shape, dtype=torch.float32, device=q.device)
     dbeta = torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .chunk.kkt import chunk_span
 from .chunk.solve_tril import tril_inverse
-from .utils import dot_precision, head_block, load_tile, mm, store_tile, tril_precision
+from .utils import cdiv, dot_precision, head_block, load_tile, mm, store_tile, tril_precision
 
 # No software pipelining: on the H200 (triton 3.6) depths 2 and 3 run out of shared memory at K = 64-128
 # in 16-bit, and 1 is right everywhere (benchmarks/diagnostics/num_stages_sweep.py).
@@ -371,7 +371,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
         )
     v_new = v.new_empty(v.shape, dtype=torch.float32)
     final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    parallel_fwd_vnew_kernel[(triton.cdiv(V, BV), N * H)](
+    parallel_fwd_vnew_kernel[(cdiv(V, BV), N * H)](
         k, v, beta, tinv, initial_state, v_new, final_state, info.cu_seqlens,
         H, K, V, BT, BK, BV, initial_state is not None, output_final_state, precision,
         num_warps=warps, num_stages=NUM_STAGES,
@@ -379,7 +379,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     o = torch.empty_like(v)
     attn = torch.zeros(B, H, T, T, dtype=torch.float32, device=q.device) if output_attentions else None
     if chunks.num_chunks:
-        parallel_fwd_o_kernel[(triton.cdiv(V, BV), chunks.num_chunks, H)](
+        parallel_fwd_o_kernel[(cdiv(V, BV), chunks.num_chunks, H)](
             q, k, v_new, initial_state, o, info.cu_seqlens, chunks.chunk_indices, scale,
             H, K, V, BT, BK, BV, initial_state is not None, precision, num_warps=4, num_stages=NUM_STAGES,
         )
@@ -401,7 +401,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, output_a
     dx = v.new_empty(v.shape, dtype=torch.float32)
     dv = torch.empty_like(v)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
-    parallel_bwd_dx_kernel[(triton.cdiv(V, BV), N * H)](
+    parallel_bwd_dx_kernel[(cdiv(V, BV), N * H)](
         q, k, beta, tinv, do, dht, dx, dv, dh0, info.cu_seqlens, scale,
         H, K, V, BT, BK, BV, dht is not None, dh0 is not None, precision, num_warps=warps, num_stages=NUM_STAGES,
     )

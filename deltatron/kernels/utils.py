@@ -122,9 +122,22 @@ def tril_precision(dtype: torch.dtype) -> str:
     return p
 
 
+# Host-side integer helpers. triton.cdiv and triton.next_power_of_2 cost about 5 µs per call on the host
+# (constexpr-function wrappers, triton 3.6 and 3.9 alike), and a decode step or a small chunk call makes
+# dozens of them; these are plain integer arithmetic.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def head_block(size: int) -> int:
     """Block covering a whole head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(size))
+    return max(16, next_power_of_2(size))
 
 
 def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> int:
@@ -132,7 +145,7 @@ def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> i
     as wide as registers allow (the tile is at most 8192 fp32), halved while sequences * heads * V-blocks
     would leave the 132 SMs short of programs. Not shrunk under the interpreter, where programs run in turn."""
     bv = min(64, head_block(V), 8192 // head_block(K))
-    while not INTERPRET and bv > 16 and num_states * triton.cdiv(V, bv) < min_programs:
+    while not INTERPRET and bv > 16 and num_states * cdiv(V, bv) < min_programs:
         bv //= 2
     return bv
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_offsets, store_rows
+from ..utils import PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_offsets, store_rows
 from .kkt import chunk_span
 
 
@@ -99,7 +99,7 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
     dw = torch.empty_like(k)
     if chunks.num_chunks:
         BK = tile(K)
-        dqkw_kernel[(triton.cdiv(K, BK), chunks.num_chunks, H)](
+        dqkw_kernel[(cdiv(K, BK), chunks.num_chunks, H)](
             q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
             H, K, V, chunk_size, BK, tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )

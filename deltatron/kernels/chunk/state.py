@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm, state_block_v, state_offsets
+from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, mm, state_block_v, state_offsets
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: 
     BK = head_block(K)
     BV = state_block_v(K, V, N * H)
     if N * H:
-        state_fwd_kernel[(N * H, triton.cdiv(V, BV))](
+        state_fwd_kernel[(N * H, cdiv(V, BV))](
             k, w, u, initial_state, h, v_new, final_state, info.cu_seqlens, chunks.chunk_offsets,
             H, K, V, chunk_size, BK, BV, initial_state is not None, output_final_state, dot_precision(k.dtype),
             num_warps=8 if BK >= 256 else 4,

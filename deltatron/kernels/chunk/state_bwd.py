@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets, store_rows
+from ..utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
+                     store_rows)
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, 
         # triton 3.6: 237,568 bytes, 232,448 allowed; benchmarks/diagnostics/offline_compile.py); 16 fits
         BV = min(BV, 16)
     if N:
-        state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+        state_bwd_kernel[(cdiv(V, BV), N * H)](
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
             H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, dot_precision(q.dtype),
             num_warps=8 if BK >= 256 else 4,
