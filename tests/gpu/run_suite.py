@@ -3,7 +3,10 @@
     python tests/gpu/run_suite.py [--out DIR] [--no-check] [pytest args...]
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
-(default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it."""
+(default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it.
+
+Workers (`-n`) share the GPU, and each keeps PyTorch's cache of freed blocks. On one 141 GiB H200, 6 workers
+ran clean (288 s). With 14, eight tests ended in CUDA out-of-memory errors."""
 from __future__ import annotations
 
 import argparse
