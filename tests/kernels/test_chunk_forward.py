@@ -132,6 +132,8 @@ def test_wy(poison, dtype, C, lengths, K, V):
     # the backward's path: the same W, U from the stored Tinv
     w2, u2 = wy.recompute_w_u(inp["k"], inp["v"], inp["beta"], tinv, info, C)
     assert torch.equal(w2, w) and torch.equal(u2, u)
+    # fused_chunk's path: Tinv alone (no W, U), the same bits
+    assert torch.equal(wy.tinv_fwd(inp["k"], inp["beta"], info, C), tinv)
 
 
 # ---------------------------------------------------------------- stage 4: the state pass
