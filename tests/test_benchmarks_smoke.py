@@ -204,3 +204,14 @@ def test_stage_configs_diagnostic_runs(tmp_path):
     assert len(report) == 9
     for stage in report.values():
         assert stage["best"] is not None and all(r["error"] == 0.0 for k, r in stage["rows"].items() if k != "shipped")
+
+
+def test_device_session_script_parses_and_names_real_files():
+    """benchmarks/device_session.sh (one device call: suite and stage timings) is valid bash, and every
+    script it runs exists."""
+    script = ROOT / "benchmarks" / "device_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for path in ("tests/gpu/run_suite.py", "benchmarks/diagnostics/stage_times.py",
+                 "benchmarks/diagnostics/decode_configs.py", "benchmarks/diagnostics/stage_configs.py"):
+        assert path in text and (ROOT / path).exists()
