@@ -215,3 +215,20 @@ def test_device_session_script_parses_and_names_real_files():
     for path in ("tests/gpu/run_suite.py", "benchmarks/diagnostics/stage_times.py",
                  "benchmarks/diagnostics/decode_configs.py", "benchmarks/diagnostics/stage_configs.py"):
         assert path in text and (ROOT / path).exists()
+
+
+def test_tril_precision_emulation():
+    """benchmarks/diagnostics/tril_precision_emulation.py backs the inverse's default precision: with nearly
+    parallel keys, tf32 merge products put one chunk's fp16 output over the fp16 bound, tf32x3 does not."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    try:
+        import tril_precision_emulation as emulation
+    finally:
+        sys.path.pop(0)
+    results = emulation.table(16)
+    fp16_bound = 3e-3
+    assert results[("nearly parallel", "float16", "tf32")][1] > fp16_bound
+    assert results[("nearly parallel", "float16", "tf32x3")][1] < fp16_bound / 5
+    for kind in emulation.KINDS:
+        t_err, _ = results[(kind, "bfloat16", "tf32x3")]
+        assert t_err < 1e-5  # fp32-like

@@ -13,7 +13,7 @@ Writing V' = Tinv R with R = diag(beta) X never forms W = Tinv (beta K) [C, K]: 
 replaces two C x C x K ones, and no [C, K] fp32 tile is live. Tinv only depends on K, so it is not part
 of the walk: the chunk pipeline's WY kernel computes it for all chunks at once beforehand
 (chunk.wy.tinv_fwd, fp32 [TT, H, C], the same Tinv as chunk_delta_rule's, with its merge products at
-tril_precision: tf32 for 16-bit inputs), and the walk loads it. HBM traffic of the forward: q, k, v, beta
+tril_precision), and the walk loads it. HBM traffic of the forward: q, k, v, beta
 read once, Tinv written once and read by every V-block program, o written once, plus the initial and
 final state.
 

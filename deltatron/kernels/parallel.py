@@ -361,9 +361,6 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     precision = _precision(q.dtype)
     chunks = info.chunks(BT)
     tinv = k.new_empty(*k.shape[:3], BT, dtype=torch.float32)
-    # Tinv's merge products at tril_precision (tf32 for 16-bit inputs), not at this form's tf32x3: with
-    # tf32x3 the kernel spills 760 bytes at K = 128 (offline compile), and with tf32 the GPU tests that ran
-    # stayed within their bounds (fp16 and bf16 at K = 64 and 100, bf16 at 256, varlen; NOTES.md)
     if chunks.num_chunks:
         parallel_fwd_tinv_kernel[(chunks.num_chunks, H)](
             k, beta, tinv, info.cu_seqlens, chunks.chunk_indices, H, K, BT, min(BK, 64),

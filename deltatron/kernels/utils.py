@@ -112,11 +112,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def tril_precision(dtype: torch.dtype) -> str:
     """Dot precision inside the triangular inverse for inputs of this dtype: DELTATRON_TRIL_PRECISION=
-    ieee|tf32|tf32x3, else that of dot_precision. With 16-bit inputs the chunk form rounds T to the input
-    dtype before it multiplies K and V: tf32's unit roundoff (2^-11) equals fp16's and is below bf16's, and
-    the GPU tests hold every form within its bounds with it; ieee there spilled 3.3 KB (NOTES.md). fp32
-    inputs keep ieee."""
-    p = os.environ.get("DELTATRON_TRIL_PRECISION", dot_precision(dtype))
+    ieee|tf32|tf32x3, else ieee for fp32 inputs and tf32x3 (fp32 accuracy on the tensor cores) for 16-bit
+    ones. Not tf32: with nearly parallel keys (repeated tokens) the merges cancel heavily, and tf32 operands
+    put 9e-3 of error in T and 6.6e-3 in one chunk's fp16 output, over fp16's 3e-3 bound, against 1.8e-4
+    with tf32x3 (benchmarks/diagnostics/tril_precision_emulation.py). tf32 is faster (NOTES.md)."""
+    p = os.environ.get("DELTATRON_TRIL_PRECISION", "ieee" if dtype == torch.float32 else "tf32x3")
     if p not in ("ieee", "tf32", "tf32x3"):
         raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of ieee, tf32, tf32x3; got {p!r}")
     return p

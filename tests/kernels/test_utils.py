@@ -15,3 +15,15 @@ def test_integer_helpers_match_triton():
 def test_head_block():
     assert [head_block(s) for s in (1, 16, 17, 24, 40, 64, 100, 128, 129, 256)] == [16, 16, 32, 32, 64, 64, 128,
                                                                                      128, 256, 256]
+
+
+def test_tril_precision_defaults(monkeypatch):
+    import torch
+
+    from deltatron.kernels.utils import tril_precision
+    monkeypatch.delenv("DELTATRON_TRIL_PRECISION", raising=False)
+    # fp32 accuracy in the inverse for every input dtype: tf32 is not accurate enough for nearly parallel
+    # keys (tests/test_benchmarks_smoke.py::test_tril_precision_emulation)
+    assert [tril_precision(d) for d in (torch.float32, torch.float16, torch.bfloat16)] == ["ieee", "tf32x3", "tf32x3"]
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32")
+    assert tril_precision(torch.bfloat16) == "tf32"

@@ -13,8 +13,8 @@ from its diagonal 16-blocks:
    (T is block diagonal, so T E T has exactly the T22 A21 T11 blocks).
 
 Step 1 is 15 dependent steps instead of C - 1; step 2 is matrix products at tril_precision of the input
-dtype (tf32 for 16-bit inputs, ieee for fp32; the standalone solve_tril below only sees the fp32 A and runs
-ieee). Everything stays fp32. The jit helper tril_inverse works on register tiles so that fused kernels can use it: with
+dtype (tf32x3 for 16-bit inputs, ieee for fp32; the standalone solve_tril below only sees the fp32 A and
+runs ieee). Everything stays fp32. The jit helper tril_inverse works on register tiles so that fused kernels can use it: with
 FROM_K=True it builds A straight from K and beta and never materializes it (wy.wy_fwd does this)."""
 from __future__ import annotations
 

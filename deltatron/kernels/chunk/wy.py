@@ -70,14 +70,16 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     V = K if v is None else v.shape[3]
     w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
-    # the inverse's forward substitution crosses warps at every step: 2 warps measured 0.44 -> 0.25 ms
-    # (H200, b8-t2048-h16, bf16; NOTES.md); fp32's ieee products need 4 (2 spill over 100 KB)
-    warps = 2 if fused and k.dtype != torch.float32 else 4
+    tril_prec = tril_precision(k.dtype)
+    # the inverse's forward substitution crosses warps at every step: with tf32 merges 2 warps measured
+    # 0.44 -> 0.25 ms (H200, b8-t2048-h16, bf16; NOTES.md); tf32x3 and ieee products spill at 2 warps
+    # (3.3 KB and over 60 KB, offline compile) and take 4
+    warps = 2 if fused and tril_prec == "tf32" else 4
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, v is not None,
-            dot_precision(k.dtype), tril_precision(k.dtype),
+            dot_precision(k.dtype), tril_prec,
             num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return w, u
