@@ -2,7 +2,8 @@
 
 For each entry point, backend, dtype and shape: relative RMS error (DESIGN.md §6) of o, the final state and
 the five gradients against the float64 recurrent oracle run on the same rounded inputs, and the time of one
-forward+backward (the first call of its kind: Triton's compilation is included, so this is no benchmark). The exit code is 1 if any error exceeds its bound or is not finite."""
+forward+backward (the first call of its kind: Triton's compilation is included, so this is no benchmark).
+The exit code is 1 if any error exceeds its bound or is not finite."""
 from __future__ import annotations
 
 import argparse

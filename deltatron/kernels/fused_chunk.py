@@ -13,9 +13,8 @@ Writing V' = Tinv R with R = diag(beta) X never forms W = Tinv (beta K) [C, K]: 
 replaces two C x C x K ones, and no [C, K] fp32 tile is live. Tinv only depends on K, so it is not part
 of the walk: the chunk pipeline's WY kernel computes it for all chunks at once beforehand
 (chunk.wy.tinv_fwd, fp32 [TT, H, C], the same Tinv as chunk_delta_rule's, with its merge products at
-tril_precision), and the walk loads it. HBM traffic of the forward: q, k, v, beta
-read once, Tinv written once and read by every V-block program, o written once, plus the initial and
-final state.
+tril_precision), and the walk loads it. HBM traffic of the forward: q, k, v, beta read once, Tinv written
+once and read by every V-block program, o written once, plus the initial and final state.
 
 Backward (two launches and a reduction):
   1. the forward kernel again, in its state-saving mode (no output): the state entering every chunk,
@@ -23,8 +22,8 @@ Backward (two launches and a reduction):
      reverse without inverting the transitions (numerically unsafe);
   2. one kernel per (sequence, head, V-block) walking the chunks in reverse with dS [K, BV] in
      registers, recomputing X, V' on chip from the loaded Tinv. With
-     dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and dR = Tinv^T dV', the gradient through the inverse collapses to dA = -tril(dR V'^T, -1) (from
-     (I + A) V' = R), so no C x C x C product is needed:
+     dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and dR = Tinv^T dV', the gradient through the inverse
+     collapses to dA = -tril(dR V'^T, -1) (from (I + A) V' = R), so no C x C x C product is needed:
          dQ = scale (dO S^T + G K),  G = dO V'^T ⊙ M
          dK = scale G^T Q + V' dS_next^T - diag(beta) dR S^T + diag(beta) dA K + (diag(beta) dA)^T K
          dV = diag(beta) dR,  dbeta = rowsum(dR ⊙ X) + rowsum(dA ⊙ K K^T)
@@ -33,8 +32,9 @@ Backward (two launches and a reduction):
      [NV, ...] and torch sums them in a fixed order, so two runs give bitwise-identical gradients.
 
 V-blocking: Q K^T only depends on K, so each V-block program recomputes it (C^2 K flops per chunk). That
-buys parallelism, the only kind a serial chunk walk has besides sequences x heads, and bounds the registers of the [K, BV] state tiles; BV is the whole V (capped by register budget)
-unless there are too few (sequence, head) programs to fill the GPU."""
+buys parallelism, the only kind a serial chunk walk has besides sequences x heads, and bounds the
+registers of the [K, BV] state tiles; BV is the whole V (capped by register budget) unless there are too
+few (sequence, head) programs to fill the GPU."""
 from __future__ import annotations
 
 import torch
@@ -44,16 +44,6 @@ import triton.language as tl
 from .chunk.wy import tinv_fwd
 from .utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
                     store_rows)
-
-
-@triton.jit
-def _load_tinv(tinv, t0, eos, i_h, H: tl.constexpr, C: tl.constexpr):
-    """Tinv [C, C] fp32 of the chunk starting at token t0, zero past the sequence's end (those rows of V'
-    and dR then stay zero, as beta does there)."""
-    r = tl.arange(0, C)
-    n = eos - t0
-    offs = (t0 + r[:, None]).to(tl.int64) * (H * C) + i_h * C + r[None, :]
-    return tl.load(tinv + offs, mask=(r[:, None] < n) & (r[None, :] < n), other=0.0)
 
 
 @triton.jit
@@ -99,7 +89,7 @@ def fused_chunk_fwd_kernel(
         b_k = load_rows(k, t0, eos - t0, i_h, 0, H, K, C, BK)
         b_v = load_rows(v, t0, eos - t0, i_h, i_v * BV, H, V, C, BV)
         b_beta = tl.load(beta + t.to(tl.int64) * H + i_h, mask=t < eos, other=0.0).to(tl.float32)
-        b_Tinv = _load_tinv(tinv, t0, eos, i_h, H, C)
+        b_Tinv = load_rows(tinv, t0, eos - t0, i_h, 0, H, C, C, C)  # zero past the end
         _, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
         b_vn = b_vn.to(b_k.dtype)
         if WRITE_O:
@@ -148,7 +138,7 @@ def fused_chunk_bwd_kernel(
         dt = b_k.dtype
         b_Sd, b_dSd = b_S.to(dt), b_dS.to(dt)
 
-        b_Tinv = _load_tinv(tinv, t0, eos, i_h, H, C)
+        b_Tinv = load_rows(tinv, t0, eos - t0, i_h, 0, H, C, C, C)  # zero past the end
         b_x, b_vn = _new_values(b_k, b_v, b_beta, b_S, b_Tinv, PRECISION, F32_DT)
         # (ordered so that each C x C tile dies early: the chunk's tiles all live in registers)
         # dV' = (scale Q K^T ⊙ M)^T dO + K dS_next;  dR = Tinv^T dV';  dV = diag(beta) dR

@@ -14,15 +14,16 @@ from its diagonal 16-blocks:
 
 Step 1 is 15 dependent steps instead of C - 1; step 2 is matrix products at tril_precision of the input
 dtype (tf32x3 for 16-bit inputs, ieee for fp32; the standalone solve_tril below only sees the fp32 A and
-runs ieee). Everything stays fp32. The jit helper tril_inverse works on register tiles so that fused kernels can use it: with
-FROM_K=True it builds A straight from K and beta and never materializes it (wy.wy_fwd does this)."""
+runs ieee). Everything stays fp32. The jit helper tril_inverse works on register tiles so that fused
+kernels can use it: with FROM_K=True it builds A straight from K and beta and never materializes it
+(wy.wy_fwd does this)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, mm, tril_precision
+from ..utils import PIPELINE_STAGES, SeqInfo, mm, store_rows, tril_precision
 from .kkt import chunk_span, kkt_tile
 
 
@@ -83,8 +84,7 @@ def solve_tril_kernel(a, tinv, cu_seqlens, chunk_indices, H: tl.constexpr, C: tl
     offset = start * H * C + i_h * C
     # FROM_K=False: k, beta and K are unused, a stands in for them
     b_t = tril_inverse(a + offset, a, a, n, H, C, 16, 16, False, "ieee", TRIL_PREC)
-    rows = tl.arange(0, C)
-    tl.store(tinv + offset + rows[:, None] * (H * C) + rows[None, :], b_t, mask=rows[:, None] < n)
+    store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
 
 
 def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:

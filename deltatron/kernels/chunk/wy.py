@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm, tril_precision
+from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, load_rows, mm, store_rows, tril_precision
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
 
@@ -49,11 +49,10 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
         # (A comes from K here: the first argument, A's address, is not read)
         b_t = tril_inverse(k_c, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC)
         if STORE_TINV:
-            t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
-            tl.store(t_c, b_t, mask=rows[:, None] < n)
+            store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
     else:
-        t_c = tinv + start * H * C + i_h * C + rows[:, None] * (H * C) + rows[None, :]
-        b_t = tl.load(t_c, mask=(rows[:, None] < n) & (rows[None, :] < n), other=0.0)
+        # (Tinv is lower triangular: in the rows of the chunk, the columns past its end are stored zeros)
+        b_t = load_rows(tinv, start, n, i_h, 0, H, C, C, C)
     if APPLY:
         # 16-bit inputs: Tinv is rounded to the input dtype so that the products run on the tensor cores
         b_t = b_t.to(w.dtype.element_ty)
