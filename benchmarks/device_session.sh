@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One device call (600 s at most): the GPU suite, then where the time of the chunk pipeline and of the
-# decode step goes, with a short table printed last. Logs and JSON go under $OUT (the device tool's
+# One device call (600 s at most): where the time of the chunk pipeline and of the decode step goes, then
+# the GPU suite, with a short table printed last. Logs and JSON go under $OUT (the device tool's
 # folder that comes back).
 #
 #   bash benchmarks/device_session.sh [all|suite|times]      # default all
 #
-# suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (~4 min);
-# times: stage_times.py, decode_configs.py and stage_configs.py for the WY stages (~2 min).
+# times: stage_times.py, decode_configs.py and stage_configs.py for the WY stages (~2 min), first;
+# suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (5-6 min), with
+# one line per test in gpu_suite.log, so that a cut-off run still names its failures.
 # The benchmark against fla-core / FlashQLA needs its wheels and more than one call: BENCHMARKS.md.
 set -u
 OUT=${OUT:-/tmp/deltatron-device}
@@ -15,10 +16,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 what=${1:-all}
 summary=()
 
-if [[ $what == all || $what == suite ]]; then
-    timeout 330 python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 -p no:cacheprovider
-    summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')")
-fi
 if [[ $what == all || $what == times ]]; then
     for step in "stage_times:benchmarks/diagnostics/stage_times.py --configs b8-t2048-h16-k128 b1-t32768-h16-k128" \
                 "decode_configs:benchmarks/diagnostics/decode_configs.py" \
@@ -27,6 +24,10 @@ if [[ $what == all || $what == times ]]; then
         timeout 150 python ${step#*:} --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
         summary+=("$name: exit $?")
     done
+fi
+if [[ $what == all || $what == suite ]]; then
+    timeout 420 python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 -p no:cacheprovider -v -v
+    summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')")
 fi
 
 echo

@@ -1,9 +1,12 @@
-"""How accurate the chunk inverse T = (I + A)^{-1} is at each precision of its merge products, emulated on
-the CPU (no GPU needed: tf32 is emulated by rounding each product's fp32 operands to 10 mantissa bits, as the
-tensor cores do; tf32x3 as the sum of the three tf32 products that triton issues).
+"""How accurate the chunk inverse T = (I + A)^{-1} is at each precision of its products, emulated on the CPU
+(no GPU needed: tf32 is emulated by rounding each product's fp32 operands to 10 mantissa bits, as the tensor
+cores do; tf32x3 as the sum of the three tf32 products that triton issues).
 
-It follows solve_tril's algorithm: the diagonal 16-blocks by fp32 forward substitution, then the 16- and
-32-level merges T <- T - T E T at the precision under test. For three kinds of keys (bf16, C = 64, K = 128):
+It follows solve_tril's algorithm: doubling levels T <- T - T E T (block sizes 1 -> 2 -> ... -> 64) at the
+precision under test; with tf32_newton the products are tf32 and one Newton step T <- T + T (I - (I + A) T)
+follows, its residual product in tf32x3 and its correction product in tf32; "tf32" is the same without the
+Newton step (not offered by the library: it is here to show why). For three kinds of keys (bf16, C = 64,
+K = 128):
   normalized       L2-normalized random keys, beta = sigmoid(randn): the benchmark's inputs;
   unnormalized     keys randn / sqrt(K), beta up to 2;
   nearly parallel  one direction plus 1e-3 noise, beta near 2: repeated tokens. A is then close to twice
@@ -21,7 +24,7 @@ import torch
 
 C, K, BLOCK = 64, 128, 16
 KINDS = ("normalized", "unnormalized", "nearly parallel")
-PRECISIONS = ("tf32", "tf32x3", "ieee")
+PRECISIONS = ("tf32", "tf32_newton", "tf32x3", "ieee")
 
 
 def to_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -40,20 +43,19 @@ def product(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
 
 
 def inverse(A: torch.Tensor, precision: str) -> torch.Tensor:
-    """solve_tril's algorithm on fp32 [n, C, C] tiles, merges at `precision`."""
+    """solve_tril's algorithm on fp32 [n, C, C] tiles at `precision` (one of PRECISIONS)."""
+    products = "tf32" if precision == "tf32_newton" else precision
     r = torch.arange(C)
     eye = torch.eye(C)
-    same_block = (r[:, None] // BLOCK) == (r[None, :] // BLOCK)
     T = eye.expand_as(A).clone()
-    for i in range(1, BLOCK):
-        rows_i = same_block & ((r[:, None] % BLOCK) == i)
-        a_i = torch.where(rows_i, A, 0.0).sum(-2)
-        t_i = (a_i[..., :, None] * T).sum(-2)
-        T = torch.where(rows_i, eye - t_i[..., None, :], T)
-    for S in (16, 32):
+    S = 1
+    while S < C:
         E = torch.where((r[:, None] // (2 * S) == r[None, :] // (2 * S)) & (r[:, None] // S > r[None, :] // S),
                         A, 0.0)
-        T = T - product(T, product(E, T, precision), precision)
+        T = T - product(T, product(E, T, products), products)
+        S *= 2
+    if precision == "tf32_newton":
+        T = T + product(T, eye - T - product(A, T, "tf32x3"), "tf32")
     return T
 
 
@@ -102,9 +104,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="16 chunks")
     args = parser.parse_args()
     results = table(16 if args.smoke else args.chunks)
-    print(f"{'keys':<17}{'inputs':<10}{'merges':<8}{'T error':>10}{'o error':>10}")
+    print(f"{'keys':<17}{'inputs':<10}{'precision':<12}{'T error':>10}{'o error':>10}")
     for (kind, dtype, precision), (t_err, o_err) in results.items():
-        print(f"{kind:<17}{dtype:<10}{precision:<8}{t_err:>10.2e}{o_err:>10.2e}")
+        print(f"{kind:<17}{dtype:<10}{precision:<12}{t_err:>10.2e}{o_err:>10.2e}")
     return 0
 
 

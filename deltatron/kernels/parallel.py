@@ -80,13 +80,14 @@ def sequence(cu_seqlens, i_n):
 
 @triton.jit
 def parallel_fwd_tinv_kernel(k, beta, tinv, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                             BT: tl.constexpr, BK: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr):
+                             BT: tl.constexpr, BK: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr,
+                             NEWTON: tl.constexpr):
     """Tinv_ii = (I + A_ii)^{-1} of one row block, [BT, BT] fp32 stored at the rows of its tokens."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # FROM_K=True: A_ii is built on chip from k and beta, the a argument is unused (k stands in)
     b_t = tril_inverse(k, k + start * H * K + i_h * K, beta + start * H + i_h, n, H, BT, K, BK, True,
-                       KKT_PREC, TRIL_PREC)
+                       KKT_PREC, TRIL_PREC, NEWTON)
     rows = tl.arange(0, BT)
     tl.store(tinv + (start + rows[:, None]) * (H * BT) + i_h * BT + rows[None, :], b_t, mask=rows[:, None] < n)
 
@@ -364,7 +365,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     if chunks.num_chunks:
         parallel_fwd_tinv_kernel[(chunks.num_chunks, H)](
             k, beta, tinv, info.cu_seqlens, chunks.chunk_indices, H, K, BT, min(BK, 64),
-            dot_precision(k.dtype), tril_precision(k.dtype), num_warps=4, num_stages=NUM_STAGES,
+            dot_precision(k.dtype), *tril_precision(k.dtype), num_warps=4, num_stages=NUM_STAGES,
         )
     v_new = v.new_empty(v.shape, dtype=torch.float32)
     final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None

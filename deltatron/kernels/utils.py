@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -110,16 +110,26 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def tril_precision(dtype: torch.dtype) -> str:
-    """Dot precision inside the triangular inverse for inputs of this dtype: DELTATRON_TRIL_PRECISION=
-    ieee|tf32|tf32x3, else ieee for fp32 inputs and tf32x3 (fp32 accuracy on the tensor cores) for 16-bit
-    ones. Not tf32: with nearly parallel keys (repeated tokens) the merges cancel heavily, and tf32 operands
-    put 9e-3 of error in T and 6.6e-3 in one chunk's fp16 output, over fp16's 3e-3 bound, against 1.8e-4
-    with tf32x3 (benchmarks/diagnostics/tril_precision_emulation.py). tf32 is faster (NOTES.md)."""
-    p = os.environ.get("DELTATRON_TRIL_PRECISION", "ieee" if dtype == torch.float32 else "tf32x3")
-    if p not in ("ieee", "tf32", "tf32x3"):
-        raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of ieee, tf32, tf32x3; got {p!r}")
-    return p
+TRIL_PRECISIONS = ("ieee", "tf32x3", "tf32_newton")
+
+
+def tril_precision(dtype: torch.dtype) -> Tuple[str, bool]:
+    """(precision of the products inside the triangular inverse, whether one Newton step follows) for
+    inputs of this dtype. DELTATRON_TRIL_PRECISION picks one of TRIL_PRECISIONS; the default is ieee for
+    fp32 inputs and tf32_newton for 16-bit ones:
+
+      ieee         fp32 products on the CUDA cores;
+      tf32x3       fp32 accuracy on the tensor cores (three tf32 products each);
+      tf32_newton  tf32 products, then T <- T + T (I - (I + A) T) with the residual's product in tf32x3.
+
+    Plain tf32 is not offered: with nearly parallel keys (repeated tokens) the products cancel heavily, and
+    tf32 alone puts 1e-2 of error in T and 8e-3 in one chunk's 16-bit output, over fp16's 3e-3 bound; the
+    Newton step brings that to 1.9e-4, as tf32x3 throughout does, at the cost of two products instead of
+    tripling every one (benchmarks/diagnostics/tril_precision_emulation.py)."""
+    p = os.environ.get("DELTATRON_TRIL_PRECISION", "ieee" if dtype == torch.float32 else "tf32_newton")
+    if p not in TRIL_PRECISIONS:
+        raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of {', '.join(TRIL_PRECISIONS)}; got {p!r}")
+    return ("tf32", True) if p == "tf32_newton" else (p, False)
 
 
 # Host-side integer helpers. triton.cdiv and triton.next_power_of_2 cost about 5 µs per call on the host

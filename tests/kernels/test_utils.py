@@ -1,4 +1,5 @@
 """Host-side helpers of deltatron/kernels/utils.py."""
+import pytest
 import triton
 
 from deltatron.kernels.utils import cdiv, head_block, next_power_of_2
@@ -22,8 +23,12 @@ def test_tril_precision_defaults(monkeypatch):
 
     from deltatron.kernels.utils import tril_precision
     monkeypatch.delenv("DELTATRON_TRIL_PRECISION", raising=False)
-    # fp32 accuracy in the inverse for every input dtype: tf32 is not accurate enough for nearly parallel
-    # keys (tests/test_benchmarks_smoke.py::test_tril_precision_emulation)
-    assert [tril_precision(d) for d in (torch.float32, torch.float16, torch.bfloat16)] == ["ieee", "tf32x3", "tf32x3"]
-    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32")
-    assert tril_precision(torch.bfloat16) == "tf32"
+    # fp32-level accuracy in the inverse for every input dtype: tf32 alone is not accurate enough for nearly
+    # parallel keys, tf32 with a Newton step is (tests/test_benchmarks_smoke.py::test_tril_precision_emulation)
+    assert [tril_precision(d) for d in (torch.float32, torch.float16, torch.bfloat16)] == [
+        ("ieee", False), ("tf32", True), ("tf32", True)]
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32x3")
+    assert tril_precision(torch.bfloat16) == ("tf32x3", False)
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32")  # no longer offered: says what is
+    with pytest.raises(ValueError, match="ieee, tf32x3, tf32_newton"):
+        tril_precision(torch.bfloat16)

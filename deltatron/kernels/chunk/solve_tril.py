@@ -28,22 +28,26 @@ from .kkt import chunk_span, kkt_tile
 
 
 @triton.jit
-def invert_diagonal_blocks(a, C: tl.constexpr, B: tl.constexpr):
-    """(I + D)^{-1}, D the diagonal B-blocks of the strictly lower [C, C] fp32 tile a: a block diagonal
-    tile. Forward substitution on all blocks at once: row R = bB + i of block b is
-    e_R - sum_{j < R in block b} a[R, j] t[j, :], and its rows j < R are final when row R is formed."""
-    r = tl.arange(0, C)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    same_block = (r[:, None] // B) == (r[None, :] // B)
-    t = eye
-    for i in range(1, B):
-        rows_i = same_block & ((r[:, None] % B) == i)  # row i of each block, its own columns
-        # a_i[j] = a[row i of j's block, j]
-        a_i = tl.sum(tl.where(rows_i, a, 0.0), axis=0)
-        # sum_j a_i[j] t[j, c] only meets j in c's block: t is block diagonal
-        t_i = tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(rows_i, eye - t_i[None, :], t)
-    return t
+def invert_diagonal_blocks(a, C: tl.constexpr, B: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + D)^{-1}, D the diagonal B-blocks of the strictly lower [C, C] fp32 tile a, as a block diagonal
+    [C, C] tile. The C/B blocks are taken out as a batch [C/B, B, B] and inverted together by the same
+    doubling as merge_diagonal_blocks (1-blocks are identities; each level T <- T - T E T doubles the
+    block size), with batched products: log2(B) dependent levels, no per-row steps."""
+    tl.static_assert(B == 16, "diagonal blocks are 16 x 16: four doubling levels")
+    NB: tl.constexpr = C // B
+    nb = tl.arange(0, NB)
+    i = tl.arange(0, B)
+    same_block = nb[:, None, None, None] == nb[None, None, :, None]
+    # d[b, i, j] = a[b*B + i, b*B + j]
+    d = tl.sum(tl.where(same_block, tl.reshape(a, (NB, B, NB, B)), 0.0), axis=2)
+    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    t = tl.zeros((NB, B, B), dtype=tl.float32) + eye[None, :, :]
+    S: tl.constexpr = 1
+    for _ in tl.static_range(0, 4):  # S = 1, 2, 4, 8
+        below = ((i[:, None] // (2 * S)) == (i[None, :] // (2 * S))) & ((i[:, None] // S) > (i[None, :] // S))
+        t = t - mm(t, mm(tl.where(below, d, 0.0), t, PRECISION), PRECISION)
+        S = S * 2
+    return tl.reshape(tl.where(same_block, tl.expand_dims(t, 2), 0.0), (C, C))
 
 
 @triton.jit
@@ -57,7 +61,7 @@ def merge_diagonal_blocks(t, a, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.
 
 @triton.jit
 def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                 FROM_K: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr):
+                 FROM_K: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     """(I + A)^{-1} of one chunk as a [C, C] fp32 tile (C = 16, 32 or 64). a (or k and beta, FROM_K)
     point at the chunk's first token and its head; n = tokens in the chunk: rows past n come out as
     identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the merge products."""
@@ -68,22 +72,28 @@ def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexp
         r = tl.arange(0, C)
         b_a = tl.load(a + r[:, None] * (H * C) + r[None, :],
                       mask=(r[:, None] < n) & (r[None, :] < n) & (r[:, None] > r[None, :]), other=0.0)
-    t = invert_diagonal_blocks(b_a, C, 16)
+    t = invert_diagonal_blocks(b_a, C, 16, TRIL_PREC)
     if C >= 32:
         t = merge_diagonal_blocks(t, b_a, C, 16, TRIL_PREC)
     if C == 64:
         t = merge_diagonal_blocks(t, b_a, C, 32, TRIL_PREC)
+    if NEWTON:
+        # T <- T + T R, R = I - (I + A) T: squares T's relative error. R is a small difference of O(1)
+        # terms, so (I + A) T needs fp32 accuracy (tf32x3); T R, a small correction, does not.
+        r = tl.arange(0, C)
+        residual = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - t - mm(b_a, t, "tf32x3")
+        t = t + mm(t, residual, TRIL_PREC)
     return t
 
 
 @triton.jit
 def solve_tril_kernel(a, tinv, cu_seqlens, chunk_indices, H: tl.constexpr, C: tl.constexpr,
-                      TRIL_PREC: tl.constexpr):
+                      TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     offset = start * H * C + i_h * C
     # FROM_K=False: k, beta and K are unused, a stands in for them
-    b_t = tril_inverse(a + offset, a, a, n, H, C, 16, 16, False, "ieee", TRIL_PREC)
+    b_t = tril_inverse(a + offset, a, a, n, H, C, 16, 16, False, "ieee", TRIL_PREC, NEWTON)
     store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
 
 
@@ -96,7 +106,7 @@ def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
         solve_tril_kernel[(chunks.num_chunks, H)](
-            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, tril_precision(A.dtype),
+            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, *tril_precision(A.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return tinv

@@ -38,7 +38,8 @@ def apply_tinv(t, x, b_beta, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.cons
 @triton.jit
 def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
-              STORE_TINV: tl.constexpr, APPLY: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr):
+              STORE_TINV: tl.constexpr, APPLY: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr,
+              NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
@@ -47,7 +48,7 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
     rows = tl.arange(0, C)
     if FUSED:
         # (A comes from K here: the first argument, A's address, is not read)
-        b_t = tril_inverse(k_c, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC)
+        b_t = tril_inverse(k_c, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC, NEWTON)
         if STORE_TINV:
             store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
     else:
@@ -69,17 +70,13 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     V = K if v is None else v.shape[3]
     w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
-    tril_prec = tril_precision(k.dtype)
-    # the inverse's forward substitution crosses warps at every step: with tf32 merges 2 warps measured
-    # 0.44 -> 0.25 ms (H200, b8-t2048-h16, bf16; NOTES.md); tf32x3 and ieee products spill at 2 warps
-    # (3.3 KB and over 60 KB, offline compile) and take 4
-    warps = 2 if fused and tril_prec == "tf32" else 4
+    # 4 warps: at 2 the 16-bit inverse spills (980 B, offline sm_90 compile, K = 128)
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, v is not None,
-            dot_precision(k.dtype), tril_prec,
-            num_warps=warps, num_stages=PIPELINE_STAGES,
+            dot_precision(k.dtype), *tril_precision(k.dtype),
+            num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return w, u
 
