@@ -9,7 +9,10 @@ T~ = (I + A)^{-1}, A = tril(diag(beta) K K^T, -1):
     dbeta = rowsum(dVb ⊙ V) + rowsum((dKb + dA K) ⊙ K)
 
 One program per (chunk, head); the chunk's C x C matrices stay in fp32 registers, K and V are looped
-over in tiles. The products with T~ and dA keep fp32 operands (T~ can hold large entries)."""
+over in tiles. Products whose result is a gradient of 16-bit data take 16-bit operands (the tensor cores'
+full rate): dT~ from dW, dU and beta K, beta V rounded to the input dtype, and T~^T dW, T~^T dU with T~
+rounded as the forward rounds it for W and U. dA = -T~^T dT~ T~^T and its two products with K keep fp32
+operands (dot_precision): dT~ is an fp32 sum, and dA's products cancel when keys are nearly parallel."""
 from __future__ import annotations
 
 import torch
@@ -35,20 +38,24 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     t_offs = (rows[:, None] * H + i_h) * C + r[None, :]
     b_t = tl.load(tinv + t_offs, mask=valid[:, None] & (r[None, :] <= r[:, None]), other=0.0)
     b_tt = tl.trans(b_t)
+    dt = k.dtype.element_ty
+    b_tt_in = b_tt.to(dt)  # (fp32 inputs: unchanged)
 
     b_dt = tl.zeros([C, C], dtype=tl.float32)
     b_dbeta = tl.zeros([C], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
-        b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
-        b_dt += mm(b_dw, tl.trans(b_k * b_beta[:, None]), PRECISION)
+        b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK)
+        b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
+        b_kb = (b_k.to(tl.float32) * b_beta[:, None]).to(dt)
+        b_dt += mm(b_dw, tl.trans(b_kb), PRECISION)
     for i_v in range(tl.cdiv(V, BV)):
-        b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
-        b_du = load_rows(du, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
-        b_dt += mm(b_du, tl.trans(b_v * b_beta[:, None]), PRECISION)
-        b_dvb = mm(b_tt, b_du, PRECISION)
+        b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_du = load_rows(du, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
+        b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
+        b_dt += mm(b_du, tl.trans(b_vb), PRECISION)
+        b_dvb = mm(b_tt_in, b_du, PRECISION)
         store_rows(dv, b_dvb * b_beta[:, None], start, n, i_h, i_v * BV, H, V, C, BV)
-        b_dbeta += tl.sum(b_dvb * b_v, axis=1)
+        b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
 
     # d(L^{-1}) = -L^{-T} d(.) L^{-T}; A only lives strictly below the diagonal
     b_da = -mm(mm(b_tt, b_dt, PRECISION), b_tt, PRECISION)
@@ -56,9 +63,9 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     b_dat = tl.trans(b_da)
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
-        b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
+        b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
         # dKb + dA K: both multiply beta_i k_i in A and W
-        b_dkb = mm(b_tt, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
+        b_dkb = mm(b_tt_in, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
         b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
         b_dk += b_beta[:, None] * b_dkb + mm(b_dat, b_k * b_beta[:, None], PRECISION)
         store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
