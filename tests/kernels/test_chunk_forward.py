@@ -95,6 +95,26 @@ def test_solve_tril_nearly_parallel_keys(poison, C):
     assert rel_rms(tinv, T_ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wy_nearly_parallel_keys(poison, dtype):
+    # W's rows sum terms T~_ij beta_j k_j of size ~4 to a result of size ~1 when keys are almost equal and
+    # beta is near 2: with T~ diag(beta) rounded to 16 bits alone, W here is 3.5e-3 (fp16) and 2.8e-2
+    # (bf16) off, over the bounds; it goes into the products as a 16-bit hi + lo pair
+    lengths, C, K = [128, 61], 64, 64
+    inp, info, ref = packed(lengths, 2, K, 32, dtype, seed=8)
+    g = torch.Generator().manual_seed(8)
+    base = torch.nn.functional.normalize(torch.randn(K, generator=g, dtype=torch.float64), dim=0)
+    keys = torch.nn.functional.normalize(base + 1e-3 * torch.randn(1, sum(lengths), 2, K, generator=g,
+                                                                     dtype=torch.float64), dim=-1)
+    inp["k"] = keys.to(device=DEVICE, dtype=dtype)
+    inp["beta"] = (1.95 + 0.05 * torch.rand(1, sum(lengths), 2, generator=g)).to(device=DEVICE, dtype=dtype)
+    ref = {n: x.detach().cpu().double() for n, x in inp.items()}
+    _, _, w_ref, u_ref = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    _, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)
+    assert rel_rms(w, w_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(u, u_ref) < STAGE_BOUNDS[dtype]
+
+
 @pytest.mark.parametrize("precision", ["tf32_newton", "tf32x3"])
 def test_solve_tril_precision_switch(poison, monkeypatch, precision):
     # the switch reaches the inverse's products (the interpreter computes tf32 dots in full fp32, so the GPU

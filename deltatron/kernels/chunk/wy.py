@@ -21,25 +21,27 @@ from .solve_tril import tril_inverse
 
 
 @triton.jit
-def apply_tinv(t, x, b_beta, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """y = t (beta * x) for one chunk, BD columns of the head dimension D at a time. x and y point at the
-    chunk's first token and its head; t is in the dtype of the dot operands."""
+def apply_tinv(t_hi, t_lo, x, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
+               SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """y = (t_hi + t_lo) x for one chunk, BD columns of the head dimension D at a time (t_lo only with
+    SPLIT). x and y point at the chunk's first token and its head; t_hi, t_lo have x's dtype."""
     rows = tl.arange(0, C)
     for d0 in range(0, D, BD):
         cols = d0 + tl.arange(0, BD)
         offs = rows[:, None] * (H * D) + cols[None, :]
         mask = (rows[:, None] < n) & (cols[None, :] < D)
         b_x = tl.load(x + offs, mask=mask, other=0.0)
-        b_xb = (b_x.to(tl.float32) * b_beta[:, None]).to(t.dtype)
-        tl.store(y + offs, mm(t, b_xb, PRECISION).to(y.dtype.element_ty), mask=mask)
+        b_y = mm(t_hi, b_x, PRECISION)
+        if SPLIT:
+            b_y += mm(t_lo, b_x, PRECISION)
+        tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
-              STORE_TINV: tl.constexpr, APPLY: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr,
-              NEWTON: tl.constexpr):
+              STORE_TINV: tl.constexpr, APPLY: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+              TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
@@ -55,12 +57,18 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
         # (Tinv is lower triangular: in the rows of the chunk, the columns past its end are stored zeros)
         b_t = load_rows(tinv, start, n, i_h, 0, H, C, C, C)
     if APPLY:
-        # 16-bit inputs: Tinv is rounded to the input dtype so that the products run on the tensor cores
-        b_t = b_t.to(w.dtype.element_ty)
+        # W = (Tinv diag(beta)) K, U = (Tinv diag(beta)) V with K, V as they are (exact operands). With
+        # 16-bit inputs the fp32 Tinv diag(beta) goes in as a 16-bit pair hi + lo: rounded to 16 bits alone
+        # it would put 2^-9 (bf16) of error in every term of W's rows, which cancel when keys are nearly
+        # parallel (one chunk's W then 7e-2 off in bf16); the pair leaves 2^-18.
         b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
-        apply_tinv(b_t, k_c, b_beta, w + start * H * K + i_h * K, n, H, K, BK, C, PRECISION)
-        apply_tinv(b_t, v + start * H * V + i_h * V, b_beta, u + start * H * V + i_h * V, n, H, V, BV, C,
-                   PRECISION)
+        b_tb = b_t * b_beta[None, :]
+        dt = w.dtype.element_ty
+        b_tb_hi = b_tb.to(dt)
+        b_tb_lo = (b_tb - b_tb_hi.to(tl.float32)).to(dt)
+        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, H, K, BK, C, SPLIT, PRECISION)
+        apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, n, H, V, BV,
+                   C, SPLIT, PRECISION)
 
 
 def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
@@ -75,7 +83,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             min(head_block(K), 64), min(head_block(V), 64), fused, tinv is not None, v is not None,
-            dot_precision(k.dtype), *tril_precision(k.dtype),
+            k.dtype != torch.float32, dot_precision(k.dtype), *tril_precision(k.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return w, u
