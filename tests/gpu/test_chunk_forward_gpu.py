@@ -119,7 +119,8 @@ def test_wy_nearly_parallel_keys(poison, dtype):
     info = seq_info(B, T, torch.device("cuda"), None, None)
     tinv, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
     _, T_ref, w_ref, u_ref = intra_chunk_wy(*(to_chunks(x[n].double(), 64) for n in ("k", "v", "beta")))
-    assert rel_rms(tinv, from_chunks(T_ref, T)) < 1e-4
+    # H200: 2.6e-4 (tf32x3 throughout: 1.3e-5); tf32 products without the Newton step: about 1e-2 (emulated)
+    assert rel_rms(tinv, from_chunks(T_ref, T)) < 1e-3
     assert rel_rms(w, from_chunks(w_ref, T)) < BOUNDS[dtype]
     assert rel_rms(u, from_chunks(u_ref, T)) < BOUNDS[dtype]
 
