@@ -1,22 +1,26 @@
 """Stage 2 of the chunk forward: Tinv = (I + A)^{-1} per chunk, A strictly lower triangular (DESIGN.md §2).
 
 The whole C x C tile of A stays in registers (from K by one product, or loaded), and the inverse is grown
-from its diagonal 16-blocks:
+by doubling: if T is the inverse of the S-block diagonal part of I + A, the inverse of its 2S-block
+diagonal part follows from
 
-1. all C/16 diagonal 16-blocks at once by forward substitution: 15 steps, step i forms row i of every
-   block (rows i, 16 + i, ...), each row needing only rows above it in its own block;
-2. then, for S = 16, 32, ..., the inverse of the 2S-block diagonal part from that of the S-block part by
+    [[L11, 0], [A21, L22]]^{-1} = [[T11, 0], [T21, T22]],   T21 = -T22 A21 T11,
 
-       [[L11, 0], [A21, L22]]^{-1} = [[T11, 0], [T21, T22]],   T21 = -T22 A21 T11,
+applied to every 2S-block at once as T <- T - T E T, with E the A21 blocks of that level (T is block
+diagonal, so T E T has exactly the T22 A21 T11 blocks). Starting from T = I (1-blocks):
 
-   applied to every 2S-block of the tile at once as T <- T - T E T, with E the A21 blocks of that level
-   (T is block diagonal, so T E T has exactly the T22 A21 T11 blocks).
+1. S = 1, 2, 4, 8 on the C/16 diagonal 16-blocks taken out as a batch [C/16, 16, 16] (batched products
+   of 16 x 16 tiles instead of whole-tile ones);
+2. S = 16, 32 on the whole tile;
+3. with tril_precision's tf32_newton (the 16-bit default) the products are tf32 and one Newton step
+   T <- T + T (I - (I + A) T) follows, its residual's product in tf32x3: it squares the relative error
+   that tf32 leaves (1e-2 with nearly parallel keys, where the products cancel heavily). fp32 inputs run
+   every product in ieee.
 
-Step 1 is 15 dependent steps instead of C - 1; step 2 is matrix products at tril_precision of the input
-dtype (tf32x3 for 16-bit inputs, ieee for fp32; the standalone solve_tril below only sees the fp32 A and
-runs ieee). Everything stays fp32. The jit helper tril_inverse works on register tiles so that fused
-kernels can use it: with FROM_K=True it builds A straight from K and beta and never materializes it
-(wy.wy_fwd does this)."""
+That is 6 dependent levels instead of C - 1 row steps, everything in fp32. The jit helper tril_inverse
+works on register tiles so that fused kernels can use it: with FROM_K=True it builds A straight from K and
+beta and never materializes it (wy.wy_fwd does this); the standalone solve_tril below only sees the fp32 A
+and runs ieee."""
 from __future__ import annotations
 
 import torch
@@ -64,7 +68,8 @@ def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexp
                  FROM_K: tl.constexpr, KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     """(I + A)^{-1} of one chunk as a [C, C] fp32 tile (C = 16, 32 or 64). a (or k and beta, FROM_K)
     point at the chunk's first token and its head; n = tokens in the chunk: rows past n come out as
-    identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the merge products."""
+    identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the doubling products;
+    NEWTON: one Newton step after them (tril_precision gives both)."""
     tl.static_assert(C == 16 or C == 32 or C == 64, "chunk size must be 16, 32 or 64")
     if FROM_K:
         b_a = kkt_tile(k, beta, n, H, 0, 0, C, C, K, BK, KKT_PREC)

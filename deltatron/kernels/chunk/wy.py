@@ -82,12 +82,12 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     # 32 wide: at K = V = 16 (16-wide tiles) the fused kernel gave wrong W, U on the H200 with triton 3.6
     # (bf16 forward output off by 1.5, while the backward, which recomputes W, U unfused from the stored
     # Tinv, was right); not understood, and 32 is the narrowest tile the GPU suite has run
+    split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             min(max(head_block(K), 32), 64), min(max(head_block(V), 32), 64), fused, tinv is not None,
-            v is not None,
-            k.dtype != torch.float32, dot_precision(k.dtype), *tril_precision(k.dtype),
+            v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return w, u
