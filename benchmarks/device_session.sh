@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (600 s at most): where the time of the chunk pipeline and of the decode step goes, then
-# the GPU suite, with a short table printed last. Logs and JSON go under $OUT (the device tool's
-# folder that comes back).
+# the GPU suite, with a short table printed last. Results go under $OUT (the device tool's folder that
+# comes back, at most 8 files): LAST_RUN.md, and every other log and JSON in one logs.tgz.
 #
 #   bash benchmarks/device_session.sh [all|suite|times]      # default all
 #
@@ -36,3 +36,6 @@ printf '%s\n' "${summary[@]}"
 for f in stage_times decode_configs stage_configs; do
     [[ -f $OUT/$f.txt ]] && { echo "-- $f"; grep -E 'ms$|us$|us  |shipped' "$OUT/$f.txt" | head -24; }
 done
+[[ -f $OUT/gpu_suite.log ]] && { echo "-- suite failures"; grep -E '\] (FAILED|ERROR|XPASS) ' "$OUT/gpu_suite.log"; }
+logs=$(cd "$OUT" && ls ./*.txt ./*.json ./*.log ./*.xml 2>/dev/null)
+[[ -n $logs ]] && (cd "$OUT" && tar czf logs.tgz --remove-files $logs)
