@@ -26,7 +26,8 @@ if [[ $what == all || $what == times ]]; then
     done
 fi
 if [[ $what == all || $what == suite ]]; then
-    timeout 420 python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 -p no:cacheprovider -v -v
+    suite_limit=$([[ $what == suite ]] && echo 540 || echo 420)  # alone it may use the whole call
+    timeout $suite_limit python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 -p no:cacheprovider -v -v
     summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')")
 fi
 
