@@ -202,8 +202,13 @@ def _lr_at(step: int, cfg: Config) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
 
+class TrainingDiverged(RuntimeError):
+    """The training loss stopped being finite."""
+
+
 def train(cfg: Config, progress: Callable = _progress) -> dict:
-    """Trains and evaluates; returns the log (what the JSON file holds)."""
+    """Trains and evaluates; returns the log (what the JSON file holds). Raises TrainingDiverged as soon
+    as a step's loss is not finite, before that step updates the weights."""
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = DeltaNetLM(cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.mixer, cfg.mode).to(device)
@@ -232,11 +237,16 @@ def train(cfg: Config, progress: Callable = _progress) -> dict:
         with autocast():
             logits = forward(inputs)
         loss = recall_loss(logits, targets)
+        log["losses"].append(loss.item())
+        if not math.isfinite(log["losses"][-1]):
+            bar.close()
+            raise TrainingDiverged(
+                f"the training loss is {log['losses'][-1]} at step {step + 1} of {cfg.steps} ({log['backend']} "
+                f"backend, {cfg.dtype}); DELTATRON_BACKEND=torch runs the same model on the PyTorch reference")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        log["losses"].append(loss.item())
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             eval_loss, accuracy = evaluate(forward, eval_inputs, eval_targets, cfg.batch_size, autocast)
             log["evals"].append(dict(step=step + 1, loss=eval_loss, accuracy=accuracy,
@@ -307,7 +317,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    log = train(cfg)
+    try:
+        log = train(cfg)
+    except TrainingDiverged as e:
+        print(f"deltatron train: {e}", file=sys.stderr)
+        return 1
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, f"mqar_{cfg.mixer}.json")
     with open(log_path, "w") as f:

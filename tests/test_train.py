@@ -6,6 +6,7 @@ import torch
 
 from deltatron import cli
 from deltatron.reference.common import l2norm
+from deltatron import train as train_module
 from deltatron.train import Config, LinearAttention, mqar_batch, train
 
 TINY = ["--device", "cpu", "--steps", "40", "--batch-size", "16", "--seq-len", "24", "--num-kv", "4",
@@ -105,3 +106,21 @@ def test_cli_rejects_bad_settings(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "--device", "cpu", "--seq-len", "16", "--num-kv", "8"])
     assert e.value.code == 2 and "num_kv" in capsys.readouterr().err
+
+
+def test_diverging_run_stops_with_an_error(monkeypatch, tmp_path, capsys):
+    # a loss that is not finite (a kernel bug, say) ends the run at that step with exit code 1 and says
+    # why, instead of training on and reporting accuracy 0 with exit code 0
+    real_loss, calls = train_module.recall_loss, []
+
+    def loss_going_nan(logits, targets):
+        calls.append(1)
+        loss = real_loss(logits, targets)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(train_module, "recall_loss", loss_going_nan)
+    assert cli.main(["train", *TINY, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "the training loss is nan at step 3 of 40" in err and "DELTATRON_BACKEND=torch" in err
+    assert not list(tmp_path.glob("mqar_*.json"))
+
