@@ -54,6 +54,17 @@ def make_inputs(B, T, H, K, V, dtype=torch.float32, device="cpu", normalized_key
     return out
 
 
+def nearly_parallel_keys(shape, beta_low=1.95, dtype=torch.float32, device="cpu", seed=0):
+    """Repeated tokens: keys [*shape] (shape ends with K) along one direction plus 1e-3 noise, unit norm,
+    and beta [*shape[:-1]] in [beta_low, beta_low + 0.05]. With beta near 2 the inverse's products and the
+    terms of W's rows cancel heavily. Returns (k, beta) in dtype on device."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.nn.functional.normalize(torch.randn(shape[-1], generator=g, dtype=torch.float64), dim=0)
+    k = torch.nn.functional.normalize(base + 1e-3 * torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
+    beta = beta_low + 0.05 * torch.rand(*shape[:-1], generator=g, dtype=torch.float64)
+    return k.to(device=device, dtype=dtype), beta.to(device=device, dtype=dtype)
+
+
 def random_cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
     lens = torch.tensor([0, *lengths], dtype=torch.int64)
     return lens.cumsum(0).to(device=device, dtype=torch.int32)

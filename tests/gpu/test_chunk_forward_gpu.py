@@ -11,7 +11,7 @@ from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
 from deltatron.reference.chunk import from_chunks, to_chunks
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import BOUNDS, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
 from . import CHUNK_SHAPES
 
 pytestmark = pytest.mark.gpu
@@ -98,13 +98,9 @@ def test_public_api_fla_shape(poison, monkeypatch):
 
 
 def nearly_parallel_inputs(dtype, beta_low, B=2, T=512, H=4, D=128, seed=11):
-    """Repeated tokens: one key direction plus 1e-3 noise, beta in [beta_low, beta_low + 0.05]."""
+    """make_inputs with nearly parallel keys and beta in [beta_low, beta_low + 0.05] (repeated tokens)."""
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=seed)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    base = torch.nn.functional.normalize(torch.randn(D, device="cuda", generator=g), dim=0)
-    noise = 1e-3 * torch.randn(B, T, H, D, device="cuda", generator=g)
-    x["k"] = torch.nn.functional.normalize(base + noise, dim=-1).to(dtype)
-    x["beta"] = (beta_low + 0.05 * torch.rand(B, T, H, device="cuda", generator=g)).to(dtype)
+    x["k"], x["beta"] = nearly_parallel_keys((B, T, H, D), beta_low, dtype, "cuda", seed=seed)
     return x
 
 

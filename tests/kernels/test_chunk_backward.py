@@ -10,7 +10,7 @@ from deltatron.kernels.chunk import output_bwd, state_bwd, wy_bwd
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import intra_chunk_wy, recurrent_delta_rule
 
-from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -151,19 +151,6 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
             assert torch.equal(dh0[n].cpu(), torch.zeros(H, K, V) if dht is None else dht[n].float())
 
 
-def nearly_parallel_keys(inp, ref, dtype, seed):
-    """Replaces the keys by one direction plus 1e-3 noise and beta by values near 2 (repeated tokens: the
-    products with T~ cancel heavily), in inp and in its float64 copy ref."""
-    g = torch.Generator().manual_seed(seed)
-    TT, H, K = ref["k"].shape
-    base = torch.nn.functional.normalize(torch.randn(K, generator=g, dtype=torch.float64), dim=0)
-    k = torch.nn.functional.normalize(base + 1e-3 * torch.randn(TT, H, K, generator=g, dtype=torch.float64), dim=-1)
-    beta = 1.95 + 0.05 * torch.rand(TT, H, generator=g, dtype=torch.float64)
-    for name, x in (("k", k), ("beta", beta)):
-        inp[name] = x[None].to(device=DEVICE, dtype=dtype)
-        ref[name] = inp[name][0].cpu().double()
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("C, lengths, K, V, parallel_keys", [
     (16, [0, 1, 17, 33], 24, 40, False), (64, [64, 65], 40, 24, False), (32, [31], 16, 16, False),
@@ -174,7 +161,8 @@ def test_wy_bwd(dtype, C, lengths, K, V, parallel_keys, poison):
     H = 2
     inp, info, ref = packed(lengths, H, K, V, dtype, seed=3 * C + K)
     if parallel_keys:
-        nearly_parallel_keys(inp, ref, dtype, seed=C + K)
+        inp["k"], inp["beta"] = nearly_parallel_keys(inp["k"].shape, 1.95, dtype, DEVICE, seed=C + K)
+        ref["k"], ref["beta"] = (inp[n][0].cpu().double() for n in ("k", "beta"))
     k, v, beta = (ref[n].clone().requires_grad_() for n in ("k", "v", "beta"))
     w, u, tinv = wy_model(k, v, beta, lengths, C)
     g = torch.Generator().manual_seed(11)
