@@ -150,6 +150,11 @@ def head_block(size: int) -> int:
     return max(16, next_power_of_2(size))
 
 
+def head_tile(size: int) -> int:
+    """Tile of a head dimension that a program loops over: head_block, at most 64 wide."""
+    return min(64, head_block(size))
+
+
 def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> int:
     """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
     as wide as registers allow (the tile is at most 8192 fp32), halved while sequences * heads * V-blocks

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_block, mm
+from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, mm
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def chunk_kkt(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: in
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
         chunk_kkt_kernel[(chunks.num_chunks, H)](
-            k, beta, a, info.cu_seqlens, chunks.chunk_indices, H, K, chunk_size, min(head_block(K), 64),
+            k, beta, a, info.cu_seqlens, chunks.chunk_indices, H, K, chunk_size, head_tile(K),
             dot_precision(k.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return a

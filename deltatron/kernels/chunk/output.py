@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, mm
+from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_tile, mm
 from .kkt import chunk_span
 
 
@@ -53,10 +53,10 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     H, K, V = q.shape[2], q.shape[3], v_new.shape[3]
     o = torch.empty_like(v_new)
     chunks = info.chunks(chunk_size)
-    BV = min(head_block(V), 64)
+    BV = head_tile(V)
     if chunks.num_chunks:
         output_fwd_kernel[(chunks.num_chunks * cdiv(V, BV), H)](
             q, k, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
-            min(head_block(K), 64), BV, dot_precision(q.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
+            head_tile(K), BV, dot_precision(q.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return o

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_offsets, store_rows
+from ..utils import PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, mm, state_offsets, store_rows
 from .kkt import chunk_span
 
 
@@ -69,11 +69,6 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
     store_rows(dw, b_dw, start, n, i_h, i_k * BK, H, K, C, BK)
 
 
-def tile(size: int) -> int:
-    """Tile of a head dimension looped over inside a program: at most 64 wide."""
-    return min(64, head_block(size))
-
-
 def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, info, chunk_size: int) -> torch.Tensor:
     """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype."""
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
@@ -82,7 +77,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     if chunks.num_chunks:
         dv_local_kernel[(chunks.num_chunks, H)](
             q, k, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, tile(K), tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
+            H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
     return dv
 
@@ -98,9 +93,9 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
     dk = torch.empty_like(k, dtype=torch.float32)
     dw = torch.empty_like(k)
     if chunks.num_chunks:
-        BK = tile(K)
+        BK = head_tile(K)
         dqkw_kernel[(cdiv(K, BK), chunks.num_chunks, H)](
             q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, BK, tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
+            H, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw
