@@ -1,42 +1,73 @@
 #!/usr/bin/env bash
-# One device call (600 s at most): where the time of the chunk pipeline and of the decode step goes, then
-# the GPU suite, with a short table printed last. Results go under $OUT (the device tool's folder that
-# comes back, at most 8 files): LAST_RUN.md, and every other log and JSON in one logs.tgz.
+# One device call (600 s at most): the steps named, in order, with a short table printed last. Results go
+# under $OUT (the device tool's folder that comes back, at most 8 files): LAST_RUN.md, and every other log
+# and JSON in one logs.tgz.
 #
-#   bash benchmarks/device_session.sh [all|suite|times]      # default all
+#   bash benchmarks/device_session.sh [STEP ...]      # default: times suite
 #
-# times: stage_times.py, decode_configs.py and stage_configs.py for the WY stages (~2 min), first;
+# times: stage_times.py, decode_configs.py and stage_configs.py for the WY stages (~2 min);
 # suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (5-6 min), with
-# one line per test in gpu_suite.log, so that a cut-off run still names its failures.
-# The benchmark against fla-core / FlashQLA needs its wheels and more than one call: BENCHMARKS.md.
+#        one line per test in gpu_suite.log, so that a cut-off run still names its failures; 540 s when
+#        it is the only step, else 420;
+# train: `deltatron check`, then `deltatron train` with each mixer at the GPU preset (~1 min), plus
+#        TRAIN_ARGS (extra settings, e.g. "--num-kv 24") when set;
+# bench: benchmarks/run.py with BENCH_ARGS (e.g. "--impls deltatron.chunk fla.chunk") and BENCH_BUDGET_S
+#        (default 400); the competitors must be importable (BENCHMARKS.md).
+# Two GPUs (CUDA_VISIBLE_DEVICES, or a two-GPU machine): run one invocation per GPU, each with its own OUT.
 set -u
 OUT=${OUT:-/tmp/deltatron-device}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-what=${1:-all}
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(times suite)
 summary=()
 
-if [[ $what == all || $what == times ]]; then
-    for step in "stage_times:benchmarks/diagnostics/stage_times.py --configs b8-t2048-h16-k128 b1-t32768-h16-k128" \
-                "decode_configs:benchmarks/diagnostics/decode_configs.py" \
-                "stage_configs:benchmarks/diagnostics/stage_configs.py --stages wy_fwd WY"; do
-        name=${step%%:*}
-        timeout 150 python ${step#*:} --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
-        summary+=("$name: exit $?")
-    done
-fi
-if [[ $what == all || $what == suite ]]; then
-    suite_limit=$([[ $what == suite ]] && echo 540 || echo 420)  # alone it may use the whole call
-    timeout $suite_limit python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 -p no:cacheprovider -v -v
-    summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')")
-fi
+run_step() {  # name, timeout, command...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    summary+=("$name: exit $?")
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+    times)
+        run_step stage_times 150 python benchmarks/diagnostics/stage_times.py \
+            --configs b8-t2048-h16-k128 b1-t32768-h16-k128 --out "$OUT/stage_times.json"
+        run_step decode_configs 150 python benchmarks/diagnostics/decode_configs.py --out "$OUT/decode_configs.json"
+        run_step stage_configs 150 python benchmarks/diagnostics/stage_configs.py --stages wy_fwd WY \
+            --out "$OUT/stage_configs.json" ;;
+    suite)
+        suite_limit=$([[ ${#steps[@]} -eq 1 ]] && echo 540 || echo 420)  # alone it may use the whole call
+        timeout "$suite_limit" python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 \
+            -p no:cacheprovider -v -v
+        summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')") ;;
+    train)
+        run_step check 120 python -m deltatron check
+        for mixer in delta linear; do
+            # shellcheck disable=SC2086  # TRAIN_ARGS is a list of settings
+            run_step "train_$mixer" 150 python -m deltatron train --mixer "$mixer" ${TRAIN_ARGS:-} \
+                --out "$OUT/train_$mixer"
+        done ;;
+    bench)
+        # shellcheck disable=SC2086
+        run_step bench $((${BENCH_BUDGET_S:-400} + 60)) python benchmarks/run.py --out "$OUT" --plot \
+            --budget-s "${BENCH_BUDGET_S:-400}" ${BENCH_ARGS:-} ;;
+    *) echo "unknown step: $step (times, suite, train, bench)"; exit 2 ;;
+    esac
+done
 
 echo
-echo "== device session ($what), $(date -u '+%Y-%m-%d %H:%M UTC'), logs in $OUT"
+echo "== device session (${steps[*]}), $(date -u '+%Y-%m-%d %H:%M UTC'), GPU ${CUDA_VISIBLE_DEVICES:-all}, logs in $OUT"
 printf '%s\n' "${summary[@]}"
 for f in stage_times decode_configs stage_configs; do
     [[ -f $OUT/$f.txt ]] && { echo "-- $f"; grep -E 'ms$|us$|us  |shipped' "$OUT/$f.txt" | head -24; }
 done
+[[ -f $OUT/check.txt ]] && { echo "-- check"; tail -4 "$OUT/check.txt"; }
+for mixer in delta linear; do
+    [[ -f $OUT/train_$mixer.txt ]] && { echo "-- train $mixer"; tail -3 "$OUT/train_$mixer.txt"; }
+done
+[[ -f $OUT/bench.txt ]] && { echo "-- bench"; tail -30 "$OUT/bench.txt"; }
 [[ -f $OUT/gpu_suite.log ]] && { echo "-- suite failures"; grep -E '\] (FAILED|ERROR|XPASS) ' "$OUT/gpu_suite.log"; }
-logs=$(cd "$OUT" && ls ./*.txt ./*.json ./*.log ./*.xml 2>/dev/null)
+logs=$(cd "$OUT" && ls -d ./*.txt ./*.json ./*.log ./*.xml ./train_* 2>/dev/null)
 [[ -n $logs ]] && (cd "$OUT" && tar czf logs.tgz --remove-files $logs)

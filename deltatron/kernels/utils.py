@@ -170,6 +170,11 @@ def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> i
 # wrong results or illegal memory accesses with 16-bit dots, 3 runs out of shared memory at K = 256, 2 is
 # right everywhere.
 PIPELINE_STAGES = 2
+# The two WY kernels (W, U and their backward) pipeline 3 deep: their tiles are at most 64 wide whatever
+# K, V are, so a third stage fits in shared memory at every head size, and at K = V = 128 on the H200 it
+# took 0.237 -> 0.209 ms (forward) and 0.362 -> 0.344 ms (backward) with the same outputs
+# (benchmarks/diagnostics/stage_configs.py, b8-t2048-h16, bf16).
+WY_PIPELINE_STAGES = 3
 
 
 @dataclass

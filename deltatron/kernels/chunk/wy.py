@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows, tril_precision
+from ..utils import WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows, tril_precision
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
 
@@ -88,7 +88,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             max(head_tile(K), 32), max(head_tile(V), 32), fused, tinv is not None,
             v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
-            num_warps=4, num_stages=PIPELINE_STAGES,
+            num_warps=4, num_stages=WY_PIPELINE_STAGES,
         )
     return w, u
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
+from ..utils import WY_PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
 from .kkt import chunk_span
 
 
@@ -87,6 +87,6 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     if chunks.num_chunks:
         wy_bwd_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
-            H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(k.dtype), num_stages=PIPELINE_STAGES,
+            H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES,
         )
     return dk, dv, dbeta
