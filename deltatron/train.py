@@ -35,7 +35,7 @@ IGNORE = -100
 PRESETS = {
     "cpu": dict(vocab_size=64, seq_len=64, num_kv=12, d_model=64, num_layers=2, num_heads=4, batch_size=64,
                 steps=800, lr=3e-3, eval_every=50, dtype="float32"),
-    "cuda": dict(vocab_size=64, seq_len=128, num_kv=12, d_model=64, num_layers=2, num_heads=4, batch_size=256,
+    "cuda": dict(vocab_size=128, seq_len=256, num_kv=32, d_model=128, num_layers=2, num_heads=4, batch_size=256,
                  steps=800, lr=3e-3, eval_every=50, dtype="bfloat16"),
 }
 
