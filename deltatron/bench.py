@@ -8,9 +8,13 @@ ran), <name>.md (the table) and, with --plot, <name>.png. Competitors are option
 missing gives rows with error "not installed". A row that fails (OOM included) records its error and the
 run goes on.
 
-    python benchmarks/run.py --out benchmarks/results --plot     # the H200 run (about 5-8 minutes)
+    python benchmarks/run.py --out benchmarks/results --plot     # the H200 run (see below for its length)
     python benchmarks/run.py --smoke --out /tmp/bench            # CPU, tiny sizes, seconds: the CI guard
-    python benchmarks/run.py --report benchmarks/results/X.json  # BENCHMARKS.md (and plot) from a run
+    python benchmarks/run.py --report benchmarks/results/X.json [Y.json ...]  # BENCHMARKS.md (and plot)
+
+fla-core autotunes for 100-130 s on each new shape, so with it installed the whole table takes over 15
+minutes: runs of a subset each (--configs) can be merged into one report, every configuration's rows taken
+from one run (merge_runs).
 """
 from __future__ import annotations
 
@@ -559,9 +563,24 @@ guard in tests/test_benchmarks_smoke.py), `--list`.
 """
 
 
-def render_report(results: Optional[dict], json_path: Optional[Path], png_path: Optional[Path], md_path: Path) -> str:
+def merge_runs(runs: Sequence[dict]) -> dict:
+    """One table from runs that timed different configurations (a whole run does not fit in one device
+    call). Every configuration's rows come from one run, the last that timed it, so each row's ratios
+    compare implementations timed in the same process; rows that were not run are left out when another
+    run has the configuration. meta is the first run's, with every run's meta under "runs"."""
+    timed = {}  # config -> index of the last run that timed it
+    for i, run in enumerate(runs):
+        for r in run["rows"]:
+            if "fwd_ms" in r or "step_us" in r:
+                timed[r["config"]] = i
+    rows = [r for i, run in enumerate(runs) for r in run["rows"] if timed.get(r["config"], i) == i]
+    return dict(meta=dict(runs[0]["meta"], runs=[run["meta"] for run in runs]), rows=rows)
+
+
+def render_report(results: Optional[dict], json_path: Optional[Path], png_path: Optional[Path], md_path: Path,
+                  more_json: Sequence[Path] = ()) -> str:
     """BENCHMARKS.md: the committed run's table and plot, its hand-written notes (<results>.notes.md beside
-    the JSON, if any), and how to reproduce it."""
+    the JSON, if any), and how to reproduce it. more_json: further runs merged into the table (merge_runs)."""
     parts = ["# Benchmarks\n",
              "deltatron's chunk, fused_chunk and fused_recurrent delta rule against fla-core's chunk_delta_rule "
              "and FlashQLA's chunk_gated_delta_rule with g = 0, forward and forward+backward, bf16, with the "
@@ -573,7 +592,8 @@ def render_report(results: Optional[dict], json_path: Optional[Path], png_path: 
         rel = lambda p: os.path.relpath(p, md_path.parent)  # noqa: E731
         meta = results["meta"]
         parts.append(f"## Run of {meta['date']}\n")
-        parts.append(f"Raw numbers: [{json_path.name}]({rel(json_path)}). {describe_meta(meta)}.\n")
+        for path, run_meta in zip([json_path, *more_json], meta.get("runs", [meta])):
+            parts.append(f"Raw numbers: [{path.name}]({rel(path)}). {describe_meta(run_meta)}.\n")
         parts.append(markdown_table(results["rows"]) + "\n")
         parts.append(legend(meta) + "\n")
         if png_path is not None:
@@ -700,8 +720,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"rows not started after this many seconds are recorded as not run "
                              f"(default {DEFAULT_BUDGET_S})")
     parser.add_argument("--list", action="store_true", help="print the configurations and implementations")
-    parser.add_argument("--report", type=Path, metavar="JSON",
-                        help="write BENCHMARKS.md (and the plot, with matplotlib) from a results file; no run")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                        help="write BENCHMARKS.md (and the plot, with matplotlib) from results files, merged "
+                             "when several (each configuration from the last run that timed it); no run")
     parser.add_argument("--md", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "BENCHMARKS.md",
                         help="where --report writes (default benchmarks/BENCHMARKS.md)")
     args = parser.parse_args(argv)
@@ -714,11 +735,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("implementations: " + ", ".join(IMPLS))
         return 0
     if args.report is not None:
-        results = json.loads(args.report.read_text())
-        png = plot(results, args.report.with_suffix(".png"))
-        if png is None and args.report.with_suffix(".png").exists():
-            png = args.report.with_suffix(".png")
-        args.md.write_text(render_report(results, args.report, png, args.md))
+        first, *more = args.report
+        runs = [json.loads(p.read_text()) for p in args.report]
+        results = merge_runs(runs) if more else runs[0]
+        png = plot(results, first.with_suffix(".png"))
+        if png is None and first.with_suffix(".png").exists():
+            png = first.with_suffix(".png")
+        args.md.write_text(render_report(results, first, png, args.md, more))
         print(f"wrote {args.md}" + (f" and {png}" if png else " (no plot: matplotlib not installed)"))
         return 0
 

@@ -95,6 +95,33 @@ def test_table_and_report(smoke, tmp_path):
     assert "| deltatron.chunk |" in text and "## How to reproduce" in text
 
 
+def test_merged_report_takes_each_configuration_from_one_run(smoke, tmp_path):
+    """Runs of subsets merge into one table; a configuration timed by two runs comes wholly from the later
+    one (its ratios compare rows of one process), and a not-run row of a configuration timed elsewhere goes."""
+    _, results = smoke
+    cfg_a, cfg_b = bench.SMOKE_CONFIGS[0].name, bench.SMOKE_CONFIGS[1].name
+    first = dict(meta=dict(results["meta"], date="first"),
+                 rows=[dict(r, fwd_ms=1.0) for r in results["rows"] if r["config"] in (cfg_a, cfg_b)
+                       and "fwd_ms" in r])
+    second = dict(meta=dict(results["meta"], date="second"),
+                  rows=[dict(r, fwd_ms=2.0) for r in results["rows"] if r["config"] == cfg_b and "fwd_ms" in r]
+                  + [dict(impl="deltatron.chunk", config=cfg_a, error="not run: time budget of 1 s spent")])
+    merged = bench.merge_runs([first, second])
+    assert [m["date"] for m in merged["meta"]["runs"]] == ["first", "second"]
+    by_config = {}
+    for r in merged["rows"]:
+        by_config.setdefault(r["config"], set()).add(r.get("fwd_ms"))
+    assert by_config == {cfg_a: {1.0}, cfg_b: {2.0}}
+    paths = []
+    for name, run in (("first", first), ("second", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    md = tmp_path / "BENCHMARKS.md"
+    assert bench.main(["--report", *map(str, paths), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "[first.json]" in text and "[second.json]" in text and "time budget of 1 s" not in text
+
+
 def test_floor_model_matches_design_anchors():
     """DESIGN.md §7: 180 kFLOP and 1 KiB per token-head forward at K = V = 128; floor 0.063 ms at
     B=8, T=2048, H=16; a decode step reads and writes the state in 31.4 us."""
