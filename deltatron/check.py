@@ -48,7 +48,7 @@ class Case:
 
 def cases_for(device: torch.device, interpret: bool) -> List[Case]:
     if device.type == "cuda":
-        # (16-wide heads: the training job's, where the fused WY kernel once went wrong on the H200)
+        # (16-wide heads, as in deltatron train's CPU preset: the fused WY kernel once went wrong there on the H200)
         return [Case(2, 4, 64, 128, T=1000), Case(1, 4, 128, 128, lengths=[0, 1, 63, 65, 700, 300]),
                 Case(4, 4, 16, 16, T=300)]
     if interpret:  # the interpreter is slow: tiny shapes

@@ -8,5 +8,5 @@ CHUNK_SHAPES = [
     (1, 4096, 8, 256, 64),
     (8, 1000, 8, 100, 32),
     (2, 777, 32, 128, 16),
-    (8, 128, 4, 16, 64),  # the training job's heads (deltatron train: d_model 64, 4 heads)
+    (8, 128, 4, 16, 64),  # 16-wide heads (deltatron train's CPU preset), where the fused WY kernel once failed on the GPU
 ]
