@@ -9,7 +9,7 @@
 # suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (5-6 min), with
 #        one line per test in gpu_suite.log, so that a cut-off run still names its failures; 540 s when
 #        it is the only step, else 420;
-# train: `deltatron check` (~5 min), then `deltatron train` with each mixer at the GPU preset (~1 min), plus
+# train: `deltatron check` (cut at 300 s: with an empty Triton cache it needs longer), then `deltatron train` with each mixer at the GPU preset (~1 min), plus
 #        TRAIN_ARGS (extra settings, e.g. "--num-kv 24") when set;
 # bench: benchmarks/run.py with BENCH_ARGS (e.g. "--impls deltatron.chunk fla.chunk") and BENCH_BUDGET_S
 #        (default 400); the competitors must be importable (BENCHMARKS.md).
@@ -43,7 +43,7 @@ for step in "${steps[@]}"; do
             -p no:cacheprovider -v -v
         summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')") ;;
     train)
-        run_step check 300 python -m deltatron check  # compiles every form and dtype: minutes
+        run_step check 300 python -m deltatron check  # compiles every form and dtype (fp32: 30-80 s each)
         for mixer in delta linear; do
             # shellcheck disable=SC2086  # TRAIN_ARGS is a list of settings
             run_step "train_$mixer" 150 python -m deltatron train --mixer "$mixer" ${TRAIN_ARGS:-} \
