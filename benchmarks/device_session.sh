@@ -10,7 +10,8 @@
 #        one line per test in gpu_suite.log, so that a cut-off run still names its failures; 540 s when
 #        it is the only step, else 420;
 # train: `deltatron check` (cut at 300 s: with an empty Triton cache it needs longer), then
-#        `deltatron train` with each mixer at the GPU preset (~1 min), plus TRAIN_ARGS (extra settings, e.g. "--num-kv 24") when set;
+#        `deltatron train` with each mixer at the GPU preset (~1 min), plus TRAIN_ARGS (extra settings,
+#        e.g. "--num-kv 24") when set;
 # bench: benchmarks/run.py with BENCH_ARGS (e.g. "--impls deltatron.chunk fla.chunk") and BENCH_BUDGET_S
 #        (default 400); the competitors must be importable (BENCHMARKS.md).
 # Two GPUs (CUDA_VISIBLE_DEVICES, or a two-GPU machine): run one invocation per GPU, each with its own OUT.
