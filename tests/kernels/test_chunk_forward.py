@@ -19,6 +19,8 @@ pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs
 
 # float64 references of fp32 stages agree to ~1e-6; the end-to-end bounds are BOUNDS
 STAGE_BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+# one rounding to the dtype (its unit roundoff, about): two computations that round alike differ by this
+ONE_ROUNDING = {torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 
 
 def packed(lengths, H, K, V, dtype, seed, initial_state=False, **kw):
@@ -190,6 +192,16 @@ def test_state_fwd(poison, dtype, C, lengths, K, V, has_h0):
 
 # ---------------------------------------------------------------- stage 5: the output
 
+def output_reference(q, k, h, v_new, scale, lengths, C):
+    """Float64 o [1, TT, H, V] = scale (Q S + (Q K^T ⊙ M) V') per chunk, S = h[chunk] [NT, H, K, V]."""
+    o = torch.zeros_like(v_new)
+    for i, (t0, t1, _) in enumerate(chunk_rows(lengths, C)):
+        q_c, k_c, vn_c = (x[0, t0:t1].transpose(0, 1) for x in (q, k, v_new))
+        qk = (q_c @ k_c.transpose(1, 2)).tril()
+        o[0, t0:t1] = (scale * (q_c @ h[i] + qk @ vn_c)).transpose(0, 1)
+    return o
+
+
 @pytest.mark.parametrize("dtype, C, lengths, K, V", [
     (torch.float32, 32, [33, 1], 40, 24),
     (torch.bfloat16, 16, [18, 0, 16], 24, 40),
@@ -202,13 +214,63 @@ def test_output_fwd(poison, dtype, C, lengths, K, V):
     h = torch.randn(len(spans), H, K, V, device=DEVICE).to(dtype)
     v_new = inp["v"]
     o = output.output_fwd(inp["q"], inp["k"], v_new, h, scale, info, C)
-    o_ref = torch.zeros_like(ref["v"])
-    for i, (t0, t1, _) in enumerate(spans):
-        q_c, k_c, vn_c = (x[0, t0:t1].transpose(0, 1) for x in (ref["q"], ref["k"], ref["v"]))
-        qk = (q_c @ k_c.transpose(1, 2)).tril()
-        o_ref[0, t0:t1] = (scale * (q_c @ h[i].cpu().double() + qk @ vn_c)).transpose(0, 1)
+    o_ref = output_reference(ref["q"], ref["k"], h.cpu().double(), ref["v"], scale, lengths, C)
     assert o.dtype == dtype
     assert rel_rms(o, o_ref) < STAGE_BOUNDS[dtype]
+
+
+# ---------------------------------------------------------------- stages 4 and 5 fused: the forward's walk
+
+@pytest.mark.parametrize("dtype, C, lengths, K, V, has_h0", [
+    (torch.float32, 16, [0, 1, 17, 16], 24, 40, True),
+    (torch.float32, 32, [1], 40, 24, False),
+    (torch.float16, 32, [40, 0, 1, 31], 32, 24, False),
+    (torch.float16, 16, [33], 24, 24, True),
+    (torch.bfloat16, 64, [65, 7], 40, 32, True),
+    (torch.bfloat16, 16, [0, 1, 15, 16, 17], 24, 40, False),
+])
+def test_state_output_fwd(poison, dtype, C, lengths, K, V, has_h0):
+    # the fused walk against the float64 composition of the two stages it replaces (state pass, output)
+    H, scale = 2, 0.37
+    inp, info, ref = packed(lengths, H, K, V, dtype, seed=7, initial_state=has_h0)
+    _, _, W, U = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    w, u = W.to(dtype).to(DEVICE), U.to(dtype).to(DEVICE)
+    h0 = inp.get("initial_state")
+    o, final = state.state_output_fwd(inp["q"], inp["k"], w, u, scale, h0, True, info, C)
+    h_ref, vn_ref, final_ref = state_reference(ref["k"], w.cpu().double(), u.cpu().double(), ref.get("initial_state"),
+                                               lengths, C)
+    o_ref = output_reference(ref["q"], ref["k"], h_ref, vn_ref, scale, lengths, C)
+    assert o.dtype == dtype and final.dtype == torch.float32
+    assert rel_rms(o, o_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < STAGE_BOUNDS[dtype]
+    if 0 in lengths:  # an empty sequence passes its initial state (or zeros) through exactly
+        n = lengths.index(0)
+        assert torch.equal(final[n], h0[n] if has_h0 else torch.zeros_like(final[n]))
+    o2, no_final = state.state_output_fwd(inp["q"], inp["k"], w, u, scale, h0, False, info, C)
+    assert no_final is None and torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("dtype, C, K, V", [
+    (torch.float32, 32, 40, 24),
+    (torch.float16, 16, 24, 40),
+    (torch.bfloat16, 64, 32, 16),
+])
+def test_state_output_fwd_matches_unfused(poison, dtype, C, K, V):
+    # same W, U: the fused walk rounds S and V' as the unfused pair does (h and v_new in the input dtype),
+    # so only the order of fp32 sums may differ: on a GPU the two kernels' dots may sum in another order
+    # (about one rounding apart); in the interpreter, where the output stage does not tile K at these
+    # sizes, not at all
+    lengths, H, scale = [C + 1, 0, 1, C], 2, 0.3
+    inp, info, _ = packed(lengths, H, K, V, dtype, seed=8, initial_state=True)
+    _, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)
+    h0 = inp["initial_state"]
+    h, v_new, final_unfused = state.state_fwd(inp["k"], w, u, h0, True, info, C)
+    o_unfused = output.output_fwd(inp["q"], inp["k"], v_new, h, scale, info, C)
+    o, final = state.state_output_fwd(inp["q"], inp["k"], w, u, scale, h0, True, info, C)
+    assert rel_rms(o, o_unfused) < ONE_ROUNDING[dtype]
+    assert rel_rms(final, final_unfused) < ONE_ROUNDING[dtype]
+    if INTERPRET:
+        assert torch.equal(o, o_unfused) and torch.equal(final, final_unfused)
 
 
 # ---------------------------------------------------------------- the whole forward

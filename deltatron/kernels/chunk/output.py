@@ -12,6 +12,16 @@ from .kkt import chunk_span
 
 
 @triton.jit
+def causal_output(b_qs, b_qk, b_vn, scale, C: tl.constexpr, PRECISION: tl.constexpr):
+    """scale (Q S + (Q K^T ⊙ M) V') of one chunk, fp32 [C, BV], from Q S and Q K^T (fp32) and V' (in the
+    input dtype). Q K^T is masked here and rounded to the dtype of V' for the product, as fla does. Shared
+    with the fused variant of the state pass (state.py), so that both paths round alike."""
+    rows = tl.arange(0, C)
+    b_qk = tl.where(rows[:, None] >= rows[None, :], b_qk, 0.0)
+    return (b_qs + mm(b_qk.to(b_vn.dtype), b_vn, PRECISION)) * scale
+
+
+@triton.jit
 def output_fwd_kernel(q, k, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       PRECISION: tl.constexpr):
@@ -38,11 +48,10 @@ def output_fwd_kernel(q, k, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl
         b_qs += mm(b_q, b_s, PRECISION)
         b_qk += mm(b_q, b_kt, PRECISION)
 
-    b_qk = tl.where(rows[:, None] >= rows[None, :], b_qk, 0.0)
     o_v = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
     m_v = m_rows[:, None] & (cv[None, :] < V)
     b_vn = tl.load(v_new + o_v, mask=m_v, other=0.0)
-    b_o = (b_qs + mm(b_qk.to(b_vn.dtype), b_vn, PRECISION)) * scale
+    b_o = causal_output(b_qs, b_qk, b_vn, scale, C, PRECISION)
     tl.store(o + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 

@@ -1,11 +1,18 @@
-"""Stage 4 of the chunk forward: the serial pass over chunks (DESIGN.md §2).
+"""Stage 4 of the chunk forward: the serial pass over chunks (DESIGN.md §2), in two variants of one kernel.
 
 One program per (V-block, sequence, head) walks the chunks of its sequence with the state block
 S [K, BV] in registers (fp32). Per chunk:
-    h[chunk] = S                    (the state entering the chunk, for the output stage and the backward)
-    V'       = U - W S              (stored as v_new)
-    S        = S + K^T V'
-The loads of W, U and K do not depend on S, so the compiler can fetch the next chunk's tiles while the
+    V' = U - W S
+    S  = S + K^T V'
+and then, by variant (FUSE_OUTPUT):
+    state_fwd (the backward's recompute, and the unfused stage contract): writes h[chunk] = S (the state
+        entering the chunk) and V' (v_new), which output.output_fwd and the backward stages read back;
+    state_output_fwd (the forward): writes the chunk's output right away, while S and V' are on chip,
+        O = scale (Q S + (Q K^T ⊙ M) V')      (M keeping j <= i, as output.py: the same rounding)
+    and neither h nor V': no output launch, no h / V' round trip through HBM. Q K^T depends on K only and
+    is recomputed by every V-block program of a head (C^2 K flops per chunk and V-block): the price of
+    V-blocking, the serial walk's only parallelism besides sequences x heads.
+The loads of W, U, K (and Q) do not depend on S, so the compiler can fetch the next chunk's tiles while the
 current chunk's products run."""
 from __future__ import annotations
 
@@ -16,12 +23,15 @@ import triton
 import triton.language as tl
 
 from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, mm, state_block_v, state_offsets
+from .output import causal_output
 
 
 @triton.jit
-def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl.constexpr, K: tl.constexpr,
-                     V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PRECISION: tl.constexpr):
+def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets, H: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -41,11 +51,13 @@ def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl
     for i_t in range(0, num_chunks):
         start = bos + i_t * C
         m_rows = rows < eos - start
-        h_kv, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
-        tl.store(h + h_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
+        if not FUSE_OUTPUT:
+            h_kv, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+            tl.store(h + h_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
 
-        m_wk = m_rows[:, None] & (ck[None, :] < K)
-        b_w = tl.load(w + (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :], mask=m_wk, other=0.0)
+        o_qk = (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :]
+        m_qk = m_rows[:, None] & (ck[None, :] < K)
+        b_w = tl.load(w + o_qk, mask=m_qk, other=0.0)
         # K^T [BK, C], loaded transposed
         b_kt = tl.load(k + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
                        mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
@@ -53,13 +65,39 @@ def state_fwd_kernel(k, w, u, h0, h, v_new, ht, cu_seqlens, chunk_offsets, H: tl
         m_uv = m_rows[:, None] & (cv[None, :] < V)
         b_u = tl.load(u + o_uv, mask=m_uv, other=0.0)
 
-        b_vn = b_u.to(tl.float32) - mm(b_w, b_s.to(b_w.dtype), PRECISION)
-        b_vn = b_vn.to(v_new.dtype.element_ty)
-        tl.store(v_new + o_uv, b_vn, mask=m_uv)
+        # S in the input dtype: what h holds for the unfused output stage
+        b_sd = b_s.to(b_w.dtype)
+        b_vn = b_u.to(tl.float32) - mm(b_w, b_sd, PRECISION)
+        b_vn = b_vn.to(b_u.dtype)
+        if FUSE_OUTPUT:
+            b_q = tl.load(q + o_qk, mask=m_qk, other=0.0)
+            b_o = causal_output(mm(b_q, b_sd, PRECISION), mm(b_q, b_kt, PRECISION), b_vn, scale, C, PRECISION)
+            tl.store(o + o_uv, b_o.to(o.dtype.element_ty), mask=m_uv)
+        else:
+            tl.store(v_new + o_uv, b_vn, mask=m_uv)
         b_s += mm(b_kt, b_vn, PRECISION)
 
     if STORE_HT:
         tl.store(ht + o_kv, b_s, mask=m_kv)
+
+
+def _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o):
+    """Launches the walk: the fused variant when o is given (then h, v_new are None), else the plain one.
+    Returns the final state [N, H, K, V] fp32, or None."""
+    H, K, V = k.shape[2], k.shape[3], u.shape[3]
+    N = info.num_seqs
+    final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    BK = head_block(K)
+    BV = state_block_v(K, V, N * H)
+    if N * H:
+        state_fwd_kernel[(N * H, cdiv(V, BV))](
+            q, k, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
+            info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, BK, BV, initial_state is not None,
+            output_final_state, o is not None, dot_precision(k.dtype),
+            num_warps=8 if BK >= 256 else 4,
+            num_stages=PIPELINE_STAGES,
+        )
+    return final_state
 
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
@@ -69,18 +107,20 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: 
     U - W S, input dtype; final_state [N, H, K, V] fp32 or None). initial_state: [N, H, K, V] or None.
     A sequence of length 0 passes its initial state (or zeros) through."""
     H, K, V = k.shape[2], k.shape[3], u.shape[3]
-    N = info.num_seqs
-    chunks = info.chunks(chunk_size)
-    h = k.new_empty(chunks.num_chunks, H, K, V)
+    h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
     v_new = torch.empty_like(u)
-    final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    BK = head_block(K)
-    BV = state_block_v(K, V, N * H)
-    if N * H:
-        state_fwd_kernel[(N * H, cdiv(V, BV))](
-            k, w, u, initial_state, h, v_new, final_state, info.cu_seqlens, chunks.chunk_offsets,
-            H, K, V, chunk_size, BK, BV, initial_state is not None, output_final_state, dot_precision(k.dtype),
-            num_warps=8 if BK >= 256 else 4,
-            num_stages=PIPELINE_STAGES,
-        )
+    final_state = _state_pass(None, k, w, u, None, initial_state, output_final_state, info, chunk_size, h, v_new,
+                              None)
     return h, v_new, final_state
+
+
+def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
+                     initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
+                     chunk_size: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The state pass with the output fused in: (o [B, T, H, V] in the input dtype, final_state as
+    state_fwd's). The same o as output.output_fwd on state_fwd's h and v_new, up to the order of fp32
+    sums over K."""
+    o = torch.empty_like(u)
+    final_state = _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size, None, None,
+                              o)
+    return o, final_state
