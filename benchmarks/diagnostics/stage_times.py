@@ -1,7 +1,8 @@
 """Where the time of chunk_delta_rule and of the decode step goes: each stage timed apart.
 
-Chunk (bf16, the benchmark's inputs): the forward's three launches (wy_fwd: A, Tinv, W, U; the state pass;
-the output) and the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
+Chunk (bf16, the benchmark's inputs): the forward's two launches (wy_fwd: A, Tinv, W, U; the state pass
+with the output fused in), the unfused pair it replaced (the state pass writing h and V', the output;
+not in the sums), and the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
 pass; dQ/dK/dW; the WY backward), each on inputs prepared by the stages before it, beside the whole
 forward and forward+backward through the public API. The sum of the stages against the whole call is the
 host and allocation overhead.
@@ -68,8 +69,10 @@ def stage_calls(cfg: bench.Config, device):
     _, dk_direct, dw = output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
     stages = {
         "fwd: wy_fwd (A, Tinv, W, U)": lambda: wy.wy_fwd(k1, v1, beta1, info, C),
-        "fwd: state pass": lambda: state.state_fwd(k1, w, u, None, False, info, C),
-        "fwd: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
+        "fwd: state pass + output (fused)": lambda: state.state_output_fwd(q1, k1, w, u, scale, None, False, info,
+                                                                          C),
+        "unfused: state pass (h, V')": lambda: state.state_fwd(k1, w, u, None, False, info, C),
+        "unfused: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
         "bwd: recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
         "bwd: state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
         "bwd: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),

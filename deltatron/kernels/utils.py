@@ -155,11 +155,12 @@ def head_tile(size: int) -> int:
     return min(64, head_block(size))
 
 
-def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128) -> int:
+def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128, max_tile: int = 8192) -> int:
     """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
-    as wide as registers allow (the tile is at most 8192 fp32), halved while sequences * heads * V-blocks
+    as wide as registers allow (the tile is at most max_tile fp32: 8192 is 64 registers a thread at 4
+    warps; and at most max_tile / 128 columns, 64 by default), halved while sequences * heads * V-blocks
     would leave the 132 SMs short of programs. Not shrunk under the interpreter, where programs run in turn."""
-    bv = min(64, head_block(V), 8192 // head_block(K))
+    bv = min(max_tile // 128, head_block(V), max_tile // head_block(K))
     while not INTERPRET and bv > 16 and num_states * cdiv(V, bv) < min_programs:
         bv //= 2
     return bv

@@ -6,7 +6,7 @@ import torch
 
 import deltatron
 from deltatron.kernels import chunk
-from deltatron.kernels.chunk import kkt, solve_tril, wy
+from deltatron.kernels.chunk import kkt, output, solve_tril, state, wy
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
 from deltatron.reference.chunk import from_chunks, to_chunks
@@ -72,6 +72,24 @@ def test_forward_growing_transition(poison, dtype):
     o_ref, final_ref = oracle(x, 0.125, 64)
     assert rel_rms(o, o_ref) < BOUNDS[dtype]
     assert rel_rms(final, final_ref) < BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, D", [(8, 512, 16, 128), (2, 1000, 4, 128), (4, 300, 8, 256), (3, 700, 8, 64),
+                                        (2, 333, 4, 100)])
+def test_fused_state_output_matches_unfused(poison, dtype, B, T, H, D):
+    # the forward's fused walk (its own V-block and warps: 128 x 128 states on 8 warps at 8 x 16 heads,
+    # narrower when there are few heads) against state_fwd + output_fwd on the same W, U: they round alike,
+    # so they differ by the order of fp32 sums only, a couple of roundings of the dtype
+    x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=D + H)
+    info = seq_info(B, T, torch.device("cuda"), None, None)
+    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
+    h, v_new, final_unfused = state.state_fwd(x["k"], w, u, x["initial_state"], True, info, 64)
+    o_unfused = output.output_fwd(x["q"], x["k"], v_new, h, D ** -0.5, info, 64)
+    o, final = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info, 64)
+    close = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert rel_rms(o, o_unfused) < close
+    assert rel_rms(final, final_unfused) < close
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32_newton"])

@@ -70,12 +70,16 @@ def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_o
         b_vn = b_u.to(tl.float32) - mm(b_w, b_sd, PRECISION)
         b_vn = b_vn.to(b_u.dtype)
         if FUSE_OUTPUT:
+            # Q S with the S entering the chunk; the rest of O after S moves on (fewer registers live at
+            # once than the whole of O first: offline sm_90 compile)
             b_q = tl.load(q + o_qk, mask=m_qk, other=0.0)
-            b_o = causal_output(mm(b_q, b_sd, PRECISION), mm(b_q, b_kt, PRECISION), b_vn, scale, C, PRECISION)
-            tl.store(o + o_uv, b_o.to(o.dtype.element_ty), mask=m_uv)
+            b_qs = mm(b_q, b_sd, PRECISION)
         else:
             tl.store(v_new + o_uv, b_vn, mask=m_uv)
         b_s += mm(b_kt, b_vn, PRECISION)
+        if FUSE_OUTPUT:
+            b_o = causal_output(b_qs, mm(b_q, b_kt, PRECISION), b_vn, scale, C, PRECISION)
+            tl.store(o + o_uv, b_o.to(o.dtype.element_ty), mask=m_uv)
 
     if STORE_HT:
         tl.store(ht + o_kv, b_s, mask=m_kv)
@@ -87,15 +91,27 @@ def _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chun
     H, K, V = k.shape[2], k.shape[3], u.shape[3]
     N = info.num_seqs
     final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    fused = o is not None
     BK = head_block(K)
-    BV = state_block_v(K, V, N * H)
+    BV, warps = state_block_v(K, V, N * H), 8 if BK >= 256 else 4
+    if fused and BK == 128:
+        # Q's tiles besides W's and K's: at K = 128 shared memory (offline sm_90 compile, triton 3.6, bf16:
+        # 131,072 B at BV = 64, against 98,304 for the unfused pass) holds one program per SM, not two. At
+        # 8 x 16 heads the unfused pass runs its 256 programs in one wave on 132 SMs; the fused one would
+        # take two. So a [128, 128] state (one program per head at V = 128, Q K^T not recomputed) on
+        # 8 warps, which hold it in as many registers a thread as 4 warps hold [128, 64]: 255 registers,
+        # 92 B of spills, 163,840 B (BV = 64 on 8 warps: 212 registers, no spills, but two waves); still
+        # halved while there are fewer than 128 programs. A prediction, not measured on a GPU.
+        BV, warps = state_block_v(K, V, N * H, max_tile=16384), 8
+    if fused and BK >= 256 and k.element_size() == 4:
+        # fp32 [C, 256] tiles of W, K and Q, pipelined: 237,568 B of shared memory at BV = 32, over the
+        # 232,448 allowed (offline sm_90 compile, triton 3.6); 221,184 at 16
+        BV = min(BV, 16)
     if N * H:
         state_fwd_kernel[(N * H, cdiv(V, BV))](
             q, k, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, BK, BV, initial_state is not None,
-            output_final_state, o is not None, dot_precision(k.dtype),
-            num_warps=8 if BK >= 256 else 4,
-            num_stages=PIPELINE_STAGES,
+            output_final_state, fused, dot_precision(k.dtype), num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return final_state
 
