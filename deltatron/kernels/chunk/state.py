@@ -1,17 +1,18 @@
 """Stage 4 of the chunk forward: the serial pass over chunks (DESIGN.md §2), in two variants of one kernel.
 
 One program per (V-block, sequence, head) walks the chunks of its sequence with the state block
-S [K, BV] in registers (fp32). Per chunk:
-    V' = U - W S
+S [K, BV] in registers (fp32). Per chunk, with S the state entering it:
+    V' = U - W S                    (S rounded to the input dtype for the product, V' rounded to it)
     S  = S + K^T V'
-and then, by variant (FUSE_OUTPUT):
-    state_fwd (the backward's recompute, and the unfused stage contract): writes h[chunk] = S (the state
-        entering the chunk) and V' (v_new), which output.output_fwd and the backward stages read back;
-    state_output_fwd (the forward): writes the chunk's output right away, while S and V' are on chip,
-        O = scale (Q S + (Q K^T ⊙ M) V')      (M keeping j <= i, as output.py: the same rounding)
-    and neither h nor V': no output launch, no h / V' round trip through HBM. Q K^T depends on K only and
-    is recomputed by every V-block program of a head (C^2 K flops per chunk and V-block): the price of
-    V-blocking, the serial walk's only parallelism besides sequences x heads.
+By variant (FUSE_OUTPUT):
+    state_fwd (the backward's recompute, and the unfused stage contract): writes h[chunk] = S (in the
+        input dtype) and V' (v_new), which output.output_fwd and the backward stages read back;
+    state_output_fwd (the forward): writes the chunk's output while S and V' are on chip,
+        O = scale (Q S + (Q K^T ⊙ M) V')      (M keeping j <= i; output.causal_output, the same rounding)
+    and neither h nor V': no output launch, no h / V' round trip through HBM. S is whole in K, so Q is
+    loaded whole [C, K] (no K loop as in output.py) and Q K^T is one product with the K^T tile the walk
+    loads anyway. It depends on K only and is recomputed by every V-block program of a head (C^2 K flops
+    per chunk and V-block): the price of V-blocking, the walk's only parallelism besides sequences x heads.
 The loads of W, U, K (and Q) do not depend on S, so the compiler can fetch the next chunk's tiles while the
 current chunk's products run."""
 from __future__ import annotations
