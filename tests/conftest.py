@@ -31,3 +31,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a GPU test, a CUDA error left behind (an illegal memory access poisons the whole CUDA context)
+    ends this process: every later test in it would fail with the same error and hide its own result. Under
+    pytest-xdist the worker is replaced and the test is reported as having crashed it."""
+    if "gpu" not in item.keywords or not torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 (any CUDA error: the context cannot be trusted any more)
+        print(f"\n{item.nodeid} left a CUDA error, ending this test process: {error}", flush=True)
+        os._exit(3)

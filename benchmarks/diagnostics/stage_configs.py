@@ -63,7 +63,7 @@ def main() -> int:
         cfg, device = {c.name: c for c in bench.CONFIGS}[args.config], torch.device("cuda")
         choices = list(itertools.product(WARPS, STAGES))
     measure = timer(args.smoke)
-    stages, _ = stage_calls(cfg, device)
+    stages, _, _ = stage_calls(cfg, device)
     report = {}
     for name, call in stages.items():
         if args.stages and not any(part in name for part in args.stages):

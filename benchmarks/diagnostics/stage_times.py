@@ -1,8 +1,8 @@
 """Where the time of chunk_delta_rule and of the decode step goes: each stage timed apart.
 
-Chunk (bf16, the benchmark's inputs): the forward's two launches (wy_fwd: A, Tinv, W, U; the state pass
-with the output fused in), the unfused pair it replaced (the state pass writing h and V', the output;
-not in the sums), and the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
+Chunk (bf16, the benchmark's inputs): the forward's wy_fwd (A, Tinv, W, U) and both walks after it, the
+fused one (the state pass with the output in it) and the plain pair (the state pass writing h and V', the
+output), of which the sums count the one the forward chooses (state.fused_output_pays); the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
 pass; dQ/dK/dW; the WY backward), each on inputs prepared by the stages before it, beside the whole
 forward and forward+backward through the public API. The sum of the stages against the whole call is the
 host and allocation overhead.
@@ -69,10 +69,10 @@ def stage_calls(cfg: bench.Config, device):
     _, dk_direct, dw = output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
     stages = {
         "fwd: wy_fwd (A, Tinv, W, U)": lambda: wy.wy_fwd(k1, v1, beta1, info, C),
-        "fwd: state pass + output (fused)": lambda: state.state_output_fwd(q1, k1, w, u, scale, None, False, info,
-                                                                          C),
-        "unfused: state pass (h, V')": lambda: state.state_fwd(k1, w, u, None, False, info, C),
-        "unfused: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
+        "fwd, fused walk: state pass + output": lambda: state.state_output_fwd(q1, k1, w, u, scale, None, False,
+                                                                              info, C),
+        "fwd, plain walk: state pass (h, V')": lambda: state.state_fwd(k1, w, u, None, False, info, C),
+        "fwd, plain walk: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
         "bwd: recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
         "bwd: state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
         "bwd: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
@@ -81,11 +81,12 @@ def stage_calls(cfg: bench.Config, device):
         "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
         "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
     }
-    return stages, x
+    walk = "fused" if state.fused_output_pays(k1, v1, info) else "plain"  # the forward's choice
+    return stages, walk, x
 
 
 def chunk_stages(cfg: bench.Config, device, measure) -> dict:
-    stages, x = stage_calls(cfg, device)
+    stages, walk, x = stage_calls(cfg, device)
     times = {name: measure(fn) for name, fn in stages.items()}
     q, k, v, beta, do = (x[n].detach() for n in ("q", "k", "v", "beta", "do"))
     cu, cu_cpu = x.get("cu_seqlens"), x.get("cu_seqlens_cpu")
@@ -96,8 +97,9 @@ def chunk_stages(cfg: bench.Config, device, measure) -> dict:
                                                                                            **kwargs))
     times["whole forward+backward (API)"] = measure(lambda: torch.autograd.grad(
         deltatron.chunk_delta_rule(*grads_of, **kwargs)[0], grads_of, do))
-    times["sum of forward stages"] = sum(t for n, t in times.items() if n.startswith("fwd:"))
-    times["sum of all stages"] = sum(t for n, t in times.items() if n.startswith(("fwd:", "bwd:")))
+    forward = ("fwd:", f"fwd, {walk} walk")  # the stages the forward runs
+    times["sum of forward stages"] = sum(t for n, t in times.items() if n.startswith(forward))
+    times["sum of all stages"] = sum(t for n, t in times.items() if n.startswith((*forward, "bwd:")))
     return times
 
 

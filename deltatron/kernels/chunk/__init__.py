@@ -11,10 +11,10 @@ Forward stages (each its own module):
     state.state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
         -> (h [NT, H, K, V] state entering each chunk, v_new [1, TT, H, V] = U - W S, final_state)
     output.output_fwd(q, k, v_new, h, scale, info, chunk_size) -> o   O = scale (Q S + (Q K^T ⊙ M) V')
-The forward runs two launches: wy.wy_fwd (A, Tinv, W, U in one kernel) and state.state_output_fwd, the
-state pass with the output fused in (it computes each chunk's O while S and V' are on chip, so h and v_new
-never reach HBM). state_fwd and output_fwd remain the stage contract: the backward recomputes h and v_new
-with state_fwd, and the tests check the fused pass against their composition.
+Where state.fused_output_pays (many heads x sequences, 16-bit, K = 128), the forward runs two launches:
+wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
+while S and V' are on chip, so h and v_new never reach HBM); elsewhere the three stages above. The backward
+recomputes h and v_new with state_fwd, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
     recompute w, u from the saved Tinv; h, v_new by state_fwd;
     local dV' = (Q K^T ⊙ M)^T dO; reverse state pass (dS per chunk, dh0, full dV');
@@ -28,7 +28,8 @@ import torch
 
 from ..utils import SeqInfo
 from .backward import backward
-from .state import state_output_fwd
+from .output import output_fwd
+from .state import fused_output_pays, state_fwd, state_output_fwd
 from .wy import wy_fwd
 
 __all__ = ["forward", "backward"]
@@ -37,9 +38,15 @@ __all__ = ["forward", "backward"]
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
             needs_backward: bool = True, chunk_size: int = 64):
-    """o, final_state, saved = (Tinv,) (or () without needs_backward), extras = (). Two launches: A, Tinv,
-    W, U in one kernel (wy_fwd), then the state pass with the output fused in. Only Tinv is saved: W, U and
-    the per-chunk states are recomputed; without needs_backward it is not even written out."""
+    """o, final_state, saved = (Tinv,) (or () without needs_backward), extras = (). A, Tinv, W, U in one
+    kernel (wy_fwd), then the state pass with the output fused in where that is faster (state.
+    fused_output_pays), else the state pass and the output apart. Only Tinv is saved: W, U and the
+    per-chunk states are recomputed; without needs_backward it is not even written out."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
-    o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
+    if fused_output_pays(k, v, info):
+        o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
+    else:
+        h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
+        del w, u  # not needed by the output: its peak is h, v_new and o
+        o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
     return o, final_state, (tinv,) if needs_backward else (), ()

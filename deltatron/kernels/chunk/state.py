@@ -86,6 +86,25 @@ def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_o
         tl.store(ht + o_kv, b_s, mask=m_kv)
 
 
+def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
+    """(V-block, warps) of the walk. The plain walk: state_block_v's V-block on 4 warps (8 at K = 256).
+    The fused state+output walk holds Q's tiles besides W's and K's: at K = 128 (offline sm_90 compile,
+    triton 3.6, bf16) 131,072 B of shared memory at BV = 64 against 98,304 for the plain walk, so one program
+    per SM, not two. At 8 x 16 heads the plain walk runs its 256 programs in one wave on 132 SMs and the fused
+    one would take two; so a [128, 128] state (one program per head at V = 128, Q K^T not recomputed) on
+    8 warps, which hold it in as many registers a thread as 4 warps hold [128, 64]: 255 registers, 92 B of
+    spills, 163,840 B; halved while there are fewer than 128 programs. fp32 tiles are twice as large: BV at
+    most 32 at K = 128 and 16 at K = 256 (237,568 B at 32, over sm_90's 232,448)."""
+    BK = head_block(K)
+    if fused and BK == 128:
+        BV, warps = state_block_v(K, V, num_states, max_tile=16384), 8
+    else:
+        BV, warps = state_block_v(K, V, num_states), 8 if BK >= 256 else 4
+    if fused and element_size == 4:
+        BV = min(BV, 16 if BK >= 256 else 32)
+    return BV, warps
+
+
 def _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o):
     """Launches the walk: the fused variant when o is given (then h, v_new are None), else the plain one.
     Returns the final state [N, H, K, V] fp32, or None."""
@@ -93,28 +112,25 @@ def _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chun
     N = info.num_seqs
     final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     fused = o is not None
-    BK = head_block(K)
-    BV, warps = state_block_v(K, V, N * H), 8 if BK >= 256 else 4
-    if fused and BK == 128:
-        # Q's tiles besides W's and K's: at K = 128 shared memory (offline sm_90 compile, triton 3.6, bf16:
-        # 131,072 B at BV = 64, against 98,304 for the unfused pass) holds one program per SM, not two. At
-        # 8 x 16 heads the unfused pass runs its 256 programs in one wave on 132 SMs; the fused one would
-        # take two. So a [128, 128] state (one program per head at V = 128, Q K^T not recomputed) on
-        # 8 warps, which hold it in as many registers a thread as 4 warps hold [128, 64]: 255 registers,
-        # 92 B of spills, 163,840 B (BV = 64 on 8 warps: 212 registers, no spills, but two waves); still
-        # halved while there are fewer than 128 programs. A prediction, not measured on a GPU.
-        BV, warps = state_block_v(K, V, N * H, max_tile=16384), 8
-    if fused and BK >= 256 and k.element_size() == 4:
-        # fp32 [C, 256] tiles of W, K and Q, pipelined: 237,568 B of shared memory at BV = 32, over the
-        # 232,448 allowed (offline sm_90 compile, triton 3.6); 221,184 at 16
-        BV = min(BV, 16)
+    BV, warps = walk_launch(K, V, N * H, k.element_size(), fused)
     if N * H:
         state_fwd_kernel[(N * H, cdiv(V, BV))](
             q, k, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
-            info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, BK, BV, initial_state is not None,
+            info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV, initial_state is not None,
             output_final_state, fused, dot_precision(k.dtype), num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return final_state
+
+
+def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo) -> bool:
+    """Whether the forward runs the fused walk (state_output_fwd) rather than state_fwd + output_fwd. Measured
+    on the H200 (stage_times, bf16, K = V = 128, 2026-11-30), fused against unfused: 0.181 / 0.243 ms at
+    8 x 16 heads (BV = 128), 0.513 / 0.537 at 2 x 32 heads (BV = 64), but 1.496 / 0.922 at 1 x 16 heads
+    (BV = 16: the walk is the critical path there, and every V-block program recomputes Q K^T on it). So the
+    fused walk runs where it was measured faster: 16-bit inputs at K = 128 with a V-block at least 64 wide."""
+    K, V = k.shape[3], v.shape[3]
+    BV, _ = walk_launch(K, V, info.num_seqs * k.shape[2], k.element_size(), fused=True)
+    return k.element_size() == 2 and head_block(K) == 128 and BV >= 64
 
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
