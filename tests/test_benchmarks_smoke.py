@@ -266,3 +266,12 @@ def test_tril_precision_emulation():
     for kind in emulation.KINDS:
         assert results[(kind, "bfloat16", "tf32x3")][0] < 1e-5  # fp32-like
         assert results[(kind, "bfloat16", "tf32_newton")][0] < 2e-4  # error squared by the Newton step
+
+
+def test_wy_breakdown_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps timed apart on the GPU) runs its smoke
+    mode, which checks that each inverse variant gives the shipped Tinv."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "wy_breakdown.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Tinv, whole-tile doubling" in proc.stdout and "recompute W, U from Tinv" in proc.stdout
