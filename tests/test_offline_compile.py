@@ -22,9 +22,16 @@ def compile_rows(*args):
 
 def test_all_forms_compile_for_sm90():
     # K = V = 256: the largest tiles, so the most shared memory (a compile error would show at any size).
-    # chunk: 8 launches (2 forward: WY, the state pass with the output fused in; 6 backward); fused_chunk 4
+    # chunk: 9 launches (the state pass twice: at K = 256 the forward runs the plain walk); fused_chunk 4
     # (chunk's WY kernel for Tinv, the walk twice, the reverse walk); fused_recurrent 2; parallel 5
-    assert len(compile_rows("--heads", "256")) == 19
+    assert len(compile_rows("--heads", "256")) == 20
+
+
+def test_fused_walk_compiles_for_sm90():
+    # K = 128 with 8 x 16 heads, where the forward runs the fused state+output walk (a 128-wide V-block on
+    # 8 warps); the backward's plain walk beside it
+    rows = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_fwd_kernel")
+    assert len(rows) == 2 and any("BV=128  w8" in row for row in rows)
 
 
 def test_fp32_chunk_at_head_size_256_fits_shared_memory():
