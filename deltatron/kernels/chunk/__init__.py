@@ -11,7 +11,7 @@ Forward stages (each its own module):
     state.state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
         -> (h [NT, H, K, V] state entering each chunk, v_new [1, TT, H, V] = U - W S, final_state)
     output.output_fwd(q, k, v_new, h, scale, info, chunk_size) -> o   O = scale (Q S + (Q K^T ⊙ M) V')
-Where state.fused_output_pays (many heads x sequences, 16-bit, K = 128), the forward runs two launches:
+Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the forward runs two launches:
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
 while S and V' are on chip, so h and v_new never reach HBM); elsewhere the three stages above. The backward
 recomputes h and v_new with state_fwd, and the tests check the fused pass against the composition.

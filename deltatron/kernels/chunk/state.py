@@ -124,13 +124,15 @@ def _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chun
 
 def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo) -> bool:
     """Whether the forward runs the fused walk (state_output_fwd) rather than state_fwd + output_fwd. Measured
-    on the H200 (stage_times, bf16, K = V = 128, 2026-11-30), fused against unfused: 0.181 / 0.243 ms at
-    8 x 16 heads (BV = 128), 0.513 / 0.537 at 2 x 32 heads (BV = 64), but 1.496 / 0.922 at 1 x 16 heads
-    (BV = 16: the walk is the critical path there, and every V-block program recomputes Q K^T on it). So the
-    fused walk runs where it was measured faster: 16-bit inputs at K = 128 with a V-block at least 64 wide."""
+    on the H200 (stage_times, bf16, 2026-11-30), fused against plain, ms: at K = V = 128, 0.181 / 0.243 with
+    8 x 16 heads (BV = 128), 0.263 / 0.275 with 4 x 16 and 0.513 / 0.537 with 2 x 32 (BV = 64), but
+    1.496 / 0.922 with 1 x 16 (BV = 16: the walk is the critical path there, and every V-block program
+    recomputes Q K^T on it); at K = V = 64 with 16 x 8 heads 0.084 / 0.124; at K = V = 256 with 4 x 16 heads
+    1.302 / 1.055. So the fused walk runs where it was measured faster: 16-bit inputs, K up to 128 and a
+    V-block at least 64 wide."""
     K, V = k.shape[3], v.shape[3]
     BV, _ = walk_launch(K, V, info.num_seqs * k.shape[2], k.element_size(), fused=True)
-    return k.element_size() == 2 and head_block(K) == 128 and BV >= 64
+    return k.element_size() == 2 and head_block(K) <= 128 and BV >= 64
 
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
