@@ -199,14 +199,16 @@ def test_unknown_names_are_refused():
 
 def test_stage_times_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/stage_times.py (the per-stage breakdown for the GPU) runs its smoke mode: every
-    stage of the chunk forward and backward timed, and the decode step."""
+    stage of the chunk forward and backward timed (and the backward's unfused local dV' and reverse state
+    pass), and the decode step."""
     out = tmp_path / "stages.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_times.py"), "--smoke", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     times = json.loads(out.read_text())
     dense = times[bench.SMOKE_CONFIGS[0].name]
-    assert sum(name.startswith("fwd:") for name in dense) == 3 and sum(name.startswith("bwd:") for name in dense) == 6
+    assert sum(name.startswith("fwd:") for name in dense) == 3 and sum(name.startswith("bwd:") for name in dense) == 5
+    assert sum(name.startswith("unfused:") for name in dense) == 2
     assert all(t > 0 for t in dense.values())
     assert "API call" in times[bench.SMOKE_CONFIGS[2].name]
 
@@ -228,7 +230,7 @@ def test_stage_configs_diagnostic_runs(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())["report"]
-    assert len(report) == 9
+    assert len(report) == 10  # stage_times' stages: 3 forward, 5 backward, the 2 unfused ones
     for stage in report.values():
         assert stage["best"] is not None and all(r["error"] == 0.0 for k, r in stage["rows"].items() if k != "shipped")
 

@@ -1,10 +1,11 @@
 """Where the time of chunk_delta_rule and of the decode step goes: each stage timed apart.
 
 Chunk (bf16, the benchmark's inputs): the forward's three launches (wy_fwd: A, Tinv, W, U; the state pass;
-the output) and the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
-pass; dQ/dK/dW; the WY backward), each on inputs prepared by the stages before it, beside the whole
-forward and forward+backward through the public API. The sum of the stages against the whole call is the
-host and allocation overhead.
+the output) and the backward's five (recompute W, U; the state pass again; the reverse state pass with the
+local dV' fused in; dQ/dK/dW; the WY backward), the unfused pair the fused pass replaced (local dV', the
+reverse state pass reading it; not in the sums), each on inputs prepared by the stages before it, beside
+the whole forward and forward+backward through the public API. The sum of the stages against the whole
+call is the host and allocation overhead.
 
 Decode (B=64, H=16, K=V=128, one token, in-place fp32 state): the public API call, the form's forward
 without the API's validation and dispatch, and the API call replayed from a CUDA graph (launch cost gone).
@@ -72,9 +73,11 @@ def stage_calls(cfg: bench.Config, device):
         "fwd: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
         "bwd: recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
         "bwd: state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
-        "bwd: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
-        "bwd: reverse state pass": lambda: state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
-                                                               info, C),
+        "bwd: reverse state pass + local dV' (fused)": lambda: state_bwd.state_bwd(q1, k1, w, do1, None, None,
+                                                                                  scale, False, info, C),
+        "unfused: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
+        "unfused: reverse state pass": lambda: state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
+                                                                   info, C),
         "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
         "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
     }

@@ -13,7 +13,8 @@ Forward stages (each its own module):
     output.output_fwd(q, k, v_new, h, scale, info, chunk_size) -> o   O = scale (Q S + (Q K^T ⊙ M) V')
 Backward stages (backward.py composes them):
     recompute w, u from the saved Tinv; h, v_new by state_fwd;
-    local dV' = (Q K^T ⊙ M)^T dO; reverse state pass (dS per chunk, dh0, full dV');
+    reverse state pass (dS per chunk, dh0, full dV'), computing the local dV' = scale (Q K^T ⊙ M)^T dO
+        itself (state_bwd.state_bwd with dv_local=None; output_bwd.dv_local is the unfused stage);
     dQ, dK, dW; WY backward (dK, dV, dbeta) through Tinv.
 forward/backward below follow the contract of deltatron.autograd."""
 from __future__ import annotations

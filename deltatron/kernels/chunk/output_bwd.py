@@ -1,6 +1,7 @@
 """Backward of the chunk output O = scale (Q S + (Q K^T ⊙ M) V') (DESIGN.md §3), in two kernels:
 
-    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (before the reverse state pass)
+    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (the unfused stage: the backward's reverse state
+                                                           pass computes it itself, state_bwd.py)
     dqkw:     dQ = scale (dO S^T + (dO V'^T ⊙ M) K)
               dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; WY backward adds the rest)
               dW = -dV' S^T                                 (after it: needs dS_next and the full dV')

@@ -89,11 +89,16 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
         # triton 3.6: 237,568 bytes, 232,448 allowed; benchmarks/diagnostics/offline_compile.py); 16 fits
         BV = min(BV, 16)
     warps = 8 if BK >= 256 else 4
-    if fused and BK == 128:
-        # A^T [C, C] in fp32 and its 16-bit copy beside the [128, 64] state gradient: on 4 warps 255
-        # registers and 4 B of spills (the unfused pass: 255, 24 B), on 8 warps 220 and none, with
-        # 147,456 B of shared memory against 139,264 (offline sm_90 compile, triton 3.6, bf16 and fp16):
-        # one program per SM either way, so the same grid and waves as the unfused pass. Not measured on a GPU
+    if fused and (BK == 128 or q.element_size() == 4):
+        # the fused pass holds A^T [C, C] (fp32, and rounded to the input dtype) beside the [K, BV] state
+        # gradient. Offline sm_90 compile, triton 3.6, at BV = 64 (the unfused pass on 4 warps in brackets):
+        #   bf16 and fp16, K = 128: 4 warps 255 registers and 4 B of spills, 8 warps 220 and none (255,
+        #     24 B), with 147,456 B of shared memory (139,264): one program per SM either way, so the same
+        #     grid and waves. K = 100: 8 warps 255 and 24 B (255, 260 B);
+        #   fp32 (ieee dots: 32 registers and KBs of spills in every variant): 8 warps about halve the
+        #     fused pass's spills, K = 64 34 -> 12 KB, K = 128 62 -> 26 KB (22 KB, 44 KB).
+        # 16-bit K <= 64 stays on 4 warps (K = 64: 178 registers, no spills, 81,920 B: two programs fit an
+        # SM), K = 256 on 8 (255 registers, no spills, 229,376 B as unfused). Not measured on a GPU
         warps = 8
     if N:
         state_bwd_kernel[(cdiv(V, BV), N * H)](
