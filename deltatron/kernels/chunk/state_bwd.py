@@ -57,8 +57,7 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
         b_dv = mm(b_k, b_dsn.to(dt), PRECISION)
         if FUSE_DV_LOCAL:
-            # Q and K are whole in K here, so A^T = K Q^T is one product. The local part stays in fp32 (the
-            # unfused stage rounds it to the input dtype when it stores it)
+            # Q and K are whole in K here, so A^T = K Q^T is one product; the local part stays in fp32
             b_at = causal_scores_t(mm(b_k, tl.trans(b_q), PRECISION), scale, C, dt)
             b_dv += mm(b_at, b_do, PRECISION)
         else:
