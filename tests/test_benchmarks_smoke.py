@@ -199,16 +199,17 @@ def test_unknown_names_are_refused():
 
 def test_stage_times_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/stage_times.py (the per-stage breakdown for the GPU) runs its smoke mode: every
-    stage of the chunk forward (both walks) and backward timed, the forward's sum over the walk it runs, and
-    the decode step."""
+    stage of the chunk forward (both walks) and backward timed (and the backward's unfused local dV' and
+    reverse state pass), the forward's sum over the walk it runs, and the decode step."""
     out = tmp_path / "stages.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_times.py"), "--smoke", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     times = json.loads(out.read_text())
     dense = times[bench.SMOKE_CONFIGS[0].name]
-    assert sum(name.startswith("fwd:") for name in dense) == 1 and sum(name.startswith("bwd:") for name in dense) == 6
+    assert sum(name.startswith("fwd:") for name in dense) == 1 and sum(name.startswith("bwd:") for name in dense) == 5
     assert sum(name.startswith("fwd, fused walk:") for name in dense) == 1
+    assert sum(name.startswith("unfused:") for name in dense) == 2
     plain = [t for name, t in dense.items() if name.startswith("fwd, plain walk:")]
     assert len(plain) == 2  # at K = 16 the forward runs the plain walk: the sum counts it
     assert dense["sum of forward stages"] == pytest.approx(dense["fwd: wy_fwd (A, Tinv, W, U)"] + sum(plain))
@@ -233,7 +234,7 @@ def test_stage_configs_diagnostic_runs(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())["report"]
-    assert len(report) == 10  # stage_times' stages: wy_fwd, the fused walk, the plain pair, 6 backward
+    assert len(report) == 11  # stage_times' stages: wy_fwd, the fused walk, the plain pair, 5 backward, 2 unfused
     for stage in report.values():
         assert stage["best"] is not None and all(r["error"] == 0.0 for k, r in stage["rows"].items() if k != "shipped")
 

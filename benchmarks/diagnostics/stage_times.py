@@ -2,10 +2,12 @@
 
 Chunk (bf16, the benchmark's inputs): the forward's wy_fwd (A, Tinv, W, U) and both walks after it, the
 fused one (the state pass with the output in it) and the plain pair (the state pass writing h and V', the
-output), of which the sums count the one the forward chooses (state.fused_output_pays); the backward's six (recompute W, U; the state pass again; local dV'; the reverse state
-pass; dQ/dK/dW; the WY backward), each on inputs prepared by the stages before it, beside the whole
-forward and forward+backward through the public API. The sum of the stages against the whole call is the
-host and allocation overhead.
+output), of which the sums count the one the forward chooses (state.fused_output_pays); the backward's five
+(recompute W, U; the state pass again; the reverse state pass with the local dV' fused in; dQ/dK/dW; the
+WY backward) and the unfused pair the fused reverse pass replaced (local dV', the reverse state pass reading
+it; not in the sums). Each stage runs on inputs prepared by the stages before it, beside the whole forward
+and forward+backward through the public API. The sum of the stages against the whole call is the host and
+allocation overhead.
 
 Decode (B=64, H=16, K=V=128, one token, in-place fp32 state): the public API call, the form's forward
 without the API's validation and dispatch, and the API call replayed from a CUDA graph (launch cost gone).
@@ -75,9 +77,11 @@ def stage_calls(cfg: bench.Config, device):
         "fwd, plain walk: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
         "bwd: recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
         "bwd: state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
-        "bwd: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
-        "bwd: reverse state pass": lambda: state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
-                                                               info, C),
+        "bwd: reverse state pass + local dV' (fused)": lambda: state_bwd.state_bwd(q1, k1, w, do1, None, None,
+                                                                                  scale, False, info, C),
+        "unfused: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
+        "unfused: reverse state pass": lambda: state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
+                                                                   info, C),
         "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
         "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
     }

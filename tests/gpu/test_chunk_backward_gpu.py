@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import deltatron
+from deltatron.kernels.chunk import output_bwd, state_bwd, wy
+from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
@@ -99,6 +101,37 @@ def test_backward_deterministic(triton_backend, dtype):
                 use_qk_l2norm_in_kernel=True)[2] for _ in range(2)]
     for n in NAMES:
         assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T_or_lengths, H, D", [
+    (8, 512, 16, 128),  # the fused pass's 8-warp launch, 128 x 2 programs
+    (1, 4096, 4, 128),  # few heads: 16-column V-blocks, A^T recomputed by 8 programs per head
+    (1, [0, 1, 63, 64, 65, 700, 1500, 333, 0, 2047], 8, 256),  # varlen, K = 256 (fp32: 16-column V-blocks)
+])
+def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
+    # the backward's reverse state pass computing dV'_local itself against output_bwd.dv_local + the
+    # unfused pass, on the real W of the inputs: they round A^T alike, the fused pass keeps dV'_local in
+    # fp32 (the unfused store rounds it), so they differ by about one rounding of the dtype
+    varlen = isinstance(T_or_lengths, list)
+    T = sum(T_or_lengths) if varlen else T_or_lengths
+    N = len(T_or_lengths) if varlen else B
+    x = make_inputs(B, T, H, D, D, dtype, device="cuda", seed=D + H)
+    cu = random_cu_seqlens(T_or_lengths, "cuda") if varlen else None
+    info = seq_info(B, T, torch.device("cuda"), cu, None if cu is None else cu.cpu())
+    q, k, v, beta = (x[n] for n in ("q", "k", "v", "beta"))
+    _, w, _ = wy.wy_fwd(k, v, beta, info, 64)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(v.shape, generator=g, device="cuda").to(dtype)
+    dht = torch.randn(N, H, D, D, generator=g, device="cuda")
+    scale = D ** -0.5
+    dv_loc = output_bwd.dv_local(q, k, do, scale, info, 64)
+    unfused = state_bwd.state_bwd(q, k, w, do, dv_loc, dht, scale, True, info, 64)
+    fused = state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)
+    close = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for name, got, want in zip(("dh", "dv", "dh0"), fused, unfused):
+        err = rel_rms(got, want)
+        assert err < close, f"{name}: rel RMS {err:.2e}"
 
 
 def test_long_sequence_bf16(triton_backend):

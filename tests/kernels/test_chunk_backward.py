@@ -152,6 +152,34 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C, lengths, K, V, with_dht", [
+    (16, [0, 1, 17, 33, 0], 24, 40, True),  # empty sequences, a 1-token one, partial last chunks
+    (32, [1], 40, 24, True),  # T = 1
+    (16, [20, 40], 24, 72, False),  # two V-blocks, the second partial
+])
+def test_state_bwd_fused_matches_unfused(dtype, C, lengths, K, V, with_dht, poison):
+    """The reverse state pass computing dV'_local itself (dv_local=None, the backward's path) against the
+    unfused pair output_bwd.dv_local + state_bwd on the same inputs. They round A^T alike; the fused pass
+    keeps dV'_local in fp32 where the unfused store rounds it, so they differ by about one rounding of the
+    dtype (none in fp32) and the order of fp32 sums."""
+    H = 2
+    inp, info, _ = packed(lengths, H, K, V, dtype, seed=C + K + V)
+    N, TT = len(lengths), sum(lengths)
+    g = torch.Generator().manual_seed(5)
+    w = (0.3 * torch.randn(1, TT, H, K, generator=g)).to(device=DEVICE, dtype=dtype)
+    do = torch.randn(1, TT, H, V, generator=g).to(device=DEVICE, dtype=dtype)
+    dht = torch.randn(N, H, K, V, generator=g).to(DEVICE) if with_dht else None
+    scale = 0.4
+    dv_loc = output_bwd.dv_local(inp["q"], inp["k"], do, scale, info, C)
+    unfused = state_bwd.state_bwd(inp["q"], inp["k"], w, do, dv_loc, dht, scale, True, info, C)
+    fused = state_bwd.state_bwd(inp["q"], inp["k"], w, do, None, dht, scale, True, info, C)
+    close = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    for name, got, want in zip(("dh", "dv", "dh0"), fused, unfused):
+        assert got.dtype == want.dtype, name
+        assert rel_rms(got, want) <= close, f"{name}: rel RMS {rel_rms(got, want):.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("C, lengths, K, V, parallel_keys", [
     (16, [0, 1, 17, 33], 24, 40, False), (64, [64, 65], 40, 24, False), (32, [31], 16, 16, False),
     (64, [128, 40], 32, 32, True),

@@ -17,7 +17,8 @@ while S and V' are on chip, so h and v_new never reach HBM); elsewhere the three
 recomputes h and v_new with state_fwd, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
     recompute w, u from the saved Tinv; h, v_new by state_fwd;
-    local dV' = (Q K^T ⊙ M)^T dO; reverse state pass (dS per chunk, dh0, full dV');
+    reverse state pass (dS per chunk, dh0, full dV'), computing the local dV' = scale (Q K^T ⊙ M)^T dO
+        itself (state_bwd.state_bwd with dv_local=None; output_bwd.dv_local is the unfused stage);
     dQ, dK, dW; WY backward (dK, dV, dbeta) through Tinv.
 forward/backward below follow the contract of deltatron.autograd."""
 from __future__ import annotations

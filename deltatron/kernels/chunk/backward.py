@@ -1,5 +1,6 @@
 """Backward of chunk_delta_rule: recompute W, U (from the saved T~) and the chunk states, then the stages
-of DESIGN.md §3 in order: local dV', reverse state pass, dQ/dK/dW, WY backward."""
+of DESIGN.md §3 in order: the reverse state pass with the local dV' fused in (state_bwd with dv_local=None;
+output_bwd.dv_local is the same quantity as a stage of its own), dQ/dK/dW, WY backward."""
 from __future__ import annotations
 
 from . import output_bwd, state, state_bwd, wy, wy_bwd
@@ -15,10 +16,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     w, u = wy.recompute_w_u(k, v, beta, tinv, info, chunk_size)
     h, v_new, _ = state.state_fwd(k, w, u, initial_state, False, info, chunk_size)
     del u
-    dv_local = output_bwd.dv_local(q, k, do, scale, info, chunk_size)
-    dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, dv_local, dht, scale, initial_state is not None, info,
-                                      chunk_size)
-    del w, dv_local
+    dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, None, dht, scale, initial_state is not None, info, chunk_size)
+    del w
     dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)

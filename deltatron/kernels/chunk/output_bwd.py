@@ -1,6 +1,7 @@
 """Backward of the chunk output O = scale (Q S + (Q K^T ⊙ M) V') (DESIGN.md §3), in two kernels:
 
-    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (before the reverse state pass)
+    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (the unfused stage: the backward's reverse state
+                                                           pass computes it itself, state_bwd.py)
     dqkw:     dQ = scale (dO S^T + (dO V'^T ⊙ M) K)
               dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; WY backward adds the rest)
               dW = -dV' S^T                                 (after it: needs dS_next and the full dV')
@@ -17,6 +18,14 @@ from .kkt import chunk_span
 
 
 @triton.jit
+def causal_scores_t(b_at, scale, C: tl.constexpr, dt: tl.constexpr):
+    """scale (Q K^T ⊙ M)^T from A^T [C, C] = K Q^T (fp32): kept where j <= i (row j, column i), rounded to dt
+    for its product with dO. Shared with the reverse state pass's fused dV'_local, so both round alike."""
+    r = tl.arange(0, C)
+    return tl.where(r[:, None] <= r[None, :], b_at * scale, 0.0).to(dt)
+
+
+@triton.jit
 def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
@@ -28,8 +37,7 @@ def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
         b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK)
         b_q = load_rows(q, start, n, i_h, i_k * BK, H, K, C, BK)
         b_at += mm(b_k, tl.trans(b_q), PRECISION)
-    r = tl.arange(0, C)
-    b_at = tl.where(r[:, None] <= r[None, :], b_at * scale, 0.0).to(dout.dtype.element_ty)
+    b_at = causal_scores_t(b_at, scale, C, dout.dtype.element_ty)
     for i_v in range(tl.cdiv(V, BV)):
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
         store_rows(dv, mm(b_at, b_do, PRECISION), start, n, i_h, i_v * BV, H, V, C, BV)

@@ -4,8 +4,18 @@ the chunks of each sequence, from dht (or zero) after the last chunk to dh0 befo
     dV'  = dV'_local + K dS_next                       (full gradient of the new values)
     dS   = scale Q^T dO + dS_next - W^T dV'            (the gradient of the state entering the chunk)
 
-Serial over chunks, parallel over (sequence * head, V-blocks): the V columns of the state gradient are
-independent, and each program keeps its [K, BV] slice in fp32 registers for the whole sequence."""
+with dV'_local = scale (Q K^T ⊙ M)^T dO (M keeping j <= i). Serial over chunks, parallel over
+(sequence * head, V-blocks): the V columns of the state gradient are independent, and each program keeps
+its [K, BV] slice in fp32 registers for the whole sequence.
+
+One kernel, two variants (FUSE_DV_LOCAL):
+    fused (the backward's path): dV'_local is computed here from the Q, K and dO tiles the pass loads
+        anyway. Q and K are whole in K, so A^T = K Q^T is one product; it depends on K only and is
+        recomputed by every V-block program of a head (C^2 K flops per chunk and V-block), in exchange for
+        a launch and dV'_local's write and read through HBM;
+    unfused: dV'_local is read from output_bwd.dv_local's output (the stage contract the tests check).
+Both round A^T to the input dtype alike (output_bwd.causal_scores_t); the fused one keeps the local dV'
+in fp32, where the unfused one has it rounded to the input dtype by its store."""
 from __future__ import annotations
 
 from typing import Optional
@@ -16,13 +26,15 @@ import triton.language as tl
 
 from ..utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
                      store_rows)
+from .output_bwd import causal_scores_t
 
 
 @triton.jit
 def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     FUSE_DV_LOCAL: tl.constexpr, PRECISION: tl.constexpr):
+    """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n)
@@ -41,38 +53,56 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
         tl.store(dh + c_offs, b_dsn.to(dh.dtype.element_ty), mask=c_mask)
         b_k = load_rows(k, start, n, i_h, 0, H, K, C, BK)
-        b_dv = load_rows(dv_local, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
-        b_dv += mm(b_k, b_dsn.to(dt), PRECISION)
-        store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
         b_q = load_rows(q, start, n, i_h, 0, H, K, C, BK)
-        b_w = load_rows(w, start, n, i_h, 0, H, K, C, BK).to(dt)
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_dv = mm(b_k, b_dsn.to(dt), PRECISION)
+        if FUSE_DV_LOCAL:
+            # Q and K are whole in K here, so A^T = K Q^T is one product; the local part stays in fp32
+            b_at = causal_scores_t(mm(b_k, tl.trans(b_q), PRECISION), scale, C, dt)
+            b_dv += mm(b_at, b_do, PRECISION)
+        else:
+            b_dv += load_rows(dv_local, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_w = load_rows(w, start, n, i_h, 0, H, K, C, BK).to(dt)
         b_dsn += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_w), b_dv.to(dt), PRECISION)
     if STORE_DH0:
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
 
 
-def state_bwd(q, k, w, do, dv_local, dht: Optional[torch.Tensor], scale: float, need_dh0: bool, info,
-              chunk_size: int):
+def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
+              need_dh0: bool, info, chunk_size: int):
     """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
     dqkw, rounds it to that dtype before its products anyway), dv [1, TT, H, V] in do's dtype: the full
-    dV', dh0 [N, H, K, V] fp32 or None)."""
+    dV', dh0 [N, H, K, V] fp32 or None). dv_local: the local dV' from output_bwd.dv_local, or None to
+    compute it in this pass (fused: the backward's path)."""
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)
     dh = q.new_empty(chunks.num_chunks, H, K, V)
     dv = torch.empty_like(do)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    fused = dv_local is None
     BK, BV = head_block(K), state_block_v(K, V, N * H)
     if q.element_size() == 4 and BK >= 256:
         # fp32 [C, 256] tiles, pipelined, leave no shared memory for BV = 32 (offline sm_90 compile with
         # triton 3.6: 237,568 bytes, 232,448 allowed; benchmarks/diagnostics/offline_compile.py); 16 fits
         BV = min(BV, 16)
+    warps = 8 if BK >= 256 else 4
+    if fused and (BK == 128 or q.element_size() == 4):
+        # the fused pass holds A^T [C, C] (fp32, and rounded to the input dtype) beside the [K, BV] state
+        # gradient. Offline sm_90 compile, triton 3.6, at BV = 64 (the unfused pass on 4 warps in brackets):
+        #   bf16 and fp16, K = 128: 4 warps 255 registers and 4 B of spills, 8 warps 220 and none (255,
+        #     24 B), with 147,456 B of shared memory (139,264): one program per SM either way, so the same
+        #     grid and waves. K = 100: 8 warps 255 and 24 B (255, 260 B);
+        #   fp32 (ieee dots: 32 registers and KBs of spills in every variant): 8 warps about halve the
+        #     fused pass's spills, K = 64 34 -> 12 KB, K = 128 62 -> 26 KB (22 KB, 44 KB).
+        # 16-bit K <= 64 stays on 4 warps (K = 64: 178 registers, no spills, 81,920 B: two programs fit an
+        # SM), K = 256 on 8 (255 registers, no spills, 229,376 B as unfused). Not measured on a GPU
+        warps = 8
     if N:
         state_bwd_kernel[(cdiv(V, BV), N * H)](
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
-            H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, dot_precision(q.dtype),
-            num_warps=8 if BK >= 256 else 4,
-            num_stages=PIPELINE_STAGES,
+            H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, fused, dot_precision(q.dtype),
+            num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return dh, dv, dh0
