@@ -32,3 +32,19 @@ def test_tril_precision_defaults(monkeypatch):
     monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32")  # no longer offered: says what is
     with pytest.raises(ValueError, match="ieee, tf32x3, tf32_newton"):
         tril_precision(torch.bfloat16)
+
+
+@pytest.mark.parametrize("lengths", [[5], [0], [0, 0], [64, 0, 1, 65, 0], [0, 130, 63, 64, 0, 0, 1], [1] * 7])
+def test_chunk_index(lengths):
+    # (sequence, chunk within it) of every chunk and each sequence's first chunk, against a plain loop; empty
+    # sequences own no chunk, also at the ends
+    import torch
+
+    from deltatron.kernels.utils import seq_info
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    chunks = seq_info(1, sum(lengths), torch.device("cpu"), cu, cu).chunks(64)
+    expected = [(s, c) for s, n in enumerate(lengths) for c in range(cdiv(n, 64))]
+    assert chunks.num_chunks == len(expected)
+    assert chunks.chunk_indices.tolist() == [list(e) for e in expected]
+    per_seq = [cdiv(n, 64) for n in lengths]
+    assert chunks.chunk_offsets.tolist() == [sum(per_seq[:i]) for i in range(len(lengths) + 1)]
