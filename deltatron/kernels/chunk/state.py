@@ -87,16 +87,20 @@ def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_o
 
 
 def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
-    """(V-block, warps) of the walk. The plain walk: state_block_v's V-block on 4 warps (8 at K = 256).
-    The fused state+output walk holds Q's tiles besides W's and K's: at K = 128 (offline sm_90 compile,
-    triton 3.6, bf16) 131,072 B of shared memory at BV = 64 against 98,304 for the plain walk, so one program
-    per SM, not two. At 8 x 16 heads the plain walk runs its 256 programs in one wave on 132 SMs and the fused
-    one would take two; so a [128, 128] state (one program per head at V = 128, Q K^T not recomputed) on
-    8 warps, which hold it in as many registers a thread as 4 warps hold [128, 64]: 255 registers, 92 B of
-    spills, 163,840 B; halved while there are fewer than 128 programs. fp32 tiles are twice as large: BV at
-    most 32 at K = 128 and 16 at K = 256 (237,568 B at 32, over sm_90's 232,448)."""
+    """(V-block, warps) of the walk: state_block_v's V-block on 4 warps, and these exceptions.
+
+    The plain walk at K = 256, 16-bit: a [256, 64] state on 8 warps (194 registers, no spills, 188,416 B of shared memory;
+    offline sm_90 compile, triton 3.6), not [256, 32]: a shared-memory-bound program per SM either way, and
+    32-wide products leave the tensor cores mostly idle, so half as many programs of twice the width.
+    The fused state+output walk holds Q's tiles besides W's and K's: at K = 128 (bf16) 131,072 B of shared
+    memory at BV = 64 against 98,304 for the plain walk, so one program per SM, not two. At 8 x 16 heads
+    the plain walk runs its 256 programs in one wave on 132 SMs and the fused one would take two; so a
+    [128, 128] state (one program per head at V = 128, Q K^T not recomputed) on 8 warps, which hold it in as
+    many registers a thread as 4 warps hold [128, 64]: 255 registers, 92 B of spills, 163,840 B; halved while
+    there are fewer than 128 programs. fp32 tiles are twice as large: the fused walk's BV at most 32 at
+    K = 128 and 16 at K = 256 (237,568 B at 32, over sm_90's 232,448)."""
     BK = head_block(K)
-    if fused and BK == 128:
+    if (fused and BK == 128) or (not fused and BK >= 256 and element_size == 2):
         BV, warps = state_block_v(K, V, num_states, max_tile=16384), 8
     else:
         BV, warps = state_block_v(K, V, num_states), 8 if BK >= 256 else 4
