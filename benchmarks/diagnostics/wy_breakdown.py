@@ -28,6 +28,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from stage_times import timer  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import wy  # noqa: E402
@@ -95,6 +96,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     configs = [bench.dense(2, 130, 2, 32)] if args.smoke else [c for c in bench.CONFIGS if c.name in args.configs]
+    measure = timer(args.smoke)  # stage_times' do_bench settings
     results = {}
     for cfg in configs:
         x = bench.make_inputs(cfg, device, seed=0)
@@ -114,7 +116,7 @@ def main() -> int:
                     assert err < 1e-3, f"{name}: {err:.2e} off the shipped Tinv"
                 row[name] = 0.0
             else:
-                row[name] = triton.testing.do_bench(call, warmup=25, rep=100)
+                row[name] = measure(call)
             print(f"  {name:40s} {row[name]:8.3f} ms", flush=True)
         results[cfg.name] = row
     if args.out:
