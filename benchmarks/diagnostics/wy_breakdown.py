@@ -33,9 +33,10 @@ from stage_times import timer  # noqa: E402
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import wy  # noqa: E402
 from deltatron.kernels.chunk.kkt import chunk_span, kkt_tile  # noqa: E402
-from deltatron.kernels.chunk.solve_tril import invert_diagonal_blocks, merge_diagonal_blocks, tril_inverse  # noqa: E402
-from deltatron.kernels.utils import (WY_PIPELINE_STAGES, dot_precision, head_tile, mm, seq_info, store_rows,  # noqa: E402
-                                     tril_precision)
+from deltatron.kernels.chunk.solve_tril import (invert_diagonal_blocks, merge_diagonal_blocks,  # noqa: E402
+                                                tril_inverse)
+from deltatron.kernels.utils import (WY_PIPELINE_STAGES, dot_precision, head_tile, mm,  # noqa: E402
+                                     seq_info, store_rows, tril_precision)
 
 C = 64
 STEPS = {"A": 0, "+diagonal": 1, "+merges": 2, "Tinv": 3, "Tinv, whole-tile doubling": 4}

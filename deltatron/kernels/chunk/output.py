@@ -2,9 +2,8 @@
 j <= i. Every (chunk, head, V-block) is independent: S is the state entering the chunk (h from the
 state pass) and V' its new values.
 
-The forward itself does not launch this stage: state.state_output_fwd computes the same O inside the state
-pass (through causal_output below, so both round alike). output_fwd is kept for the stage contract, the
-tests that check the fused pass against it, and stage timings."""
+Where state.fused_output_pays, the forward does not launch this stage: state.state_output_fwd computes the
+same O inside the state pass (through causal_output below, so both round alike)."""
 from __future__ import annotations
 
 import torch
