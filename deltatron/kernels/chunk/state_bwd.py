@@ -97,7 +97,8 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
         #   fp32 (ieee dots: 32 registers and KBs of spills in every variant): 8 warps about halve the
         #     fused pass's spills, K = 64 34 -> 12 KB, K = 128 62 -> 26 KB (22 KB, 44 KB).
         # 16-bit K <= 64 stays on 4 warps (K = 64: 178 registers, no spills, 81,920 B: two programs fit an
-        # SM), K = 256 on 8 (255 registers, no spills, 229,376 B as unfused). Not measured on a GPU
+        # SM), K = 256 on 8 (255 registers, no spills, 229,376 B as unfused). On the H200 (stage_times,
+        # bf16, K = 128): 0.231 ms at 8 x 16 heads against 0.080 + 0.239 for dv_local and the unfused pass
         warps = 8
     if N:
         state_bwd_kernel[(cdiv(V, BV), N * H)](
