@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/device_session.sh [STEP ...]      # default: times suite
 #
-# times: stage_times.py, decode_configs.py and stage_configs.py for the WY stages (~2 min);
+# times: stage_times.py, decode_configs.py, stage_configs.py for the WY stages and wy_breakdown.py (~3 min);
 # suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (~7 min), with
 #        one line per test in gpu_suite.log, so that a cut-off run still names its failures; 540 s when
 #        it is the only step, else 420;
@@ -37,7 +37,8 @@ for step in "${steps[@]}"; do
             --configs b8-t2048-h16-k128 b1-t32768-h16-k128 --out "$OUT/stage_times.json"
         run_step decode_configs 150 python benchmarks/diagnostics/decode_configs.py --out "$OUT/decode_configs.json"
         run_step stage_configs 150 python benchmarks/diagnostics/stage_configs.py --stages wy_fwd WY \
-            --out "$OUT/stage_configs.json" ;;
+            --out "$OUT/stage_configs.json"
+        run_step wy_breakdown 60 python benchmarks/diagnostics/wy_breakdown.py --out "$OUT/wy_breakdown.json" ;;
     suite)
         suite_limit=$([[ ${#steps[@]} -eq 1 ]] && echo 540 || echo 420)  # alone it may use the whole call
         timeout "$suite_limit" python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 \
@@ -61,7 +62,7 @@ done
 echo
 echo "== device session (${steps[*]}), $(date -u '+%Y-%m-%d %H:%M UTC'), GPU ${CUDA_VISIBLE_DEVICES:-all}, logs in $OUT"
 printf '%s\n' "${summary[@]}"
-for f in stage_times decode_configs stage_configs; do
+for f in stage_times decode_configs stage_configs wy_breakdown; do
     [[ -f $OUT/$f.txt ]] && { echo "-- $f"; grep -E 'ms$|us$|us  |shipped' "$OUT/$f.txt" | head -24; }
 done
 [[ -f $OUT/check.txt ]] && { echo "-- check"; tail -4 "$OUT/check.txt"; }
