@@ -1,14 +1,12 @@
 """Each stage of the chunk pipeline at every warp count and pipelining depth: which launch is fastest, and
 which ones give wrong results.
 
-The chunk kernels launch with fixed configurations (4 warps, or 8 at K = 256 and in the fused reverse state
-pass at K = 128; 2 stages, chosen for correctness, and 3 for the two WY kernels: kernels/utils.py,
-NOTES.md). This forces num_warps in
-{2, 4, 8} and num_stages in {2, 3} on every Triton launch of one stage at a time (stage_times.py's stages,
-the benchmark's bf16 inputs), compares the stage's outputs
-with those of the shipped launch (relative RMS; a wrong configuration shows as a large error or an
-exception, not as a speed-up) and times it. Prints per stage: the shipped time, the best right
-configuration and its time.
+The chunk kernels launch with fixed configurations (4 warps, or 8 at K = 256 and in both fused walks at
+K = 128; 2 stages, chosen for correctness, and 3 for the two WY kernels: kernels/utils.py, NOTES.md). This
+forces num_warps in {2, 4, 8} and num_stages in {2, 3} on every Triton launch of one stage at a time
+(stage_times.py's stages, the benchmark's bf16 inputs), compares the stage's outputs with those of the
+shipped launch (relative RMS; a wrong configuration shows as a large error or an exception, not as a
+speed-up) and times it. Prints per stage: the shipped time, the best right configuration and its time.
 
     python benchmarks/diagnostics/stage_configs.py [--config b8-t2048-h16-k128] [--stages wy ...] [--out FILE.json]
     python benchmarks/diagnostics/stage_configs.py --smoke     # CPU, interpreter, one configuration

@@ -19,10 +19,10 @@ Times: triton.testing.do_bench medians in ms (smoke: one wall-clock call)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -153,8 +153,7 @@ def main() -> int:
         for name, ms in results[cfg.name].items():
             print(f"  {name:<62} {ms * 1e3:10.1f} us" if cfg.decode else f"  {name:<62} {ms:10.3f} ms")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        bench.write_json(Path(args.out), results)
     return 0
 
 

@@ -18,9 +18,9 @@ bf16 inputs (the benchmark's). Times: triton.testing.do_bench medians in ms."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from pathlib import Path
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -121,8 +121,7 @@ def main() -> int:
             print(f"  {name:40s} {row[name]:8.3f} ms", flush=True)
         results[cfg.name] = row
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        bench.write_json(Path(args.out), results)
     return 0
 
 
