@@ -145,7 +145,7 @@ def main() -> int:
                 run_form(FORMS[name], x, info)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
-                                 ("K", "V", "C", "BT", "BK", "BV", "BD", "SEG"))
+                                 ("K", "V", "C", "BT", "BK", "BW", "BV", "BD", "SEG"))
                 head = f"{name:<16}{r['kernel']:<30}{shape:<32}w{r['warps']} s{r['stages']}"
                 if "error" in r:
                     failed = True
