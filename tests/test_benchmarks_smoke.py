@@ -270,9 +270,16 @@ def test_tril_precision_emulation():
 
 
 def test_wy_breakdown_diagnostic_runs(tmp_path):
-    """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps timed apart on the GPU) runs its smoke
-    mode, which checks that each inverse variant gives the shipped Tinv."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "wy_breakdown.py"), "--smoke"]
+    """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps and candidate launches timed on the GPU)
+    runs its smoke mode, which checks that each inverse variant gives the shipped Tinv and that every
+    candidate launch (tile widths forced; the interpreter has no launch options) gives the shipped launch's
+    Tinv, W and U bitwise."""
+    out = tmp_path / "wy.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "wy_breakdown.py"), "--smoke", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "Tinv, whole-tile doubling" in proc.stdout and "recompute W, U from Tinv" in proc.stdout
+    results = json.loads(out.read_text())
+    (rows,) = results["launches"].values()
+    assert "shipped" in rows and any("tile64" in name for name in rows)  # at K = 32 the shipped tile is 32
+    assert all(r["equal"] and r["ms"] == 0.0 for r in rows.values())
