@@ -6,6 +6,9 @@
 #   bash benchmarks/device_session.sh [STEP ...]      # default: times suite
 #
 # times: stage_times.py, decode_configs.py, stage_configs.py for the WY stages and wy_breakdown.py (~3 min);
+# caps: stage_configs.py with register caps (every stage at its shipped warps and stages under maxnreg
+#       200/168/128, then the WY forward and backward, recompute W, U and dQ/dK/dW at 4 and 8 warps, 2 and 3
+#       stages, under 168/128) and wy_breakdown.py's candidate WY forward launches (32-wide tiles) (~5 min);
 # suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (~7 min), with
 #        one line per test in gpu_suite.log, so that a cut-off run still names its failures; 540 s when
 #        it is the only step, else 420;
@@ -39,6 +42,13 @@ for step in "${steps[@]}"; do
         run_step stage_configs 150 python benchmarks/diagnostics/stage_configs.py --stages wy_fwd WY \
             --out "$OUT/stage_configs.json"
         run_step wy_breakdown 60 python benchmarks/diagnostics/wy_breakdown.py --out "$OUT/wy_breakdown.json" ;;
+    caps)
+        run_step stage_caps 200 python benchmarks/diagnostics/stage_configs.py --warps shipped --num-stages shipped \
+            --maxnreg 200 168 128 --out "$OUT/stage_caps.json"
+        run_step stage_caps_sweep 220 python benchmarks/diagnostics/stage_configs.py --stages wy_fwd recompute \
+            "WY backward" "dQ, dK" --warps 4 8 --num-stages 2 3 --maxnreg 168 128 --out "$OUT/stage_caps_sweep.json"
+        run_step wy_launches 120 python benchmarks/diagnostics/wy_breakdown.py --configs b8-t2048-h16-k128 \
+            --parts launches --out "$OUT/wy_launches.json" ;;
     suite)
         suite_limit=$([[ ${#steps[@]} -eq 1 ]] && echo 540 || echo 420)  # alone it may use the whole call
         timeout "$suite_limit" python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 \
@@ -55,14 +65,14 @@ for step in "${steps[@]}"; do
         # shellcheck disable=SC2086
         run_step bench $((${BENCH_BUDGET_S:-400} + 60)) python benchmarks/run.py --out "$OUT" --plot \
             --budget-s "${BENCH_BUDGET_S:-400}" ${BENCH_ARGS:-} ;;
-    *) echo "unknown step: $step (times, suite, train, bench)"; exit 2 ;;
+    *) echo "unknown step: $step (times, caps, suite, train, bench)"; exit 2 ;;
     esac
 done
 
 echo
 echo "== device session (${steps[*]}), $(date -u '+%Y-%m-%d %H:%M UTC'), GPU ${CUDA_VISIBLE_DEVICES:-all}, logs in $OUT"
 printf '%s\n' "${summary[@]}"
-for f in stage_times decode_configs stage_configs wy_breakdown; do
+for f in stage_times decode_configs stage_configs wy_breakdown stage_caps stage_caps_sweep wy_launches; do
     [[ -f $OUT/$f.txt ]] && { echo "-- $f"; grep -E 'ms$|us$|us  |shipped' "$OUT/$f.txt" | head -24; }
 done
 [[ -f $OUT/check.txt ]] && { echo "-- check"; tail -4 "$OUT/check.txt"; }

@@ -226,17 +226,23 @@ def test_decode_configs_diagnostic_runs(tmp_path):
     assert "(shipped)" in proc.stdout and "RESULT DIFFERS" not in proc.stdout
 
 
-def test_stage_configs_diagnostic_runs(tmp_path):
+@pytest.mark.parametrize("caps", [[], [168]])
+def test_stage_configs_diagnostic_runs(tmp_path, caps):
     """benchmarks/diagnostics/stage_configs.py (the per-stage launch sweep for the GPU) runs its smoke mode:
-    every stage compared with its shipped launch and timed."""
+    every stage compared with its shipped launch and timed, and with a register cap, beside no cap (the
+    interpreter ignores it: the same outputs)."""
     out = tmp_path / "configs.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_configs.py"), "--smoke", "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_configs.py"), "--smoke",
+           *(["--maxnreg", *map(str, caps)] if caps else []), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())["report"]
     assert len(report) == 11  # stage_times' stages: wy_fwd, the fused walk, the plain pair, 5 backward, 2 unfused
     for stage in report.values():
         assert stage["best"] is not None and all(r["error"] == 0.0 for k, r in stage["rows"].items() if k != "shipped")
+        # the shipped launch, the choice of the shipped warps and stages, and that choice under each cap
+        assert set(stage["rows"]) == {"shipped", "warps=shipped stages=shipped",
+                                      *(f"warps=shipped stages=shipped maxnreg={cap}" for cap in caps)}
 
 
 def test_device_session_script_parses_and_names_real_files():
@@ -270,9 +276,16 @@ def test_tril_precision_emulation():
 
 
 def test_wy_breakdown_diagnostic_runs(tmp_path):
-    """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps timed apart on the GPU) runs its smoke
-    mode, which checks that each inverse variant gives the shipped Tinv."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "wy_breakdown.py"), "--smoke"]
+    """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps and candidate launches timed on the GPU)
+    runs its smoke mode, which checks that each inverse variant gives the shipped Tinv and that every
+    candidate launch (tile widths forced; the interpreter has no launch options) gives the shipped launch's
+    Tinv, W and U bitwise."""
+    out = tmp_path / "wy.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "wy_breakdown.py"), "--smoke", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "Tinv, whole-tile doubling" in proc.stdout and "recompute W, U from Tinv" in proc.stdout
+    results = json.loads(out.read_text())
+    (rows,) = results["launches"].values()
+    assert "shipped" in rows and any("tile64" in name for name in rows)  # at K = 32 the shipped tile is 32
+    assert all(r["equal"] and r["ms"] == 0.0 for r in rows.values())

@@ -3,6 +3,7 @@ its shared memory at the largest head size, and so does the fp32 kernel that onc
 machine without a GPU (benchmarks/diagnostics/offline_compile.py with the installed triton: the compile
 errors and shared-memory overflows that otherwise first show on the GPU)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,17 @@ def test_fp32_chunk_at_head_size_256_fits_shared_memory():
     # the fused local dV' adds none) (fp32 kernels take minutes to compile on two cores: this one only)
     rows = compile_rows("--dtype", "fp32", "--heads", "256", "--forms", "chunk", "--kernels", "state_bwd_kernel")
     assert len(rows) == 1 and "state_bwd_kernel" in rows[0] and "BV=16" in rows[0]
+
+
+def test_stage_configs_offline_register_cap():
+    # benchmarks/diagnostics/stage_configs.py --offline: a stage's launch compiled as shipped and under a
+    # register cap (forced_launch's maxnreg reaches the compiler; dQ/dK/dW takes about 250 without one)
+    script = SCRIPT.parent / "stage_configs.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(script), "--offline", "--stages", "dQ, dK", "--warps", "shipped", "--num-stages",
+           "shipped", "--maxnreg", "128"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shipped, capped = [[int(n) for n in re.findall(r"regs +(\d+) +spills +(\d+)", line)[0]]
+                       for line in proc.stdout.splitlines() if "dqkw_kernel" in line]
+    assert shipped[0] > 128 >= capped[0] and capped[1] > shipped[1]

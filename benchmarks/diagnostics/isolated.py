@@ -1,6 +1,6 @@
 """Shared by the diagnostics: one case per process (an illegal memory access poisons the CUDA context, and
 a later case must not inherit it), the worst error of a form's Triton run against the PyTorch backend on the
-same rounded inputs, and launches forced to one warp count / pipelining depth."""
+same rounded inputs, and launches forced to one warp count / pipelining depth / register cap / argument."""
 from __future__ import annotations
 
 import json
@@ -15,24 +15,37 @@ Case = Tuple[str, ...]
 
 
 @contextmanager
-def forced_launch(num_warps=None, num_stages=None):
-    """Every Triton launch inside runs with these num_warps / num_stages (None: as the code says)."""
+def forced_launch(num_warps=None, num_stages=None, maxnreg=None, **arguments):
+    """Every Triton launch inside runs with these num_warps / num_stages / maxnreg (None: as the code says)
+    and, in kernels that have them, these arguments by name (constexpr tile widths, say). The interpreter
+    has no launch options: there only the arguments are forced."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    run = JITFunction.run
+    options = {name: value for name, value in
+               dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg).items() if value is not None}
+    runs = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
 
-    def forced(self, *args, **kwargs):
-        if num_warps is not None:
-            kwargs["num_warps"] = num_warps
-        if num_stages is not None:
-            kwargs["num_stages"] = num_stages
-        return run(self, *args, **kwargs)
+    def forced(run):
+        def launch(self, *args, **kwargs):
+            args = list(args)
+            for name, value in arguments.items():
+                if name in self.arg_names:
+                    i = self.arg_names.index(name)
+                    if i < len(args):
+                        args[i] = value
+                    else:
+                        kwargs[name] = value
+            return run(self, *args, **{**kwargs, **options})
+        return launch
 
-    JITFunction.run = forced
+    for cls, run in runs.items():
+        cls.run = forced(run)
     try:
         yield
     finally:
-        JITFunction.run = run
+        for cls, run in runs.items():
+            cls.run = run
 
 
 def worst_error_vs_torch(fn: Callable, K: int, dtype, backward: bool = True, **kwargs) -> str:

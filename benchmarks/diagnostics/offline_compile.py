@@ -35,6 +35,7 @@ from deltatron.kernels.utils import seq_info  # noqa: E402
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65536, 233472, 64, 32  # an sm_90 SM's resources
 FORMS = {"chunk": chunk, "fused_chunk": fused_chunk, "fused_recurrent": fused_recurrent, "parallel": parallel}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -68,13 +69,14 @@ class OfflineLaunches:
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
         key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
-               options.num_warps, options.num_stages)
+               options.num_warps, options.num_stages, options.maxnreg)
         if key in self.seen:
             return
         self.seen.add(key)
         named = {fn.arg_names[path[0]]: value for path, value in constexprs.items()
                  if len(path) == 1 and isinstance(value, (int, str)) and not isinstance(value, bool)}
-        row = dict(kernel=fn.__name__, constexprs=named, warps=options.num_warps, stages=options.num_stages)
+        row = dict(kernel=fn.__name__, constexprs=named, warps=options.num_warps, stages=options.num_stages,
+                   maxnreg=options.maxnreg)
         start = time.perf_counter()
         try:
             compiled = triton_compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=H200,
@@ -86,6 +88,7 @@ class OfflineLaunches:
             md = compiled.metadata
             row.update(**ptxas_usage(ptx), shared=md.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                        mma=len(re.findall(r"\bmma\.sync", ptx)))
+            row["blocks"] = blocks_per_sm(row["regs"], md.shared, options.num_warps)
             if md.shared > SHARED_LIMIT:
                 row.update(error=f"shared memory {md.shared} > {SHARED_LIMIT}")
         row["seconds"] = time.perf_counter() - start
@@ -107,6 +110,18 @@ def ptxas_usage(ptx: str) -> dict:
                 spills = re.search(r"(\d+) bytes spill stores", out)
                 return dict(regs=int(regs.group(1)), spills=int(spills.group(1)) if spills else 0)
     return dict(regs=-1, spills=-1)
+
+
+def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Blocks of one kernel an sm_90 SM holds at once, by registers (allocated per warp, a thread's
+    rounded up to 8), shared memory (1 KiB of it reserved per block) and warps."""
+    warps_by_regs = SM_REGISTERS // (32 * -(-regs // 8) * 8)
+    return min(warps_by_regs // warps, SM_SHARED // (shared + 1024), SM_WARPS // warps, SM_BLOCKS)
+
+
+def usage(row: dict) -> str:
+    return (f"regs {row['regs']:>3}  spills {row['spills']:>5}  shared {row['shared']:>6}  "
+            f"blocks/SM {row['blocks']}")
 
 
 def inputs(B, T, H, K, V, dtype):
@@ -145,14 +160,14 @@ def main() -> int:
                 run_form(FORMS[name], x, info)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
-                                 ("K", "V", "C", "BT", "BK", "BV", "BD", "SEG"))
+                                 ("K", "V", "C", "BT", "BK", "BW", "BV", "BD", "SEG"))
                 head = f"{name:<16}{r['kernel']:<30}{shape:<32}w{r['warps']} s{r['stages']}"
                 if "error" in r:
                     failed = True
                     print(f"{head}  FAILED {r['error']}")
                 else:
-                    print(f"{head}  regs {r['regs']:>3}  spills {r['spills']:>5}  shared {r['shared']:>6}  "
-                          f"wgmma {r['wgmma']:>3}  mma.sync {r['mma']:>3}  ({r['seconds']:.0f} s)", flush=True)
+                    print(f"{head}  {usage(r)}  wgmma {r['wgmma']:>3}  mma.sync {r['mma']:>3}  "
+                          f"({r['seconds']:.0f} s)", flush=True)
     print(f"triton {triton.__version__}, target sm_90, {args.dtype}")
     return 1 if failed else 0
 

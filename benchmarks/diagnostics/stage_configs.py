@@ -1,15 +1,25 @@
-"""Each stage of the chunk pipeline at every warp count and pipelining depth: which launch is fastest, and
-which ones give wrong results.
+"""Each stage of the chunk pipeline at every warp count, pipelining depth and (optionally) register cap:
+which launch is fastest, and which ones give wrong results.
 
 The chunk kernels launch with fixed configurations (4 warps, or 8 at K = 256 and in both fused walks at
-K = 128; 2 stages, chosen for correctness, and 3 for the two WY kernels: kernels/utils.py, NOTES.md). This
-forces num_warps in {2, 4, 8} and num_stages in {2, 3} on every Triton launch of one stage at a time
-(stage_times.py's stages, the benchmark's bf16 inputs), compares the stage's outputs with those of the
-shipped launch (relative RMS; a wrong configuration shows as a large error or an exception, not as a
-speed-up) and times it. Prints per stage: the shipped time, the best right configuration and its time.
+K = 128; 2 stages, chosen for correctness, and 3 for the two WY kernels: kernels/utils.py, NOTES.md) and no
+register cap. This forces num_warps in {2, 4, 8} and num_stages in {2, 3} (or the ones given), each
+uncapped and under every --maxnreg cap, on every Triton launch of one stage at a time (stage_times.py's
+stages, the benchmark's bf16 inputs), compares the stage's outputs with those of the shipped launch
+(relative RMS; a wrong configuration shows as a large error or an exception, not as a speed-up) and times
+it. Prints per stage: the shipped time, the best right configuration and its time.
 
-    python benchmarks/diagnostics/stage_configs.py [--config b8-t2048-h16-k128] [--stages wy ...] [--out FILE.json]
+Without a cap ptxas takes 195-255 registers a thread in the WY forward and backward, dQ/dK/dW and the walks
+with Q in them (sm_90, K = V = 128); a cap (maxnreg 168: 3 blocks of 4 warps an SM, 128: 4) trades spills
+for blocks, which pays only where shared memory holds the extra blocks too. --offline compiles each
+stage's launch for sm_90 under the same choices instead (no GPU; put triton 3.6, the H200's, first on
+PYTHONPATH) and prints registers, spills, shared memory and the blocks an SM holds, to pick the caps worth
+timing.
+
+    python benchmarks/diagnostics/stage_configs.py [--config b8-t2048-h16-k128] [--stages wy ...]
+        [--warps shipped 8] [--num-stages 2 3] [--maxnreg 168 128] [--offline] [--out FILE.json]
     python benchmarks/diagnostics/stage_configs.py --smoke     # CPU, interpreter, one configuration
+                                                               # (the interpreter ignores caps)
 """
 from __future__ import annotations
 
@@ -49,30 +59,31 @@ def worst_difference(got, want) -> float:
     return worst
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="b8-t2048-h16-k128")
-    parser.add_argument("--stages", nargs="+", help="only the stages whose names contain one of these")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if args.smoke:
-        cfg, device, choices = bench.SMOKE_CONFIGS[0], torch.device("cpu"), [(None, None)]
-    else:
-        cfg, device = {c.name: c for c in bench.CONFIGS}[args.config], torch.device("cuda")
-        choices = list(itertools.product(WARPS, STAGES))
-    measure = timer(args.smoke)
+def shipped_or_int(text: str):
+    """A --warps / --num-stages value: a number, or "shipped" (None: each stage's own)."""
+    return None if text == "shipped" else int(text)
+
+
+def label(warps, depth, maxnreg) -> str:
+    shown = ["shipped" if x is None else x for x in (warps, depth)]
+    return f"warps={shown[0]} stages={shown[1]}" + (f" maxnreg={maxnreg}" if maxnreg else "")
+
+
+def selected(stages: dict, parts) -> dict:
+    return {name: call for name, call in stages.items() if not parts or any(part in name for part in parts)}
+
+
+def time_choices(cfg, parts, choices, device, measure) -> dict:
+    """{stage: dict(rows={"shipped" or a choice's label: dict(ms, error)}, best=the fastest right label)}"""
     stages, _, _ = stage_calls(cfg, device)
     report = {}
-    for name, call in stages.items():
-        if args.stages and not any(part in name for part in args.stages):
-            continue
+    for name, call in selected(stages, parts).items():
         shipped = call()
         rows = {"shipped": dict(ms=measure(call))}
-        for warps, depth in choices:
-            key = f"warps={warps} stages={depth}"
+        for choice in choices:
+            key = label(*choice)
             try:
-                with forced_launch(warps, depth):
+                with forced_launch(*choice):
                     error = worst_difference(call(), shipped)
                     ms = measure(call) if error <= WRONG else None
                 rows[key] = dict(ms=ms, error=error)
@@ -86,6 +97,50 @@ def main() -> int:
         wrong = [k for k, r in rows.items() if k != "shipped" and r["ms"] is None]
         if wrong:
             print(f"{'':<32} wrong or failed: {', '.join(wrong)}")
+    return report
+
+
+def compile_choices(cfg, parts, choices) -> dict:
+    """{stage: {choice's label: [offline_compile's row of each launch]}}: compiled for sm_90 on CPU tensors,
+    nothing run."""
+    from offline_compile import OfflineLaunches, usage  # it refuses the interpreter: imported only here
+
+    with OfflineLaunches(kernels=()):  # stage_calls' own launches, which prepare its inputs: nothing compiled
+        stages, _, _ = stage_calls(cfg, torch.device("cpu"))
+    report = {}
+    for name, call in selected(stages, parts).items():
+        report[name] = {}
+        for choice in choices:
+            with OfflineLaunches() as offline, forced_launch(*choice):
+                call()
+            report[name][label(*choice)] = offline.rows
+            for r in offline.rows:
+                print(f"{name:<44} {label(*choice):<40} {r['kernel']:<18} {r.get('error') or usage(r)}", flush=True)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="b8-t2048-h16-k128")
+    parser.add_argument("--stages", nargs="+", help="only the stages whose names contain one of these")
+    parser.add_argument("--warps", type=shipped_or_int, nargs="+", default=WARPS, help='numbers or "shipped"')
+    parser.add_argument("--num-stages", type=shipped_or_int, nargs="+", default=STAGES, help='numbers or "shipped"')
+    parser.add_argument("--maxnreg", type=int, nargs="+", default=[], help="register caps, each beside no cap")
+    parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    caps = [None, *args.maxnreg]
+    if args.smoke:
+        cfg, choices = bench.SMOKE_CONFIGS[0], [(None, None, cap) for cap in caps]
+    else:
+        cfg = {c.name: c for c in bench.CONFIGS}[args.config]
+        choices = list(itertools.product(args.warps, args.num_stages, caps))
+    if args.offline:
+        report = compile_choices(cfg, args.stages, choices)
+    else:
+        device = torch.device("cpu" if args.smoke else "cuda")
+        report = time_choices(cfg, args.stages, choices, device, timer(args.smoke))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(config=cfg.name, report=report), f, indent=1)

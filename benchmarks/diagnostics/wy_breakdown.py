@@ -11,8 +11,16 @@ and the differences between steps are the steps' costs.
     wy_fwd       the shipped kernel: Tinv, then W and U by the hi + lo application (stores Tinv too)
     recompute    W and U from a stored Tinv (the backward's first stage)
 
-    python benchmarks/diagnostics/wy_breakdown.py [--configs b8-t2048-h16-k128 ...] [--out FILE.json]
-    python benchmarks/diagnostics/wy_breakdown.py --smoke     # CPU, interpreter: every variant's Tinv vs shipped
+Then (part "launches") wy_fwd under candidate launches, against the shipped one: warps, pipelining depth,
+the width of the W and U tiles (BW = BV) and a register cap (maxnreg), each checked on its outputs
+(Tinv, W, U against the shipped launch's: bitwise equal, or their relative RMS difference; beyond 1e-2 the
+launch is wrong and not timed). The shipped kernel needs about 250 registers a thread at 4 warps, so an SM
+holds 2 blocks (ncu, session 6: latency-bound); the candidates trade that for a third or fourth block.
+
+    python benchmarks/diagnostics/wy_breakdown.py [--configs b8-t2048-h16-k128 ...] [--parts steps launches]
+                                                  [--out FILE.json]
+    python benchmarks/diagnostics/wy_breakdown.py --smoke     # CPU, interpreter: every variant's Tinv vs
+                                                              # shipped, every launch's outputs bitwise equal
 
 bf16 inputs (the benchmark's). Times: triton.testing.do_bench medians in ms."""
 from __future__ import annotations
@@ -28,6 +36,8 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from isolated import forced_launch  # noqa: E402  (same folder: sys.path[0] when run as a script)
+from stage_configs import WRONG, worst_difference  # noqa: E402
 from stage_times import timer  # noqa: E402
 
 from deltatron import bench  # noqa: E402
@@ -40,6 +50,21 @@ from deltatron.kernels.utils import (WY_PIPELINE_STAGES, dot_precision, head_til
 
 C = 64
 STEPS = {"A": 0, "+diagonal": 1, "+merges": 2, "Tinv": 3, "Tinv, whole-tile doubling": 4}
+# Candidate launches of wy_fwd: (warps, stages, W and U tile width, maxnreg or None). Offline compile for
+# sm_90 with triton 3.6 at K = V = 128, bf16: registers a thread, spill bytes, blocks per SM by registers
+# (65536 a SM; shared memory, 32 KiB a block at 4 warps and 64 at 8, allows 7 and 3). The shipped launch
+# is 4 warps, 3 stages, 64-wide tiles, no cap: 252 registers, no spills, 2 blocks.
+LAUNCHES = {
+    "w4 s3 tile32": (4, 3, 32, None),  # 234, 0, 2: narrower accumulators alone (ptxas still takes ~235)
+    "w4 s3 tile32 maxnreg168": (4, 3, 32, 168),  # 168, 0, 3
+    "w4 s2 tile32 maxnreg168": (4, 2, 32, 168),  # 168, 0, 3
+    "w4 s2 tile64 maxnreg168": (4, 2, 64, 168),  # 168, 12, 3
+    "w4 s3 tile64 maxnreg168": (4, 3, 64, 168),  # 168, 48, 3
+    "w4 s3 tile32 maxnreg128": (4, 3, 32, 128),  # 128, 248, 4
+    "w4 s2 tile32 maxnreg128": (4, 2, 32, 128),  # 128, 276, 4
+    "w8 s3 tile64": (8, 3, 64, None),  # 227, 0, 1
+    "w8 s3 tile64 maxnreg128": (8, 3, 64, 128),  # 128, 176, 2 (16 warps a SM, as 4 blocks of 4)
+}
 
 
 @triton.jit
@@ -89,16 +114,54 @@ def variants(k, v, beta, info):
     return calls, out, tinv
 
 
+def steps(k, v, beta, info, measure, smoke: bool) -> dict:
+    """{step or variant name: ms} (smoke: 0.0, after checking each inverse variant's Tinv)."""
+    calls, out, tinv = variants(k, v, beta, info)
+    row = {}
+    for name, call in calls.items():
+        if smoke:
+            call()
+            if name.startswith("Tinv"):  # same inverse as shipped, to tf32 rounding
+                err = ((out - tinv).norm() / tinv.norm()).item()
+                assert err < 1e-3, f"{name}: {err:.2e} off the shipped Tinv"
+            row[name] = 0.0
+        else:
+            row[name] = measure(call)
+        print(f"  {name:40s} {row[name]:8.3f} ms", flush=True)
+    return row
+
+
+def launches(k, v, beta, info, measure, smoke: bool) -> dict:
+    """{launch name: dict(ms, equal, error)} for the shipped launch and every candidate of LAUNCHES (smoke:
+    ms 0.0)."""
+    def call():
+        return wy.wy_fwd(k, v, beta, info, C)  # (Tinv, W, U)
+
+    shipped = call()
+    rows = {"shipped": dict(ms=0.0 if smoke else measure(call), equal=True, error=0.0)}
+    for name, (warps, stages, tile, maxnreg) in LAUNCHES.items():
+        try:
+            with forced_launch(warps, stages, maxnreg, BW=tile, BV=tile):
+                got = call()
+                error = worst_difference(got, shipped)
+                ms = None if error > WRONG else 0.0 if smoke else measure(call)
+            rows[name] = dict(ms=ms, equal=all(torch.equal(a, b) for a, b in zip(got, shipped)), error=error)
+        except Exception as e:  # out of resources, illegal access...: recorded, the sweep goes on
+            rows[name] = dict(ms=None, equal=False, error=None, exception=f"{type(e).__name__}: {str(e)[:80]}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["b8-t2048-h16-k128", "b2-t8192-h32-k128"])
+    parser.add_argument("--parts", nargs="+", choices=("steps", "launches"), default=["steps", "launches"])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     configs = [bench.dense(2, 130, 2, 32)] if args.smoke else [c for c in bench.CONFIGS if c.name in args.configs]
     measure = timer(args.smoke)  # stage_times' do_bench settings
-    results = {}
+    results = {part: {} for part in args.parts}
     for cfg in configs:
         x = bench.make_inputs(cfg, device, seed=0)
         B, T = x["k"].shape[:2]
@@ -106,20 +169,19 @@ def main() -> int:
         if args.smoke:  # the interpreter's bf16 dots are wrong: fp16 there
             k, v = k.half(), v.half()
         info = seq_info(B, T, device, None, None)
-        calls, out, tinv = variants(k, v, beta, info)
         print(cfg.name)
-        row = {}
-        for name, call in calls.items():
-            if args.smoke:
-                call()
-                if name.startswith("Tinv"):  # same inverse as shipped, to tf32 rounding
-                    err = ((out - tinv).norm() / tinv.norm()).item()
-                    assert err < 1e-3, f"{name}: {err:.2e} off the shipped Tinv"
-                row[name] = 0.0
-            else:
-                row[name] = measure(call)
-            print(f"  {name:40s} {row[name]:8.3f} ms", flush=True)
-        results[cfg.name] = row
+        if "steps" in args.parts:
+            results["steps"][cfg.name] = steps(k, v, beta, info, measure, args.smoke)
+        if "launches" in args.parts:
+            rows = launches(k, v, beta, info, measure, args.smoke)
+            for name, r in rows.items():
+                ms = "wrong" if r["ms"] is None else f"{r['ms']:8.3f} ms"
+                same = ("bitwise equal" if r["equal"] else f"differs by {r['error']:.1e}" if r["error"] is not None
+                        else r["exception"])
+                print(f"  launch {name:33s} {ms:>11}  {same}", flush=True)
+                if args.smoke:  # the interpreter forces only the tile widths: the same products
+                    assert r["equal"], f"{name}: outputs differ from the shipped launch's"
+            results["launches"][cfg.name] = rows
     if args.out:
         bench.write_json(Path(args.out), results)
     return 0

@@ -26,23 +26,27 @@ def apply_tinv(t_hi, t_lo, x, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.con
     """y = (t_hi + t_lo) x for one chunk, BD columns of the head dimension D at a time (t_lo only with
     SPLIT). x and y point at the chunk's first token and its head; t_hi, t_lo have x's dtype."""
     rows = tl.arange(0, C)
+    cols = tl.arange(0, BD)
+    # one tile of offsets for all steps, the base pointers moved by d0: offsets computed per step were
+    # carried by the software pipeliner as whole [C, BD] int32 tiles for the steps ahead, which spilled
+    # under a register cap (offline sm_90 compile, K = V = 128, 32-wide tiles, maxnreg 152-168)
+    offs = rows[:, None] * (H * D) + cols[None, :]
     for d0 in range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        offs = rows[:, None] * (H * D) + cols[None, :]
-        mask = (rows[:, None] < n) & (cols[None, :] < D)
-        b_x = tl.load(x + offs, mask=mask, other=0.0)
+        mask = (rows[:, None] < n) & (d0 + cols[None, :] < D)
+        b_x = tl.load(x + d0 + offs, mask=mask, other=0.0)
         b_y = mm(t_hi, b_x, PRECISION)
         if SPLIT:
             b_y += mm(t_lo, b_x, PRECISION)
-        tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
+        tl.store(y + d0 + offs, b_y.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr,
-              STORE_TINV: tl.constexpr, APPLY: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-              TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
-    """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U."""
+              V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
+              FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr, SPLIT: tl.constexpr,
+              PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
+    """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U.
+    Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     k_c = k + start * H * K + i_h * K
@@ -66,7 +70,7 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
         dt = w.dtype.element_ty
         b_tb_hi = b_tb.to(dt)
         b_tb_lo = (b_tb - b_tb_hi.to(tl.float32)).to(dt)
-        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, H, K, BK, C, SPLIT, PRECISION)
+        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, H, K, BW, C, SPLIT, PRECISION)
         apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, n, H, V, BV,
                    C, SPLIT, PRECISION)
 
@@ -86,7 +90,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
-            max(head_tile(K), 32), max(head_tile(V), 32), fused, tinv is not None,
+            max(head_tile(K), 32), max(head_tile(K), 32), max(head_tile(V), 32), fused, tinv is not None,
             v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
             num_warps=4, num_stages=WY_PIPELINE_STAGES,
         )
