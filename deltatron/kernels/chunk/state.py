@@ -90,10 +90,11 @@ def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_o
 def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
     """(V-block, warps) of the walk: state_block_v's V-block on 4 warps, with two exceptions.
 
-    The plain walk at K = 256 in 16-bit: a [256, 64] state on 8 warps (194 registers, no spills, 188,416 B
-    of shared memory; offline sm_90 compile, triton 3.6), not [256, 32]. One program per SM either way (by
-    shared memory), and 32-wide products leave the tensor cores mostly idle, so half as many programs of
-    twice the width: on the H200 the state pass at 4 x 16 heads went from 0.750 to 0.471 ms.
+    The plain walk at K = 256 in 16-bit: a [256, 64] state, not [256, 32]. One program per SM either way (by
+    shared memory: 180,224 B), and 32-wide products leave the tensor cores mostly idle, so half as many
+    programs of twice the width. On 4 warps, not 8: 255 registers and 124-192 B of spills (offline sm_90
+    compile, triton 3.6) against 194 and none, yet on the H200 the state pass at 4 x 16 heads took 0.422 ms
+    against 0.471 on 8 warps (0.750 at [256, 32]), with bitwise-equal outputs.
 
     The fused state+output walk holds Q's tiles besides W's and K's: at K = 128 (bf16) 131,072 B of shared
     memory at BV = 64 against 98,304 for the plain walk, so one program per SM, not two. At 8 x 16 heads
@@ -103,8 +104,10 @@ def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool)
     there are fewer than 128 programs. fp32 tiles are twice as large: the fused walk's BV at most 32 at
     K = 128 and 16 at K = 256 (237,568 B at 32, over sm_90's 232,448)."""
     BK = head_block(K)
-    if (fused and BK == 128) or (not fused and BK >= 256 and element_size == 2):
+    if fused and BK == 128:
         BV, warps = state_block_v(K, V, num_states, max_tile=16384), 8
+    elif not fused and BK >= 256 and element_size == 2:
+        BV, warps = state_block_v(K, V, num_states, max_tile=16384), 4
     else:
         BV, warps = state_block_v(K, V, num_states), 8 if BK >= 256 else 4
     if fused and element_size == 4:
