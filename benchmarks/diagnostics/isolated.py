@@ -16,9 +16,10 @@ Case = Tuple[str, ...]
 
 @contextmanager
 def forced_launch(num_warps=None, num_stages=None, maxnreg=None, **arguments):
-    """Every Triton launch inside runs with these num_warps / num_stages / maxnreg (None: as the code says)
-    and, in kernels that have them, these arguments by name (constexpr tile widths, say). The interpreter
-    has no launch options: there only the arguments are forced."""
+    """Every Triton launch inside runs with these num_warps / num_stages / maxnreg (None: as the code says;
+    maxnreg 0: no register cap, even where the code sets one) and, in kernels that have them, these
+    arguments by name (constexpr tile widths, say). The interpreter has no launch options: there only the
+    arguments are forced."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -36,7 +37,10 @@ def forced_launch(num_warps=None, num_stages=None, maxnreg=None, **arguments):
                         args[i] = value
                     else:
                         kwargs[name] = value
-            return run(self, *args, **{**kwargs, **options})
+            launch_options = {**kwargs, **options}
+            if launch_options.get("maxnreg") == 0:
+                del launch_options["maxnreg"]
+            return run(self, *args, **launch_options)
         return launch
 
     for cls, run in runs.items():

@@ -87,12 +87,17 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     # (bf16 forward output off by 1.5, while the backward, which recomputes W, U unfused from the stored
     # Tinv, was right); not understood, and 32 is the narrowest tile the GPU suite has run
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
+    # The 16-bit fused kernel takes 252 registers a thread uncapped (2 blocks of 4 warps an SM, latency-bound
+    # by ncu); capped at 168, 3 blocks fit: on the H200 at K = V = 128, 8 x 16 heads, 0.206 -> 0.184 ms,
+    # bitwise-equal outputs (wy_breakdown.py --parts launches; offline sm_90: 48 B of spills at K = 128, 4 at
+    # 64). K = 256 stays uncapped (224 registers, 2 blocks).
+    caps = dict(maxnreg=168) if fused and split and K <= 128 else {}
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             max(head_tile(K), 32), max(head_tile(K), 32), max(head_tile(V), 32), fused, tinv is not None,
             v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
-            num_warps=4, num_stages=WY_PIPELINE_STAGES,
+            num_warps=4, num_stages=WY_PIPELINE_STAGES, **caps,
         )
     return w, u
 
