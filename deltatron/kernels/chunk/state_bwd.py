@@ -18,7 +18,7 @@ Both round A^T to the input dtype alike (output_bwd.causal_scores_t); the fused 
 in fp32, where the unfused one has it rounded to the input dtype by its store."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -69,6 +69,29 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
 
 
+def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
+    """(V-block, warps) of the reverse pass: state_block_v's V-block, on 4 warps (8 at K = 256), except:
+
+    fp32 at K = 256: [C, 256] tiles, pipelined, leave no shared memory for BV = 32 (offline sm_90 compile,
+    triton 3.6: 237,568 B, 232,448 allowed; benchmarks/diagnostics/offline_compile.py); 16 fits.
+
+    The fused pass (FUSE_DV_LOCAL) at K = 128, and in fp32, on 8 warps: it holds A^T [C, C] (fp32, and
+    rounded to the input dtype) beside the [K, BV] state gradient. Offline sm_90, triton 3.6, BV = 64 (the
+    unfused pass on 4 warps in brackets): bf16 and fp16, K = 128: 4 warps 255 registers and 4 B of spills,
+    8 warps 220 and none (255, 24 B), with 147,456 B of shared memory (139,264): one program per SM either
+    way. K = 100: 8 warps 255 and 24 B (255, 260 B). fp32 (ieee dots: KBs of spills in every variant): 8
+    warps about halve the fused pass's spills, K = 64 34 -> 12 KB, K = 128 62 -> 26 KB (22 KB, 44 KB).
+    16-bit K <= 64 stays on 4 warps (K = 64: 178 registers, no spills, 81,920 B: two programs an SM), K = 256
+    on 8 (255 registers, no spills, 229,376 B as unfused). On the H200 (stage_times, bf16, K = 128): 0.231 ms
+    at 8 x 16 heads against 0.080 + 0.239 for dv_local and the unfused pass."""
+    BK = head_block(K)
+    BV = state_block_v(K, V, num_states)
+    if element_size == 4 and BK >= 256:
+        BV = min(BV, 16)
+    warps = 8 if BK >= 256 or (fused and (BK == 128 or element_size == 4)) else 4
+    return BV, warps
+
+
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
               need_dh0: bool, info, chunk_size: int):
     """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
@@ -81,29 +104,12 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     dh = q.new_empty(chunks.num_chunks, H, K, V)
     dv = torch.empty_like(do)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    fused = dv_local is None
-    BK, BV = head_block(K), state_block_v(K, V, N * H)
-    if q.element_size() == 4 and BK >= 256:
-        # fp32 [C, 256] tiles, pipelined, leave no shared memory for BV = 32 (offline sm_90 compile with
-        # triton 3.6: 237,568 bytes, 232,448 allowed; benchmarks/diagnostics/offline_compile.py); 16 fits
-        BV = min(BV, 16)
-    warps = 8 if BK >= 256 else 4
-    if fused and (BK == 128 or q.element_size() == 4):
-        # the fused pass holds A^T [C, C] (fp32, and rounded to the input dtype) beside the [K, BV] state
-        # gradient. Offline sm_90 compile, triton 3.6, at BV = 64 (the unfused pass on 4 warps in brackets):
-        #   bf16 and fp16, K = 128: 4 warps 255 registers and 4 B of spills, 8 warps 220 and none (255,
-        #     24 B), with 147,456 B of shared memory (139,264): one program per SM either way, so the same
-        #     grid and waves. K = 100: 8 warps 255 and 24 B (255, 260 B);
-        #   fp32 (ieee dots: 32 registers and KBs of spills in every variant): 8 warps about halve the
-        #     fused pass's spills, K = 64 34 -> 12 KB, K = 128 62 -> 26 KB (22 KB, 44 KB).
-        # 16-bit K <= 64 stays on 4 warps (K = 64: 178 registers, no spills, 81,920 B: two programs fit an
-        # SM), K = 256 on 8 (255 registers, no spills, 229,376 B as unfused). On the H200 (stage_times,
-        # bf16, K = 128): 0.231 ms at 8 x 16 heads against 0.080 + 0.239 for dv_local and the unfused pass
-        warps = 8
+    BV, warps = reverse_launch(K, V, N * H, q.element_size(), fused=dv_local is None)
     if N:
         state_bwd_kernel[(cdiv(V, BV), N * H)](
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
-            H, K, V, chunk_size, BK, BV, dht is not None, need_dh0, fused, dot_precision(q.dtype),
+            H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dv_local is None,
+            dot_precision(q.dtype),
             num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return dh, dv, dh0
