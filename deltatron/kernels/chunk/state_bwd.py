@@ -83,9 +83,16 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
     warps about halve the fused pass's spills, K = 64 34 -> 12 KB, K = 128 62 -> 26 KB (22 KB, 44 KB).
     16-bit K <= 64 stays on 4 warps (K = 64: 178 registers, no spills, 81,920 B: two programs an SM), K = 256
     on 8 (255 registers, no spills, 229,376 B as unfused). On the H200 (stage_times, bf16, K = 128): 0.231 ms
-    at 8 x 16 heads against 0.080 + 0.239 for dv_local and the unfused pass."""
+    at 8 x 16 heads against 0.080 + 0.239 for dv_local and the unfused pass.
+
+    The 16-bit fused pass at K = 128 takes the V-block up to 128 (state_block_v's 16384 tile, halved while
+    there are fewer than 128 programs), as the forward's fused walk does (state.walk_launch): at BV = 64 its
+    147,456 B hold it to one program per SM, so 8 x 16 heads ran 256 programs in two waves on 132 SMs; at
+    128, one program per head (A^T = K Q^T computed once, not per V-block), 128 programs in one wave (255
+    registers, 56 B of spills, 196,608 B; offline sm_90, triton 3.6). Not at K = 100 (280 B of spills)."""
     BK = head_block(K)
-    BV = state_block_v(K, V, num_states)
+    wide = fused and K == 128 and element_size == 2
+    BV = state_block_v(K, V, num_states, max_tile=16384 if wide else 8192)
     if element_size == 4 and BK >= 256:
         BV = min(BV, 16)
     warps = 8 if BK >= 256 or (fused and (BK == 128 or element_size == 4)) else 4
