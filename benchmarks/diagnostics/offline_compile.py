@@ -149,7 +149,8 @@ def main() -> int:
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
     args = parser.parse_args()
-    fused_recurrent._num_sms = lambda device: H200_SMS  # its V-blocks depend on the SM count
+    for module in (fused_recurrent, chunk.state_bwd):  # their V-blocks depend on the SM count
+        module.num_sms = lambda device: H200_SMS
     B, H = args.batch_heads
     failed = False
     for D in args.heads:

@@ -15,13 +15,11 @@ long sequence would otherwise swamp dk). dq, dk and dbeta sum over all of V: eac
 partial sums and the host adds them in a fixed order (deterministic, no atomics)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, cdiv, head_block, next_power_of_2, state_offsets
+from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_offsets
 
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
@@ -165,16 +163,11 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta,
         tl.store(dh0 + p_S, b_dS, mask=m_S)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch.device):
     """(BV, num_warps): the widest V-block whose state tile fits max_tile, narrowed (down to 16) until
     there are at least two programs per SM, since each program is one serial walk over its tokens."""
     BV = min(next_power_of_2(V), max(16, max_tile // BK))
-    while BV > 16 and cdiv(V, BV) * num_heads < 2 * _num_sms(device):
+    while BV > 16 and cdiv(V, BV) * num_heads < 2 * num_sms(device):
         BV //= 2
     num_warps = 1 if INTERPRET else max(1, min(4, BK * BV // 1024))
     return BV, num_warps

@@ -155,6 +155,12 @@ def head_tile(size: int) -> int:
     return min(64, head_block(size))
 
 
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere): programs that fit run in one wave."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128, max_tile: int = 8192) -> int:
     """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
     as wide as registers allow (the tile is at most max_tile fp32: 8192 is 64 registers a thread at 4

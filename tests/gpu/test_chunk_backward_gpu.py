@@ -87,6 +87,14 @@ def test_backward_growing_transition(triton_backend, poison, dtype):
     check(x, 0.125, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, dtype):
+    # 8 x 16 heads at K = V = 128: where the GPU has at least 128 SMs the reverse pass runs one program of
+    # 128 columns per head (state_bwd.reverse_launch), not two of 64; T = 300 ends in a partial chunk
+    x = make_inputs(8, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
+    check(x, 128 ** -0.5, 64)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backward_deterministic(triton_backend, dtype):
     """Two runs give bitwise-identical gradients (no atomics whose order varies)."""
@@ -105,7 +113,7 @@ def test_backward_deterministic(triton_backend, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T_or_lengths, H, D", [
-    (8, 512, 16, 128),  # the fused pass's 8-warp launch, 128 x 2 programs
+    (8, 512, 16, 128),  # the fused pass on 8 warps: 128 programs of 128 columns in one wave (16-bit), else 256
     (1, 4096, 4, 128),  # few heads: 16-column V-blocks, A^T recomputed by 8 programs per head
     (1, [0, 1, 63, 64, 65, 700, 1500, 333, 0, 2047], 8, 256),  # varlen, K = 256 (fp32: 16-column V-blocks)
 ])

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
-                     store_rows)
+from ..utils import (INTERPRET, PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
+                     state_block_v, state_offsets, store_rows)
 from .output_bwd import causal_scores_t
 
 
@@ -69,7 +69,8 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
 
 
-def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
+def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bool,
+                   sms: int) -> Tuple[int, int]:
     """(V-block, warps) of the reverse pass: state_block_v's V-block, on 4 warps (8 at K = 256), except:
 
     fp32 at K = 256: [C, 256] tiles, pipelined, leave no shared memory for BV = 32 (offline sm_90 compile,
@@ -85,13 +86,16 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
     on 8 (255 registers, no spills, 229,376 B as unfused). On the H200 (stage_times, bf16, K = 128): 0.231 ms
     at 8 x 16 heads against 0.080 + 0.239 for dv_local and the unfused pass.
 
-    The 16-bit fused pass at K = 128 takes the V-block up to 128 (state_block_v's 16384 tile, halved while
-    there are fewer than 128 programs), as the forward's fused walk does (state.walk_launch): at BV = 64 its
-    147,456 B hold it to one program per SM, so 8 x 16 heads ran 256 programs in two waves on 132 SMs; at
-    128, one program per head (A^T = K Q^T computed once, not per V-block), 128 programs in one wave (255
-    registers, 56 B of spills, 196,608 B; offline sm_90, triton 3.6). Not at K = 100 (280 B of spills)."""
+    The 16-bit fused pass at K = 128 takes the V-block up to 128 (state_block_v's 16384 tile: 255
+    registers, 56 B of spills, 196,608 B; offline sm_90, triton 3.6) while its programs then fit one wave
+    (sequences * heads at most the SMs; the interpreter, one program at a time, always), as the forward's
+    fused walk does (state.walk_launch). At BV = 64 the pass holds one program per SM, so 8 x 16 heads ran
+    256 programs in two waves on the H200's 132 SMs; at 128 they run in one, A^T = K Q^T computed once per
+    head: 0.234 -> 0.183 ms, bitwise-equal outputs. Not beyond one wave: the 20-sequence varlen batch (320
+    programs at 128) took 0.558 against 0.478 ms, the longest sequence's walk being the critical path.
+    Not at K = 100 (280 B of spills, unmeasured)."""
     BK = head_block(K)
-    wide = fused and K == 128 and element_size == 2
+    wide = fused and K == 128 and element_size == 2 and (INTERPRET or num_states <= sms)
     BV = state_block_v(K, V, num_states, max_tile=16384 if wide else 8192)
     if element_size == 4 and BK >= 256:
         BV = min(BV, 16)
@@ -111,7 +115,7 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     dh = q.new_empty(chunks.num_chunks, H, K, V)
     dv = torch.empty_like(do)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
-    BV, warps = reverse_launch(K, V, N * H, q.element_size(), fused=dv_local is None)
+    BV, warps = reverse_launch(K, V, N * H, q.element_size(), dv_local is None, num_sms(q.device))
     if N:
         state_bwd_kernel[(cdiv(V, BV), N * H)](
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
