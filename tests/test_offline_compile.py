@@ -56,3 +56,17 @@ def test_stage_configs_offline_register_cap():
     shipped, capped = [[int(n) for n in re.findall(r"regs +(\d+) +spills +(\d+)", line)[0]]
                        for line in proc.stdout.splitlines() if "dqkw_kernel" in line]
     assert shipped[0] > 128 >= capped[0] and capped[1] > shipped[1]
+
+
+def test_launch_choices_at_head_size_128():
+    # bf16, K = V = 128, offline_compile faking the H200's 132 SMs. 8 x 16 heads: the reverse state pass
+    # takes 128-wide V-blocks (128 programs, one wave); 20 x 16: 64-wide (320 programs at 128 would be
+    # several waves, where the wider programs measured slower). The fused WY forward is capped at 168
+    # registers a thread, the unfused recompute of W, U not
+    one_wave = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_bwd_kernel", "wy_kernel")
+    waves = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_bwd_kernel",
+                         "--batch-heads", "20", "16")
+    assert [("BV=128  w8" in r) for r in one_wave if "state_bwd_kernel" in r] == [True]
+    assert [("BV=64   w8" in r) for r in waves] == [True]
+    assert sorted(int(re.search(r"regs +(\d+)", r).group(1)) == 168 for r in one_wave if "wy_kernel" in r) == \
+        [False, True]

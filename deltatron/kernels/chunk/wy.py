@@ -90,8 +90,8 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     # The 16-bit fused kernel takes 252 registers a thread uncapped (2 blocks of 4 warps an SM, latency-bound
     # by ncu); capped at 168, 3 blocks fit: on the H200 at K = V = 128, 8 x 16 heads, 0.206 -> 0.184 ms,
     # bitwise-equal outputs (wy_breakdown.py --parts launches; offline sm_90: 48 B of spills at K = 128, 4 at
-    # 64). K = 256 stays uncapped (224 registers, 2 blocks).
-    caps = dict(maxnreg=168) if fused and split and K <= 128 else {}
+    # 64). K = V = 256 stays uncapped (224 registers, 2 blocks), as does any head over 128 (not measured).
+    caps = dict(maxnreg=168) if fused and split and max(K, V) <= 128 else {}
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
