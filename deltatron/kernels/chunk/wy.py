@@ -88,9 +88,10 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     # Tinv, was right); not understood, and 32 is the narrowest tile the GPU suite has run
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
     # The 16-bit fused kernel takes 252 registers a thread uncapped (2 blocks of 4 warps an SM, latency-bound
-    # by ncu); capped at 168, 3 blocks fit: on the H200 at K = V = 128, 8 x 16 heads, 0.206 -> 0.184 ms,
-    # bitwise-equal outputs (wy_breakdown.py --parts launches; offline sm_90: 48 B of spills at K = 128, 4 at
-    # 64). K = V = 256 stays uncapped (224 registers, 2 blocks), as does any head over 128 (not measured).
+    # by ncu); capped at 168, 3 blocks fit. On the H200, bitwise-equal outputs (wy_breakdown.py --parts
+    # launches): K = V = 128, 8 x 16 heads, 0.206 -> 0.184 ms; K = V = 64, 16 x 8 heads, 0.180 -> 0.155 ms
+    # (offline sm_90: 48 and 4 B of spills). K = V = 256 stays uncapped (224 registers, 2 blocks), as does
+    # any head over 128 (not measured).
     caps = dict(maxnreg=168) if fused and split and max(K, V) <= 128 else {}
     if chunks.num_chunks:
         wy_kernel[(chunks.num_chunks, H)](
