@@ -245,6 +245,19 @@ def test_stage_configs_diagnostic_runs(tmp_path, caps):
                                       *(f"warps=shipped stages=shipped maxnreg={cap}" for cap in caps)}
 
 
+def test_stage_configs_forced_tiles(tmp_path):
+    """stage_configs.py --tiles forces the head-dimension tiles of one stage's kernels: at the smoke
+    configuration's K = V = 16 a 16-wide tile is the WY backward's own, so the same outputs."""
+    out = tmp_path / "configs.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "stage_configs.py"), "--smoke", "--stages",
+           "WY backward", "--tiles", "16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["report"]["bwd: WY backward"]["rows"]
+    assert set(rows) == {"shipped", "warps=shipped stages=shipped", "warps=shipped stages=shipped tile=16"}
+    assert rows["warps=shipped stages=shipped tile=16"]["error"] == 0.0
+
+
 def test_device_session_script_parses_and_names_real_files():
     """benchmarks/device_session.sh (one device call: suite and stage timings) is valid bash, and every
     script it runs exists."""

@@ -3,7 +3,7 @@ which launch is fastest, and which ones give wrong results.
 
 The chunk kernels launch with fixed configurations (4 warps, or 8 at K = 256 and in both fused walks at
 K = 128; 2 stages, chosen for correctness, and 3 for the two WY kernels: kernels/utils.py, NOTES.md) and no
-register cap. This forces num_warps in {2, 4, 8} and num_stages in {2, 3} (or the ones given), each
+register cap but the WY forward's. This forces num_warps in {2, 4, 8} and num_stages in {2, 3} (or the ones given), each
 uncapped and under every --maxnreg cap, on every Triton launch of one stage at a time (stage_times.py's
 stages, the benchmark's bf16 inputs), compares the stage's outputs with those of the shipped launch
 (relative RMS; a wrong configuration shows as a large error or an exception, not as a speed-up) and times
@@ -16,8 +16,13 @@ stage's launch for sm_90 under the same choices instead (no GPU; put triton 3.6,
 PYTHONPATH) and prints registers, spills, shared memory and the blocks an SM holds, to pick the caps worth
 timing.
 
+--tiles forces the head-dimension tile widths (BK, BW, BV) of the kernels that take them, beside the code's
+own: meant for the stages whose kernels loop over K and V in tiles (the WY kernels, dQ/dK/dW), chosen with
+--stages; in the state passes BK and BV are the state's blocks, and a forced one shows as wrong. A cap of 0
+lifts the code's own cap (the WY forward's 168).
+
     python benchmarks/diagnostics/stage_configs.py [--config b8-t2048-h16-k128] [--stages wy ...]
-        [--warps shipped 8] [--num-stages 2 3] [--maxnreg 168 128] [--offline] [--out FILE.json]
+        [--warps shipped 8] [--num-stages 2 3] [--maxnreg 168 128] [--tiles 32] [--offline] [--out FILE.json]
     python benchmarks/diagnostics/stage_configs.py --smoke     # CPU, interpreter, one configuration
                                                                # (the interpreter ignores caps)
 """
@@ -64,9 +69,16 @@ def shipped_or_int(text: str):
     return None if text == "shipped" else int(text)
 
 
-def label(warps, depth, maxnreg) -> str:
+def label(warps, depth, maxnreg, tile=None) -> str:
     shown = ["shipped" if x is None else x for x in (warps, depth)]
-    return f"warps={shown[0]} stages={shown[1]}" + (f" maxnreg={maxnreg}" if maxnreg else "")
+    return (f"warps={shown[0]} stages={shown[1]}" + ("" if maxnreg is None else f" maxnreg={maxnreg}")
+            + ("" if tile is None else f" tile={tile}"))
+
+
+def forced(warps, depth, maxnreg, tile=None):
+    """forced_launch for one choice: tile forces the head-dimension tile widths (BK, BW, BV) of the
+    kernels that take them."""
+    return forced_launch(warps, depth, maxnreg, **({} if tile is None else dict(BK=tile, BW=tile, BV=tile)))
 
 
 def selected(stages: dict, parts) -> dict:
@@ -83,7 +95,7 @@ def time_choices(cfg, parts, choices, device, measure) -> dict:
         for choice in choices:
             key = label(*choice)
             try:
-                with forced_launch(*choice):
+                with forced(*choice):
                     error = worst_difference(call(), shipped)
                     ms = measure(call) if error <= WRONG else None
                 rows[key] = dict(ms=ms, error=error)
@@ -111,7 +123,7 @@ def compile_choices(cfg, parts, choices) -> dict:
     for name, call in selected(stages, parts).items():
         report[name] = {}
         for choice in choices:
-            with OfflineLaunches() as offline, forced_launch(*choice):
+            with OfflineLaunches() as offline, forced(*choice):
                 call()
             report[name][label(*choice)] = offline.rows
             for r in offline.rows:
@@ -125,17 +137,20 @@ def main() -> int:
     parser.add_argument("--stages", nargs="+", help="only the stages whose names contain one of these")
     parser.add_argument("--warps", type=shipped_or_int, nargs="+", default=WARPS, help='numbers or "shipped"')
     parser.add_argument("--num-stages", type=shipped_or_int, nargs="+", default=STAGES, help='numbers or "shipped"')
-    parser.add_argument("--maxnreg", type=int, nargs="+", default=[], help="register caps, each beside no cap")
+    parser.add_argument("--maxnreg", type=int, nargs="+", default=[],
+                        help="register caps (0: none, even where the code sets one), each beside the code's own")
+    parser.add_argument("--tiles", type=int, nargs="+", default=[],
+                        help="head-dimension tile widths (BK, BW, BV where a kernel takes them), each beside the code's")
     parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
-    caps = [None, *args.maxnreg]
+    caps, tiles = [None, *args.maxnreg], [None, *args.tiles]
     if args.smoke:
-        cfg, choices = bench.SMOKE_CONFIGS[0], [(None, None, cap) for cap in caps]
+        cfg, choices = bench.SMOKE_CONFIGS[0], [(None, None, cap, tile) for cap in caps for tile in tiles]
     else:
         cfg = {c.name: c for c in bench.CONFIGS}[args.config]
-        choices = list(itertools.product(args.warps, args.num_stages, caps))
+        choices = list(itertools.product(args.warps, args.num_stages, caps, tiles))
     if args.offline:
         report = compile_choices(cfg, args.stages, choices)
     else:
