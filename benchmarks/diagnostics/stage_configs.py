@@ -85,6 +85,20 @@ def selected(stages: dict, parts) -> dict:
     return {name: call for name, call in stages.items() if not parts or any(part in name for part in parts)}
 
 
+def run_forced(call, shipped, forcing, measure):
+    """(dict(ms, error), outputs) of call under forcing (a forced_launch), against the shipped launch's
+    outputs: ms None where the outputs are wrong (relative RMS over WRONG); on an exception (out of shared
+    memory, illegal access...) ms and error None, the exception recorded and outputs None, so a sweep goes on."""
+    try:
+        with forcing:
+            got = call()
+            error = worst_difference(got, shipped)
+            ms = measure(call) if error <= WRONG else None
+        return dict(ms=ms, error=error), got
+    except Exception as e:
+        return dict(ms=None, error=None, exception=f"{type(e).__name__}: {str(e)[:80]}"), None
+
+
 def time_choices(cfg, parts, choices, device, measure) -> dict:
     """{stage: dict(rows={"shipped" or a choice's label: dict(ms, error)}, best=the fastest right label)}"""
     stages, _, _ = stage_calls(cfg, device)
@@ -93,14 +107,7 @@ def time_choices(cfg, parts, choices, device, measure) -> dict:
         shipped = call()
         rows = {"shipped": dict(ms=measure(call))}
         for choice in choices:
-            key = label(*choice)
-            try:
-                with forced(*choice):
-                    error = worst_difference(call(), shipped)
-                    ms = measure(call) if error <= WRONG else None
-                rows[key] = dict(ms=ms, error=error)
-            except Exception as e:  # out of shared memory, illegal access...: recorded, the sweep goes on
-                rows[key] = dict(ms=None, error=None, exception=f"{type(e).__name__}: {str(e)[:80]}")
+            rows[label(*choice)], _ = run_forced(call, shipped, forced(*choice), measure)
         right = {k: r for k, r in rows.items() if r["ms"] is not None and k != "shipped"}
         best = min(right, key=lambda k: right[k]["ms"]) if right else None
         report[name] = dict(rows=rows, best=best)
