@@ -195,7 +195,9 @@ def input_sets(cfg: Config, device: torch.device, l2_bytes: int, limit: int) -> 
     """Enough independent input sets (at most limit) that cycling through them streams several L2s of
     data per pass."""
     first = make_inputs(cfg, device, seed=0)
-    nbytes = sum(t.numel() * t.element_size() for t in first.values() if t.device == device)
+    # by device type: torch.device("cuda") != the "cuda:0" its tensors report
+    on_device = [t for t in first.values() if t.device.type == torch.device(device).type]
+    nbytes = sum(t.numel() * t.element_size() for t in on_device)
     count = max(1, min(limit, math.ceil(L2_MULTIPLE * l2_bytes / nbytes)))
     return [first] + [make_inputs(cfg, device, seed=i) for i in range(1, count)]
 
