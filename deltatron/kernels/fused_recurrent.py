@@ -72,9 +72,13 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segme
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(p_beta).to(tl.float32)
+        # both reductions read the state entering the token, so they do not wait on each other or on the
+        # update: o = scale S_new^T q = scale (S^T q + (k . q) v') with v' = beta (v - S^T k)
         b_e = b_v - tl.sum(b_S * b_k[:, None], 0)              # v - S^T k
-        b_S += b_k[:, None] * (b_beta * b_e)[None, :]          # S += k v'^T, v' = beta e
-        b_o = scale * tl.sum(b_S * b_q[:, None], 0)            # scale S^T q
+        b_sq = tl.sum(b_S * b_q[:, None], 0)                   # S^T q
+        b_vn = b_beta * b_e
+        b_S += b_k[:, None] * b_vn[None, :]                    # S += k v'^T
+        b_o = scale * (b_sq + tl.sum(b_k * b_q, 0) * b_vn)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
         if SAVE_FOR_BACKWARD:
             tl.store(p_e, b_e, mask=m_v)
