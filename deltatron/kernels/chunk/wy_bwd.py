@@ -74,6 +74,23 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     tl.store(dbeta + rows * H + i_h, b_dbeta, mask=valid)
 
 
+def wy_bwd_launch(K: int, V: int, element_size: int):
+    """(K tile, V tile, register cap) of the WY backward. The C x C fp32 matrices it holds (T~, dT~, dA and
+    their transposes) leave little room for the head tiles: 16-bit at K = V = 128 with 64-wide tiles takes
+    255 registers and 64 B of spills, 2 blocks of 4 warps an SM (offline sm_90, triton 3.6). So for 16-bit
+    heads up to 128, a 168-register cap (3 blocks), with 32-wide tiles once a head is wider than 64 (168
+    registers, 16 B of spills; 64-wide tiles under the cap spill 380-828 B). On the H200 (stage_configs.py,
+    bf16, outputs within 1e-7 of the shipped launch's): K = V = 128, 8 x 16 heads, 0.344 -> 0.305 ms; K = V =
+    64, 16 x 8 heads, 0.201 -> 0.185 ms with 64-wide tiles (0.188 with 32-wide ones). Wider heads and fp32
+    stay uncapped on 64-wide tiles (not measured)."""
+    BK, BV = head_tile(K), head_tile(V)
+    if element_size != 2 or max(K, V) > 128:
+        return BK, BV, {}
+    if max(K, V) > 64:
+        BK, BV = min(32, BK), min(32, BV)
+    return BK, BV, dict(maxnreg=168)
+
+
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     """Returns (dk in k's dtype, dv in v's dtype, dbeta fp32 [.., TT, H]).
 
@@ -84,9 +101,10 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta, dtype=torch.float32)
+    BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
         wy_bwd_kernel[(chunks.num_chunks, H)](
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
-            H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES,
+            H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES, **caps,
         )
     return dk, dv, dbeta
