@@ -21,9 +21,11 @@ and, of the plain walk (WY_ON_CHIP):
         wy.wy_product: the same bits as wy.recompute_w_u), so no recompute_w_u launch and U never reaches
         HBM; the V-block-0 programs write W, which the reverse state pass reads. Like Q K^T above, W is
         recomputed by every V-block program of a head.
-The loads of W, U, K (and Q, or Tinv, beta, V) and the W, U products do not depend on S, so the compiler
-can fetch the next chunk's tiles while the current chunk's products run, and nothing orders the W, U
-products after the previous chunk's state update."""
+The loads of W, U, K (and Q, or Tinv, beta, V) do not depend on S, so the compiler fetches the next chunk's
+tiles while the current chunk's products run. The W, U products do not depend on S either, but triton 3.6
+does not overlap them with the chain's products: it waits for every product of the loop right after issuing
+it, in program order (offline sm_90 TTGIR, K = 128 bf16), so within a program they lengthen each chunk's
+step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

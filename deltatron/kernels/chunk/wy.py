@@ -1,12 +1,14 @@
 """Stage 3 of the chunk forward: the WY factors W = Tinv (beta*K), U = Tinv (beta*V) (DESIGN.md §2).
 
 Three entry points share one kernel:
-    recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute);
+    recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute where
+                                                          state.wy_on_chip is false);
     wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built from K on
                                                           chip, inverted, applied, and only W, U and (for
                                                           the backward) Tinv are written;
     tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input).
-W and U have the input dtype: they feed 16-bit dots in the state pass."""
+W and U have the input dtype: they feed 16-bit dots in the state pass. The products that make them
+(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
