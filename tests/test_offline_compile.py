@@ -31,7 +31,7 @@ def test_all_forms_compile_for_sm90():
 
 def test_fused_walk_compiles_for_sm90():
     # K = 128 with 8 x 16 heads, where the forward runs the fused state+output walk (a 128-wide V-block on
-    # 8 warps); the backward's plain walk beside it
+    # 8 warps); the backward's walk beside it (computing W, U on chip: state.wy_on_chip)
     rows = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_fwd_kernel")
     assert len(rows) == 2 and any("BV=128  w8" in row for row in rows)
 
@@ -62,11 +62,14 @@ def test_launch_choices_at_head_size_128():
     # bf16, K = V = 128, offline_compile faking the H200's 132 SMs. 8 x 16 heads: the reverse state pass
     # takes 128-wide V-blocks (128 programs, one wave); 20 x 16: 64-wide (320 programs at 128 would be
     # several waves, where the wider programs measured slower). The fused WY forward is capped at 168
-    # registers a thread, the unfused recompute of W, U not
+    # registers a thread; the backward has no WY launch of its own (its walk computes W, U on chip:
+    # state.wy_on_chip), except with few heads, where its walk's V-blocks are narrow and the unfused
+    # recompute of W, U (uncapped) runs
     one_wave = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_bwd_kernel", "wy_kernel")
     waves = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_bwd_kernel",
                          "--batch-heads", "20", "16")
     assert [("BV=128  w8" in r) for r in one_wave if "state_bwd_kernel" in r] == [True]
     assert [("BV=64   w8" in r) for r in waves] == [True]
-    assert sorted(int(re.search(r"regs +(\d+)", r).group(1)) == 168 for r in one_wave if "wy_kernel" in r) == \
-        [False, True]
+    assert [int(re.search(r"regs +(\d+)", r).group(1)) == 168 for r in one_wave if "wy_kernel" in r] == [True]
+    few_heads = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "wy_kernel", "--batch-heads", "1", "16")
+    assert sorted(int(re.search(r"regs +(\d+)", r).group(1)) == 168 for r in few_heads) == [False, True]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deltatron
-from deltatron.kernels.chunk import output_bwd, state_bwd, wy
+from deltatron.kernels.chunk import output_bwd, state, state_bwd, wy
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
@@ -140,6 +140,35 @@ def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
     for name, got, want in zip(("dh", "dv", "dh0"), fused, unfused):
         err = rel_rms(got, want)
         assert err < close, f"{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype, T_or_lengths, D", [
+    (torch.bfloat16, 1000, 128),  # two 64-column V-blocks per head, a partial last chunk
+    (torch.bfloat16, 1000, 256),
+    (torch.float32, 1000, 64),
+    (torch.bfloat16, [0, 1, 63, 64, 65, 700, 0, 333], 128),  # varlen with empty sequences
+    (torch.float16, [0, 1, 63, 64, 65, 700, 0, 333], 100),  # non-power-of-two head, masked columns
+])
+def test_state_wy_fwd_matches_composition(poison, dtype, T_or_lengths, D):
+    # the walk computing W, U on chip from the stored Tinv (the backward's recompute where state.wy_on_chip)
+    # against wy.recompute_w_u + state.state_fwd. Both go through wy.wy_product, the same products in the
+    # same order (over the chunk's tokens; the walk's W product is one [C, K] tile where recompute_w_u's is
+    # 64 columns at a time, which does not change a column's sum), so the same bits are expected
+    varlen = isinstance(T_or_lengths, list)
+    B, H = (1, 4) if varlen else (2, 4)
+    T = sum(T_or_lengths) if varlen else T_or_lengths
+    N = len(T_or_lengths) if varlen else B
+    x = make_inputs(B, T, H, D, D, dtype, device="cuda", seed=D + T)
+    cu = random_cu_seqlens(T_or_lengths, "cuda") if varlen else None
+    info = seq_info(B, T, torch.device("cuda"), cu, None if cu is None else cu.cpu())
+    k, v, beta = x["k"], x["v"], x["beta"]
+    h0 = torch.randn(N, H, D, D, device="cuda")
+    tinv, _, _ = wy.wy_fwd(k, v, beta, info, 64)
+    w, u = wy.recompute_w_u(k, v, beta, tinv, info, 64)
+    want = (w, *state.state_fwd(k, w, u, h0, True, info, 64))
+    got = state.state_wy_fwd(k, v, beta, tinv, h0, True, info, 64)
+    for name, a, b in zip(("w", "h", "v_new", "final_state"), got, want):
+        assert torch.equal(a, b), f"{name}: not bitwise equal, rel RMS {rel_rms(a, b):.2e}"
 
 
 def test_long_sequence_bf16(triton_backend):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deltatron
-from deltatron.kernels.chunk import output_bwd, state_bwd, wy_bwd
+from deltatron.kernels.chunk import output_bwd, state, state_bwd, wy, wy_bwd
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import intra_chunk_wy, recurrent_delta_rule
 
@@ -179,6 +179,32 @@ def test_state_bwd_fused_matches_unfused(dtype, C, lengths, K, V, with_dht, pois
         assert rel_rms(got, want) <= close, f"{name}: rel RMS {rel_rms(got, want):.2e}"
 
 
+@pytest.mark.parametrize("dtype, C, lengths, K, V, has_h0", [
+    (torch.float32, 16, [0, 1, 17, 33, 0], 24, 40, True),  # empty sequences, a 1-token one, partial chunks
+    (torch.float32, 32, [20, 40], 40, 72, False),  # two V-blocks, the second partial
+    (torch.float16, 32, [1], 40, 24, True),  # T = 1
+    (torch.float16, 16, [0, 15, 16, 17], 24, 40, False),
+    (torch.bfloat16, 64, [65, 0, 3], 40, 32, True),
+    (torch.bfloat16, 16, [20, 40], 24, 72, False),
+])
+def test_state_wy_fwd_matches_composition(dtype, C, lengths, K, V, has_h0, poison):
+    """The walk computing W, U on chip from the stored Tinv (the backward's recompute) against
+    wy.recompute_w_u + state.state_fwd: the same products in the same order (wy.wy_product), so the same
+    bits: W (written by the first V-block's programs only), h, v_new and the final state."""
+    H = 2
+    inp, info, _ = packed(lengths, H, K, V, dtype, seed=C + K + V)
+    h0 = torch.randn(len(lengths), H, K, V, device=DEVICE) if has_h0 else None
+    k, v, beta = inp["k"], inp["v"], inp["beta"]
+    tinv = wy.tinv_fwd(k, beta, info, C)
+    w, u = wy.recompute_w_u(k, v, beta, tinv, info, C)
+    want = (w, *state.state_fwd(k, w, u, h0, True, info, C))
+    got = state.state_wy_fwd(k, v, beta, tinv, h0, True, info, C)
+    for name, x, ref in zip(("w", "h", "v_new", "final_state"), got, want):
+        assert x.dtype == ref.dtype and x.shape == ref.shape, name
+        assert torch.equal(x, ref), f"{name}: rel RMS {rel_rms(x, ref):.2e}"
+    assert state.state_wy_fwd(k, v, beta, tinv, h0, False, info, C)[3] is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("C, lengths, K, V, parallel_keys", [
     (16, [0, 1, 17, 33], 24, 40, False), (64, [64, 65], 40, 24, False), (32, [31], 16, 16, False),
@@ -286,7 +312,11 @@ def test_gradients_with_qk_l2norm(monkeypatch, poison):
                              l2norm=True, seed=4)
 
 
-def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch):
+@pytest.mark.parametrize("dtype, watched", [
+    (torch.float32, {"w", "u", "h", "v_new", "dh"}),  # W, U from recompute_w_u, then the plain walk
+    (torch.bfloat16, {"w", "h", "v_new", "dh"}),  # the walk computing W, U on chip (state.wy_on_chip)
+])
+def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch, dtype, watched):
     """Memory: W, U, the chunk states h, V' and dS are dead when the WY backward allocates its outputs, so
     they do not add to the peak of forward+backward (benchmarks/NOTES.md, peak memory)."""
     import importlib
@@ -315,14 +345,16 @@ def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch):
 
     stages = dict(
         wy=types.SimpleNamespace(recompute_w_u=recording(wy.recompute_w_u, ("w", "u"))),
-        state=types.SimpleNamespace(state_fwd=recording(state.state_fwd, ("h", "v_new", None))),
+        state=types.SimpleNamespace(state_fwd=recording(state.state_fwd, ("h", "v_new", None)),
+                                    state_wy_fwd=recording(state.state_wy_fwd, ("w", "h", "v_new", None)),
+                                    wy_on_chip=state.wy_on_chip),
         state_bwd=types.SimpleNamespace(state_bwd=recording(state_bwd.state_bwd, ("dh", None, None))),
         wy_bwd=types.SimpleNamespace(wy_bwd=wy_bwd_checking),
     )
     for name, stage in stages.items():
         monkeypatch.setattr(chunk_backward, name, stage)
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
-    inp = make_inputs(1, 100, 2, 32, 32, torch.float32, device=DEVICE, seed=0, requires_grad=True)
+    inp = make_inputs(1, 100, 2, 32, 32, dtype, device=DEVICE, seed=0, requires_grad=True)
     o, _ = deltatron.chunk_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"])
     torch.autograd.grad(o.sum(), (inp["q"], inp["k"], inp["v"], inp["beta"]))
-    assert set(refs) == {"w", "u", "h", "v_new", "dh"}
+    assert set(refs) == watched

@@ -14,9 +14,11 @@ Forward stages (each its own module):
 Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the forward runs two launches:
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
 while S and V' are on chip, so h and v_new never reach HBM); elsewhere the three stages above. The backward
-recomputes h and v_new with state_fwd, and the tests check the fused pass against the composition.
+recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
-    recompute w, u from the saved Tinv; h, v_new by state_fwd;
+    recompute w, h, v_new from the saved Tinv: where state.wy_on_chip, in one launch (state.state_wy_fwd:
+        the walk computes W, U per chunk on chip and writes W only), else wy.recompute_w_u, then
+        state.state_fwd (the tests check the one against the other, bit for bit);
     reverse state pass (dS per chunk, dh0, full dV'), computing the local dV' = scale (Q K^T ⊙ M)^T dO
         itself (state_bwd.state_bwd with dv_local=None; output_bwd.dv_local is the unfused stage);
     dQ, dK, dW; WY backward (dK, dV, dbeta) through Tinv.

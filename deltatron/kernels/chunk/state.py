@@ -1,12 +1,13 @@
-"""Stage 4 of the chunk forward: the serial pass over chunks (DESIGN.md §2), in two variants of one kernel.
+"""Stage 4 of the chunk forward: the serial pass over chunks (DESIGN.md §2), in variants of one kernel.
 
 One program per (V-block, sequence, head) walks the chunks of its sequence with the state block
 S [K, BV] in registers (fp32). Per chunk, with S the state entering it:
     V' = U - W S                    (S rounded to the input dtype for the product, V' rounded to it)
     S  = S + K^T V'
 By variant (FUSE_OUTPUT):
-    state_fwd (the backward's recompute, and the unfused stage contract): writes h[chunk] = S (in the
-        input dtype) and V' (v_new), which output.output_fwd and the backward stages read back;
+    state_fwd (the unfused stage contract, and the backward's recompute where W, U come from HBM): writes
+        h[chunk] = S (in the input dtype) and V' (v_new), which output.output_fwd and the backward stages
+        read back;
     state_output_fwd (the forward, where fused_output_pays): writes the chunk's output while S and V' are
         on chip,
         O = scale (Q S + (Q K^T ⊙ M) V')      (M keeping j <= i; output.causal_output, the same rounding)
@@ -14,8 +15,17 @@ By variant (FUSE_OUTPUT):
     loaded whole [C, K] (no K loop as in output.py) and Q K^T is one product with the K^T tile the walk
     loads anyway. It depends on K only and is recomputed by every V-block program of a head (C^2 K flops
     per chunk and V-block): the price of V-blocking, the walk's only parallelism besides sequences x heads.
-The loads of W, U, K (and Q) do not depend on S, so the compiler can fetch the next chunk's tiles while the
-current chunk's products run."""
+and, of the plain walk (WY_ON_CHIP):
+    state_wy_fwd (the backward's recompute, where wy_on_chip): W and U are not read but computed per chunk
+        from the stored Tinv, beta and the K, V tiles, with wy.py's products (wy.tinv_beta_pair,
+        wy.wy_product: the same bits as wy.recompute_w_u), so no recompute_w_u launch and U never reaches
+        HBM; the V-block-0 programs write W, which the reverse state pass reads. Like Q K^T above, W is
+        recomputed by every V-block program of a head.
+The loads of W, U, K (and Q, or Tinv, beta, V) do not depend on S, so the compiler fetches the next chunk's
+tiles while the current chunk's products run. The W, U products do not depend on S either, but triton 3.6
+does not overlap them with the chain's products: it waits for every product of the loop right after issuing
+it, in program order (offline sm_90 TTGIR, K = 128 bf16), so within a program they lengthen each chunk's
+step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -24,16 +34,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, mm, state_block_v, state_offsets
+from ..utils import (PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_block_v,
+                     state_offsets)
 from .output import causal_output
+from .wy import tinv_beta_pair, wy_product
 
 
 @triton.jit
-def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets, H: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused)."""
+def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
+                     WY_ON_CHIP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused).
+    WY_ON_CHIP: W and U's V-block computed from tinv, beta, k, v (SPLIT: Tinv diag(beta) as a 16-bit
+    pair, wy.tinv_beta_pair), W written to w by the V-block-0 programs, u unused; else W, U read from w, u
+    (v, beta, tinv unused)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -59,13 +74,25 @@ def state_fwd_kernel(q, k, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_o
 
         o_qk = (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :]
         m_qk = m_rows[:, None] & (ck[None, :] < K)
-        b_w = tl.load(w + o_qk, mask=m_qk, other=0.0)
         # K^T [BK, C], loaded transposed
         b_kt = tl.load(k + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
                        mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
         o_uv = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
         m_uv = m_rows[:, None] & (cv[None, :] < V)
-        b_u = tl.load(u + o_uv, mask=m_uv, other=0.0)
+        if WY_ON_CHIP:
+            # W = (Tinv diag(beta)) K and U's V-block = (Tinv diag(beta)) V, by wy.py's products (the same
+            # bits as recompute_w_u's W, U). They do not depend on S: off the chain S -> V' -> S
+            dt = k.dtype.element_ty
+            b_t = load_rows(tinv, start, eos - start, i_h, 0, H, C, C, C)
+            b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta + start * H + i_h, eos - start, H, C, dt)
+            b_w = wy_product(b_tb_hi, b_tb_lo, tl.trans(b_kt), SPLIT, PRECISION).to(dt)
+            b_v = tl.load(v + o_uv, mask=m_uv, other=0.0)
+            b_u = wy_product(b_tb_hi, b_tb_lo, b_v, SPLIT, PRECISION).to(dt)
+            if i_v == 0:  # W is the same in every V-block program; the reverse pass reads it
+                tl.store(w + o_qk, b_w, mask=m_qk)
+        else:
+            b_w = tl.load(w + o_qk, mask=m_qk, other=0.0)
+            b_u = tl.load(u + o_uv, mask=m_uv, other=0.0)
 
         # S in the input dtype: what h holds for the unfused output stage
         b_sd = b_s.to(b_w.dtype)
@@ -115,20 +142,47 @@ def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool)
     return BV, warps
 
 
-def _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o):
-    """Launches the walk: the fused variant when o is given (then h, v_new are None), else the plain one.
-    Returns the final state [N, H, K, V] fp32, or None."""
-    H, K, V = k.shape[2], k.shape[3], u.shape[3]
+def wy_on_chip(K: int, V: int, num_states: int, element_size: int) -> bool:
+    """Whether the backward's walk computes W, U on chip (state_wy_fwd) rather than reading them from
+    wy.recompute_w_u's launch: 16-bit inputs, K up to 64, or K = 128 with whole V-blocks, and V-blocks 64
+    wide (or the whole of V). The variant runs on the plain walk's launch (walk_launch); offline sm_90
+    compile, triton 3.6, bf16 (plain walk in brackets), registers / spills / shared memory / programs per SM:
+
+        K = V = 64,  BV = 64, 4 warps:  240 / 0 / 65,536 / 2     (124 / 0 / 57,344 / 4)
+        K = V = 128, BV = 64, 4 warps:  255 / 36 / 90,112 / 2    (166 / 0 / 98,304 / 2)
+        K = V = 256, BV = 64, 4 warps:  255 / 940 / 139,264 / 1  (255 / 124 / 180,224 / 1); 8 warps 420 B
+        K = V = 100, BV = 64, 4 warps:  255 / 386 / 98,304 / 2   (244 / 0 / 106,496 / 2)
+        K = 128, V = 100:               255 / 196 / 98,304 / 2   (208 / 0 / 106,496 / 2)
+
+    (K = 64 with V = 100 or 256: 252-255 registers, no spills.) So the old path where the variant spills
+    hundreds of bytes: K = 256, and heads whose K or V-block columns are masked at K = 128 (the masks of a
+    non-power-of-two head take registers). fp32 keeps the old path too: its ieee products are FMA loops
+    that spill in every walk, and the variant about doubles that (K = 64: 18 KB -> 37 KB of spills; K = 128:
+    46 -> 55 KB). Narrow V-blocks (few sequences x heads) keep it because every V-block program recomputes
+    W: on the H200 the fused forward walk, which recomputes the cheaper Q K^T the same way, ran 1.50 ms
+    against 0.92 at 1 x 16 heads (BV = 16; fused_output_pays)."""
+    BV, _ = walk_launch(K, V, num_states, element_size, fused=False)
+    wide = BV >= min(64, head_block(V))
+    spill_free = head_block(K) <= 64 or (K == 128 and V % BV == 0)
+    return element_size == 2 and wide and spill_free
+
+
+def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o):
+    """Launches the walk: the fused variant when o is given (then h, v_new are None), else the plain one;
+    with wy_inputs = (v, beta, tinv), W and U computed on chip (W written to w, u None). Returns the final
+    state [N, H, K, V] fp32, or None."""
+    v, beta, tinv = (None, None, None) if wy_inputs is None else wy_inputs
+    H, K, V = k.shape[2], k.shape[3], (u if v is None else v).shape[3]
     N = info.num_seqs
     final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     fused = o is not None
     BV, warps = walk_launch(K, V, N * H, k.element_size(), fused)
     if N * H:
         state_fwd_kernel[(N * H, cdiv(V, BV))](
-            q, k, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
+            q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
-            initial_state is not None, output_final_state, fused, dot_precision(k.dtype), num_warps=warps,
-            num_stages=PIPELINE_STAGES,
+            initial_state is not None, output_final_state, fused, wy_inputs is not None,
+            k.dtype != torch.float32, dot_precision(k.dtype), num_warps=warps, num_stages=PIPELINE_STAGES,
         )
     return final_state
 
@@ -155,9 +209,25 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: 
     H, K, V = k.shape[2], k.shape[3], u.shape[3]
     h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
     v_new = torch.empty_like(u)
-    final_state = _state_pass(None, k, w, u, None, initial_state, output_final_state, info, chunk_size, h, v_new,
-                              None)
+    final_state = _state_pass(None, k, w, u, None, None, initial_state, output_final_state, info, chunk_size, h,
+                              v_new, None)
     return h, v_new, final_state
+
+
+def state_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, tinv: torch.Tensor,
+                 initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
+                 chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """wy.recompute_w_u and state_fwd in one launch: the walk computes each chunk's W = Tinv (beta*K) and
+    U = Tinv (beta*V) on chip from the stored Tinv, with wy.py's products, so U never reaches HBM. Returns
+    (w [B, T, H, K]: recompute_w_u's W, bit for bit, for the reverse state pass; h, v_new, final_state as
+    state_fwd's)."""
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    w = torch.empty_like(k)
+    h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
+    v_new = torch.empty_like(v)
+    final_state = _state_pass(None, k, w, None, (v, beta, tinv), None, initial_state, output_final_state, info,
+                              chunk_size, h, v_new, None)
+    return w, h, v_new, final_state
 
 
 def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
@@ -167,6 +237,6 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
     state_fwd's). The same o as output.output_fwd on state_fwd's h and v_new, up to the order of fp32
     sums over K."""
     o = torch.empty_like(u)
-    final_state = _state_pass(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size, None, None,
-                              o)
+    final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
+                              None, o)
     return o, final_state

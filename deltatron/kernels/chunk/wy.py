@@ -1,12 +1,14 @@
 """Stage 3 of the chunk forward: the WY factors W = Tinv (beta*K), U = Tinv (beta*V) (DESIGN.md §2).
 
 Three entry points share one kernel:
-    recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute);
+    recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute where
+                                                          state.wy_on_chip is false);
     wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built from K on
                                                           chip, inverted, applied, and only W, U and (for
                                                           the backward) Tinv are written;
     tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input).
-W and U have the input dtype: they feed 16-bit dots in the state pass."""
+W and U have the input dtype: they feed 16-bit dots in the state pass. The products that make them
+(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,6 +20,33 @@ import triton.language as tl
 from ..utils import WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows, tril_precision
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
+
+
+@triton.jit
+def tinv_beta_pair(b_t, beta_c, n, H: tl.constexpr, C: tl.constexpr, DT: tl.constexpr):
+    """Tinv diag(beta) of one chunk as a pair hi + lo of dtype DT (the input dtype; lo is zero for fp32).
+    beta_c points at the chunk's first token and its head; beta past the chunk's end (row n on) reads as 0.
+
+    W = (Tinv diag(beta)) K, U = (Tinv diag(beta)) V take K, V as they are (exact operands). With 16-bit
+    inputs the fp32 Tinv diag(beta) goes in as the 16-bit pair: rounded to 16 bits alone it would put 2^-9
+    (bf16) of error in every term of W's rows, which cancel when keys are nearly parallel (one chunk's W
+    then 7e-2 off in bf16); the pair leaves 2^-18."""
+    rows = tl.arange(0, C)
+    b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
+    b_tb = b_t * b_beta[None, :]
+    b_tb_hi = b_tb.to(DT)
+    b_tb_lo = (b_tb - b_tb_hi.to(tl.float32)).to(DT)
+    return b_tb_hi, b_tb_lo
+
+
+@triton.jit
+def wy_product(t_hi, t_lo, b_x, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """(t_hi + t_lo) x in fp32 (t_lo only with SPLIT): a tile of W or U before its rounding to the input
+    dtype. Every producer of W, U goes through here, so they agree bit for bit."""
+    b_y = mm(t_hi, b_x, PRECISION)
+    if SPLIT:
+        b_y += mm(t_lo, b_x, PRECISION)
+    return b_y
 
 
 @triton.jit
@@ -34,9 +63,7 @@ def apply_tinv(t_hi, t_lo, x, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.con
     for d0 in range(0, D, BD):
         mask = (rows[:, None] < n) & (d0 + cols[None, :] < D)
         b_x = tl.load(x + d0 + offs, mask=mask, other=0.0)
-        b_y = mm(t_hi, b_x, PRECISION)
-        if SPLIT:
-            b_y += mm(t_lo, b_x, PRECISION)
+        b_y = wy_product(t_hi, t_lo, b_x, SPLIT, PRECISION)
         tl.store(y + d0 + offs, b_y.to(y.dtype.element_ty), mask=mask)
 
 
@@ -51,7 +78,6 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     k_c = k + start * H * K + i_h * K
     beta_c = beta + start * H + i_h
-    rows = tl.arange(0, C)
     if FUSED:
         # (A comes from K here: the first argument, A's address, is not read)
         b_t = tril_inverse(k_c, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC, NEWTON)
@@ -61,15 +87,7 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
         # (Tinv is lower triangular: in the rows of the chunk, the columns past its end are stored zeros)
         b_t = load_rows(tinv, start, n, i_h, 0, H, C, C, C)
     if APPLY:
-        # W = (Tinv diag(beta)) K, U = (Tinv diag(beta)) V with K, V as they are (exact operands). With
-        # 16-bit inputs the fp32 Tinv diag(beta) goes in as a 16-bit pair hi + lo: rounded to 16 bits alone
-        # it would put 2^-9 (bf16) of error in every term of W's rows, which cancel when keys are nearly
-        # parallel (one chunk's W then 7e-2 off in bf16); the pair leaves 2^-18.
-        b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
-        b_tb = b_t * b_beta[None, :]
-        dt = w.dtype.element_ty
-        b_tb_hi = b_tb.to(dt)
-        b_tb_lo = (b_tb - b_tb_hi.to(tl.float32)).to(dt)
+        b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, n, H, C, w.dtype.element_ty)
         apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, H, K, BW, C, SPLIT, PRECISION)
         apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, n, H, V, BV,
                    C, SPLIT, PRECISION)
