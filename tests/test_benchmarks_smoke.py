@@ -207,9 +207,13 @@ def test_stage_times_diagnostic_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     times = json.loads(out.read_text())
     dense = times[bench.SMOKE_CONFIGS[0].name]
-    assert sum(name.startswith("fwd:") for name in dense) == 1 and sum(name.startswith("bwd:") for name in dense) == 5
+    # the backward's recompute is one stage (W, U on chip) or two (recompute W, U; state pass), the other
+    # listed as unfused, beside the unfused local dV' and reverse pass
+    on_chip = "bwd: state pass again, W, U on chip" in dense
+    assert sum(name.startswith("fwd:") for name in dense) == 1
+    assert sum(name.startswith("bwd:") for name in dense) == (4 if on_chip else 5)
     assert sum(name.startswith("fwd, fused walk:") for name in dense) == 1
-    assert sum(name.startswith("unfused:") for name in dense) == 2
+    assert sum(name.startswith("unfused:") for name in dense) == (4 if on_chip else 3)
     plain = [t for name, t in dense.items() if name.startswith("fwd, plain walk:")]
     assert len(plain) == 2  # at K = 16 the forward runs the plain walk: the sum counts it
     assert dense["sum of forward stages"] == pytest.approx(dense["fwd: wy_fwd (A, Tinv, W, U)"] + sum(plain))

@@ -2,10 +2,11 @@
 
 Chunk (bf16, the benchmark's inputs): the forward's wy_fwd (A, Tinv, W, U) and both walks after it, the
 fused one (the state pass with the output in it) and the plain pair (the state pass writing h and V', the
-output), of which the sums count the one the forward chooses (state.fused_output_pays); the backward's five
-(recompute W, U; the state pass again; the reverse state pass with the local dV' fused in; dQ/dK/dW; the
-WY backward) and the unfused pair the fused reverse pass replaced (local dV', the reverse state pass reading
-it; not in the sums). Each stage runs on inputs prepared by the stages before it, beside the whole forward
+output), of which the sums count the one the forward chooses (state.fused_output_pays); the backward's stages
+(the state pass again, with W, U computed on chip where state.wy_on_chip, else recompute W, U and the state
+pass reading them; the reverse state pass with the local dV' fused in; dQ/dK/dW; the WY backward) and, as
+"unfused:" and not in the sums, the alternatives the backward does not run (the other recompute; the local
+dV' and the reverse state pass reading it, which the fused reverse pass replaced). Each stage runs on inputs prepared by the stages before it, beside the whole forward
 and forward+backward through the public API. The sum of the stages against the whole call is the host and
 allocation overhead.
 
@@ -69,14 +70,20 @@ def stage_calls(cfg: bench.Config, device):
     dv_local = output_bwd.dv_local(q1, k1, do1, scale, info, C)
     dh, dv, _ = state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False, info, C)
     _, dk_direct, dw = output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
+    on_chip = state.wy_on_chip(k1.shape[3], v1.shape[3], info.num_seqs * k1.shape[2], k1.element_size())
+    on_chip_prefix, pair_prefix = ("bwd: ", "unfused: ") if on_chip else ("unfused: ", "bwd: ")
     stages = {
         "fwd: wy_fwd (A, Tinv, W, U)": lambda: wy.wy_fwd(k1, v1, beta1, info, C),
         "fwd, fused walk: state pass + output": lambda: state.state_output_fwd(q1, k1, w, u, scale, None, False,
                                                                               info, C),
         "fwd, plain walk: state pass (h, V')": lambda: state.state_fwd(k1, w, u, None, False, info, C),
         "fwd, plain walk: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
-        "bwd: recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
-        "bwd: state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
+        # the backward's recompute: one walk computing W, U on chip where state.wy_on_chip, else the pair
+        # (the one it does not run is listed as "unfused:", out of the sums)
+        f"{on_chip_prefix}state pass again, W, U on chip": lambda: state.state_wy_fwd(k1, v1, beta1, tinv, None,
+                                                                                   False, info, C),
+        f"{pair_prefix}recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
+        f"{pair_prefix}state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
         "bwd: reverse state pass + local dV' (fused)": lambda: state_bwd.state_bwd(q1, k1, w, do1, None, None,
                                                                                   scale, False, info, C),
         "unfused: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
@@ -116,7 +123,8 @@ def decode_step(cfg: bench.Config, device, measure, smoke: bool) -> dict:
         return deltatron.fused_recurrent_delta_rule(q, k, v, beta, initial_state=h, inplace_final_state=True)
 
     def form():
-        return fused_recurrent.forward(q, k, v, beta, cfg.K ** -0.5, h, True, info, inplace_final_state=True)
+        return fused_recurrent.forward(q, k, v, beta, cfg.K ** -0.5, h, True, info, needs_backward=False,
+                                       inplace_final_state=True)
 
     with torch.no_grad():
         times = {"API call": measure(api), "form forward (no API)": measure(form)}
