@@ -5,6 +5,7 @@ sequences in cu_seqlens, where B must be 1). Every entry point returns (o, final
 dtype, final_state is fp32 (None unless output_final_state)."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -43,17 +44,26 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
         if inplace:
             final_state = initial_state.copy_(final_state)
         return (o, final_state, *extras)
-    from .autograd import run_form
-    from .kernels.utils import seq_info
-
+    run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
     info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    q, k, v, beta = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     return run_form(backends.triton_form(form), q, k, v, beta, initial_state, scale, output_final_state,
                     use_qk_l2norm_in_kernel, info, options)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_dispatch():
+    """(autograd.run_form, kernels.utils.seq_info), imported on the first Triton call (they import triton,
+    which a PyTorch-only install lacks) and cached: an import statement in the call path costs about 1 µs
+    a call in importlib's machinery even when the module is loaded."""
+    from .autograd import run_form
+    from .kernels.utils import seq_info
+
+    return run_form, seq_info
 
 
 def chunk_delta_rule(

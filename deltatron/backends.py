@@ -15,7 +15,12 @@ MAX_HEAD_SIZE = 256
 
 
 def requested_backend() -> str:
-    name = os.environ.get("DELTATRON_BACKEND", "auto").strip().lower() or "auto"
+    return _parse_backend(os.environ.get("DELTATRON_BACKEND", "auto"))
+
+
+@functools.lru_cache(maxsize=16)  # read on every call: the variable may change within a process
+def _parse_backend(value: str) -> str:
+    name = value.strip().lower() or "auto"
     if name not in BACKENDS + ("auto",):
         raise ValueError(f"DELTATRON_BACKEND must be one of torch, triton, auto; got {name!r}")
     return name
