@@ -233,6 +233,8 @@ def test_output_fwd(poison, dtype, C, lengths, K, V):
 def test_state_output_fwd(poison, monkeypatch, dtype, C, lengths, K, V, has_h0, transposed):
     # the fused walk (on S, or on S^T) against the float64 composition of the two stages it replaces (state
     # pass, output)
+    if transposed and dtype == torch.float32:
+        pytest.skip("the walk on S^T is 16-bit only")
     monkeypatch.setattr(state, "TRANSPOSED_WALK", transposed)
     H, scale = 2, 0.37
     inp, info, ref = packed(lengths, H, K, V, dtype, seed=7, initial_state=has_h0)
@@ -264,6 +266,8 @@ def test_state_output_fwd_matches_unfused(poison, monkeypatch, dtype, C, K, V, t
     # so only the order of fp32 sums may differ: on a GPU the two kernels' dots may sum in another order
     # (about one rounding apart); in the interpreter, where the output stage does not tile K at these
     # sizes, not at all
+    if transposed and dtype == torch.float32:
+        pytest.skip("the walk on S^T is 16-bit only")
     monkeypatch.setattr(state, "TRANSPOSED_WALK", transposed)
     lengths, H, scale = [C + 1, 0, 1, C], 2, 0.3
     inp, info, _ = packed(lengths, H, K, V, dtype, seed=8, initial_state=True)

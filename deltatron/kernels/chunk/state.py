@@ -183,8 +183,10 @@ def transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H: t
         tl.store(ht + o_vk, b_st, mask=m_vk)
 
 
-# The fused walk on S^T (transposed_walk) rather than S: off until timed on the H200
-# (benchmarks/diagnostics/transposed_walk.py)
+# The fused walk on S^T (transposed_walk) rather than S, for 16-bit inputs: off until timed on the H200
+# (benchmarks/diagnostics/transposed_walk.py). Meant where fused_output_pays (V-blocks >= 64): a narrower
+# V-block is the M of its register-operand products, under wgmma's 64, so they fall back to mma.sync and
+# nothing is left in flight (offline sm_90, BV = 32); fp32 at K = 256 needs 233,472 B of shared memory
 TRANSPOSED_WALK = False
 
 
@@ -256,7 +258,8 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
             q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
             initial_state is not None, output_final_state, fused, wy_inputs is not None,
-            k.dtype != torch.float32, dot_precision(k.dtype), fused and TRANSPOSED_WALK, num_warps=warps,
+            k.dtype != torch.float32, dot_precision(k.dtype), fused and TRANSPOSED_WALK and k.element_size() == 2,
+            num_warps=warps,
             num_stages=PIPELINE_STAGES,
         )
     return final_state
