@@ -264,6 +264,16 @@ def test_stage_configs_forced_tiles(tmp_path):
     assert rows["warps=shipped stages=shipped tile=16"]["error"] == 0.0
 
 
+def test_transposed_walk_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/transposed_walk.py (the fused walk on S against S^T, for the GPU) runs its smoke
+    mode: both walks, the same outputs in the interpreter, and the script switches the shipped walk back."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "transposed_walk.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "OK" in proc.stdout and "WRONG" not in proc.stdout
+    assert proc.stdout.count(" ms") == 2
+
+
 def test_device_session_script_parses_and_names_real_files():
     """benchmarks/device_session.sh (one device call: suite and stage timings) is valid bash, and every
     script it runs exists."""

@@ -229,8 +229,13 @@ def test_output_fwd(poison, dtype, C, lengths, K, V):
     (torch.bfloat16, 64, [65, 7], 40, 32, True),
     (torch.bfloat16, 16, [0, 1, 15, 16, 17], 24, 40, False),
 ])
-def test_state_output_fwd(poison, dtype, C, lengths, K, V, has_h0):
-    # the fused walk against the float64 composition of the two stages it replaces (state pass, output)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_state_output_fwd(poison, monkeypatch, dtype, C, lengths, K, V, has_h0, transposed):
+    # the fused walk (on S, or on S^T) against the float64 composition of the two stages it replaces (state
+    # pass, output)
+    if transposed and dtype == torch.float32:
+        pytest.skip("the walk on S^T is 16-bit only")
+    monkeypatch.setattr(state, "TRANSPOSED_WALK", transposed)
     H, scale = 2, 0.37
     inp, info, ref = packed(lengths, H, K, V, dtype, seed=7, initial_state=has_h0)
     _, _, W, U = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
@@ -255,11 +260,15 @@ def test_state_output_fwd(poison, dtype, C, lengths, K, V, has_h0):
     (torch.float16, 16, 24, 40),
     (torch.bfloat16, 64, 32, 16),
 ])
-def test_state_output_fwd_matches_unfused(poison, dtype, C, K, V):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_state_output_fwd_matches_unfused(poison, monkeypatch, dtype, C, K, V, transposed):
     # same W, U: the fused walk rounds S and V' as the unfused pair does (h and v_new in the input dtype),
     # so only the order of fp32 sums may differ: on a GPU the two kernels' dots may sum in another order
     # (about one rounding apart); in the interpreter, where the output stage does not tile K at these
     # sizes, not at all
+    if transposed and dtype == torch.float32:
+        pytest.skip("the walk on S^T is 16-bit only")
+    monkeypatch.setattr(state, "TRANSPOSED_WALK", transposed)
     lengths, H, scale = [C + 1, 0, 1, C], 2, 0.3
     inp, info, _ = packed(lengths, H, K, V, dtype, seed=8, initial_state=True)
     _, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)

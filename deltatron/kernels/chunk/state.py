@@ -25,7 +25,9 @@ The loads of W, U, K (and Q, or Tinv, beta, V) do not depend on S, so the compil
 tiles while the current chunk's products run. The W, U products do not depend on S either, but triton 3.6
 does not overlap them with the chain's products: it waits for every product of the loop right after issuing
 it, in program order (offline sm_90 TTGIR, K = 128 bf16), so within a program they lengthen each chunk's
-step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile."""
+step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile. The
+fused walk has a variant on S^T (transposed_walk, TRANSPOSED_WALK) in which two of its five products are
+left in flight."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -44,8 +46,10 @@ from .wy import tinv_beta_pair, wy_product
 def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
-                     WY_ON_CHIP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused).
+                     WY_ON_CHIP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                     TRANSPOSED: tl.constexpr):
+    """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused). TRANSPOSED (with
+    FUSE_OUTPUT only): the fused walk on S^T, transposed_walk.
     WY_ON_CHIP: W and U's V-block computed from tinv, beta, k, v (SPLIT: Tinv diag(beta) as a 16-bit
     pair, wy.tinv_beta_pair), W written to w by the V-block-0 programs, u unused; else W, U read from w, u
     (v, beta, tinv unused)."""
@@ -64,6 +68,10 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
+    if TRANSPOSED:
+        transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H, K, V, C, BK, BV, HAS_H0,
+                        STORE_HT, PRECISION)
+        return
     num_chunks = tl.cdiv(eos - bos, C).to(tl.int32)
     for i_t in range(0, num_chunks):
         start = bos + i_t * C
@@ -112,6 +120,74 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
 
     if STORE_HT:
         tl.store(ht + o_kv, b_s, mask=m_kv)
+
+
+@triton.jit
+def transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+                    STORE_HT: tl.constexpr, PRECISION: tl.constexpr):
+    """The fused walk of one program on S^T [BV, BK] (state_fwd_kernel's TRANSPOSED), the same products
+    transposed:
+        V'^T = U^T - S^T W^T,   O^T = scale (V'^T (Q K^T ⊙ M)^T + S^T Q^T),   S^T += V'^T K
+    so that every product has its computed operand (S^T or V'^T, rounded to the input dtype) on the left,
+    which a Hopper product reads from registers, and a loaded tile on the right: neither S nor V' is written
+    to shared memory. triton 3.6 leaves a product in flight past the next ones (no wait after it) only when
+    its result is merely carried to the next iteration and its shared-memory operand is a pipelined load:
+    here the state update and the last product of O^T, issued back to back at the end of a chunk; O^T is
+    stored in the next iteration (the last chunk's after the loop), after Q K^T's wait, which completes both.
+    In the plain orientation every product but Q K^T has S or V' in shared memory, so all of them wait at
+    once (offline sm_90 TTGIR, triton 3.6)."""
+    rows = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    dt = k.dtype.element_ty
+    m_vk = (cv[:, None] < V) & (ck[None, :] < K)
+    o_vk = i_nh.to(tl.int64) * K * V + ck[None, :] * V + cv[:, None]  # S^T's [BV, BK] slice of [K, V]
+    if HAS_H0:
+        b_st = tl.load(h0 + o_vk, mask=m_vk, other=0.0).to(tl.float32)
+    else:
+        b_st = tl.zeros([BV, BK], dtype=tl.float32)
+    b_ot = tl.zeros([BV, C], dtype=tl.float32)  # the previous chunk's O^T, unscaled
+
+    num_chunks = tl.cdiv(eos - bos, C).to(tl.int32)
+    for i_t in range(0, num_chunks):
+        start = bos + i_t * C
+        m_rows = rows < eos - start
+        o_kt = (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None]
+        m_kt = (ck[:, None] < K) & m_rows[None, :]
+        b_k = tl.load(k + (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :],
+                      mask=m_rows[:, None] & (ck[None, :] < K), other=0.0)
+        b_qt = tl.load(q + o_kt, mask=m_kt, other=0.0)  # Q^T [BK, C], W^T alike
+        b_wt = tl.load(w + o_kt, mask=m_kt, other=0.0)
+        b_ut = tl.trans(tl.load(u + (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :],
+                                mask=m_rows[:, None] & (cv[None, :] < V), other=0.0))
+        # (Q K^T ⊙ M)^T: no S in it, so first; its wait completes the previous chunk's products in flight
+        b_pt = mm(b_k, b_qt, PRECISION)
+        b_pt = tl.where(rows[:, None] <= rows[None, :], b_pt, 0.0).to(dt)
+        # the previous chunk's O (whole: only a sequence's last chunk is partial); none before chunk 0
+        o_vt = (start + rows[None, :]) * (H * V) + i_h * V + cv[:, None]
+        tl.store(o + o_vt - C * H * V, (b_ot * scale).to(o.dtype.element_ty),
+                 mask=(cv[:, None] < V) & (rows[None, :] < C * tl.minimum(i_t, 1)))
+        b_sd = b_st.to(dt)
+        b_vnt = (b_ut.to(tl.float32) - mm(b_sd, b_wt, PRECISION)).to(dt)
+        b_pv = mm(b_vnt, b_pt, PRECISION)
+        # left in flight: both results only carried
+        b_st += mm(b_vnt, b_k, PRECISION)
+        b_ot = b_pv + mm(b_sd, b_qt, PRECISION)
+
+    last = bos + (num_chunks - 1) * C
+    o_vt = (last + rows[None, :]) * (H * V) + i_h * V + cv[:, None]
+    tl.store(o + o_vt, (b_ot * scale).to(o.dtype.element_ty),
+             mask=(cv[:, None] < V) & (rows[None, :] < (eos - last) * tl.minimum(num_chunks, 1)))
+    if STORE_HT:
+        tl.store(ht + o_vk, b_st, mask=m_vk)
+
+
+# The fused walk on S^T (transposed_walk) rather than S, for 16-bit inputs: off until timed on the H200
+# (benchmarks/diagnostics/transposed_walk.py). Meant where fused_output_pays (V-blocks >= 64): a narrower
+# V-block is the M of its register-operand products, under wgmma's 64, so they fall back to mma.sync and
+# nothing is left in flight (offline sm_90, BV = 32); fp32 at K = 256 needs 233,472 B of shared memory
+TRANSPOSED_WALK = False
 
 
 def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
@@ -182,7 +258,9 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
             q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
             initial_state is not None, output_final_state, fused, wy_inputs is not None,
-            k.dtype != torch.float32, dot_precision(k.dtype), num_warps=warps, num_stages=PIPELINE_STAGES,
+            k.dtype != torch.float32, dot_precision(k.dtype), fused and TRANSPOSED_WALK and k.element_size() == 2,
+            num_warps=warps,
+            num_stages=PIPELINE_STAGES,
         )
     return final_state
 
