@@ -26,8 +26,8 @@ tiles while the current chunk's products run. The W, U products do not depend on
 does not overlap them with the chain's products: it waits for every product of the loop right after issuing
 it, in program order (offline sm_90 TTGIR, K = 128 bf16), so within a program they lengthen each chunk's
 step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile. The
-fused walk has a variant on S^T (transposed_walk, TRANSPOSED_WALK) in which two of its five products are
-left in flight."""
+fused walk has a variant on S^T (transposed_walk), run where transposed_walk_pays, in which two of its five
+products are left in flight."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -183,11 +183,20 @@ def transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H: t
         tl.store(ht + o_vk, b_st, mask=m_vk)
 
 
-# The fused walk on S^T (transposed_walk) rather than S, for 16-bit inputs: off until timed on the H200
-# (benchmarks/diagnostics/transposed_walk.py). Meant where fused_output_pays (V-blocks >= 64): a narrower
-# V-block is the M of its register-operand products, under wgmma's 64, so they fall back to mma.sync and
-# nothing is left in flight (offline sm_90, BV = 32); fp32 at K = 256 needs 233,472 B of shared memory
-TRANSPOSED_WALK = False
+# Which orientation the fused walk runs: None chooses by transposed_walk_pays; True or False force the walk on
+# S^T (16-bit only) or on S (the tests and benchmarks/diagnostics/transposed_walk.py run both)
+TRANSPOSED_WALK: Optional[bool] = None
+
+
+def transposed_walk_pays(K: int, BV: int, element_size: int) -> bool:
+    """Whether the fused walk runs on S^T (transposed_walk) rather than S: 16-bit, K = 128, 128-wide
+    V-blocks. On the H200 (transposed_walk.py, bf16, same W, U; the state bitwise equal, o within 2e-5):
+    8 x 16 heads at K = V = 128 (BV = 128, 8 warps) 0.182 -> 0.147 ms; but 4 x 16 heads (BV = 64) 0.264 ->
+    0.297 and K = V = 64 at 16 x 8 heads 0.082 -> 0.089, slower. Offline sm_90 (triton 3.6) at BV = 128:
+    232 registers and no spills against 255 and 92 B, 110,592 B of shared memory against 163,840. Not
+    measured at other head sizes. Below BV = 64 the S^T products fall back to mma.sync (their M is the
+    V-block), and fp32 at K = 256 would need 233,472 B of shared memory."""
+    return element_size == 2 and K == 128 and BV == 128
 
 
 def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
@@ -253,13 +262,14 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
     final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     fused = o is not None
     BV, warps = walk_launch(K, V, N * H, k.element_size(), fused)
+    transposed = fused and k.element_size() == 2 and (
+        transposed_walk_pays(K, BV, k.element_size()) if TRANSPOSED_WALK is None else TRANSPOSED_WALK)
     if N * H:
         state_fwd_kernel[(N * H, cdiv(V, BV))](
             q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
             initial_state is not None, output_final_state, fused, wy_inputs is not None,
-            k.dtype != torch.float32, dot_precision(k.dtype), fused and TRANSPOSED_WALK and k.element_size() == 2,
-            num_warps=warps,
+            k.dtype != torch.float32, dot_precision(k.dtype), transposed, num_warps=warps,
             num_stages=PIPELINE_STAGES,
         )
     return final_state
