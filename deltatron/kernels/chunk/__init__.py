@@ -13,7 +13,8 @@ Forward stages (each its own module):
     output.output_fwd(q, k, v_new, h, scale, info, chunk_size) -> o   O = scale (Q S + (Q K^T ⊙ M) V')
 Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the forward runs two launches:
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
-while S and V' are on chip, so h and v_new never reach HBM); elsewhere the three stages above. The backward
+while S and V' are on chip, so h and v_new never reach HBM; on S^T where state.transposed_walk_pays);
+elsewhere the three stages above. The backward
 recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
     recompute w, h, v_new from the saved Tinv: where state.wy_on_chip, in one launch (state.state_wy_fwd:
