@@ -7,8 +7,7 @@ load's latency but other resident programs; the V-block width BV and the warps p
 programs (and bytes in flight) an SM holds. This times fused_recurrent's forward (no API) for each
 (BV, num_warps), checks each against the shipped choice's result, and prints µs and the achieved fraction
 of the copy-rate floor. Like the benchmark row, each timing cycles through several input sets (states of
-67 MB, four L2s in all): on one set the state written by a step is partly still in L2 when the next step
-reads it (43.5 against 70.8-84.9 µs on the H200, session 7).
+67 MB, four L2s in all), so that no step finds the state written by the one before still in L2.
 
     python benchmarks/diagnostics/decode_configs.py [--out FILE.json]
     python benchmarks/diagnostics/decode_configs.py --smoke      # CPU, interpreter, tiny: does it run

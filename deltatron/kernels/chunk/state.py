@@ -39,6 +39,7 @@ import triton.language as tl
 from ..utils import (PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_block_v,
                      state_offsets)
 from .output import causal_output
+from .output_bwd import causal_scores_t
 from .wy import tinv_beta_pair, wy_product
 
 
@@ -57,6 +58,10 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if TRANSPOSED:  # its own state tile (S^T) and offsets
+        transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H, K, V, C, BK, BV, HAS_H0,
+                        STORE_HT, PRECISION)
+        return
     first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
 
     rows = tl.arange(0, C)
@@ -68,10 +73,6 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
-    if TRANSPOSED:
-        transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H, K, V, C, BK, BV, HAS_H0,
-                        STORE_HT, PRECISION)
-        return
     num_chunks = tl.cdiv(eos - bos, C).to(tl.int32)
     for i_t in range(0, num_chunks):
         start = bos + i_t * C
@@ -161,9 +162,9 @@ def transposed_walk(q, k, w, u, h0, o, ht, scale, bos, eos, i_nh, i_h, i_v, H: t
         b_wt = tl.load(w + o_kt, mask=m_kt, other=0.0)
         b_ut = tl.trans(tl.load(u + (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :],
                                 mask=m_rows[:, None] & (cv[None, :] < V), other=0.0))
-        # (Q K^T ⊙ M)^T: no S in it, so first; its wait completes the previous chunk's products in flight
-        b_pt = mm(b_k, b_qt, PRECISION)
-        b_pt = tl.where(rows[:, None] <= rows[None, :], b_pt, 0.0).to(dt)
+        # (Q K^T ⊙ M)^T: no S in it, so first; its wait completes the previous chunk's products in flight.
+        # Unscaled (scale is applied to O^T), rounded as causal_output rounds Q K^T in the walk on S
+        b_pt = causal_scores_t(mm(b_k, b_qt, PRECISION), 1.0, C, dt)
         # the previous chunk's O (whole: only a sequence's last chunk is partial); none before chunk 0
         o_vt = (start + rows[None, :]) * (H * V) + i_h * V + cv[:, None]
         tl.store(o + o_vt - C * H * V, (b_ot * scale).to(o.dtype.element_ty),
