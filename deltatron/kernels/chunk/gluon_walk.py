@@ -23,6 +23,14 @@ K^T V' (so the final state is right) and O rows past the end are not stored (cau
 valid rows). Initial state (HAS_H0): the chain loads S^T before its loop; final state (STORE_HT): the chain
 stores S^T after it.
 
+Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline): 16 warps (8 + 4 + 1
+padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with them); shared
+memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 32,768, the rest barriers
+and scratch), so one program per SM and no room for a third ring slot. In the PTX each partition's loop
+synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the output; none in the
+loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions start and end, and each
+wgmma.wait_group waits on its own warp group's products only. Not run on a GPU yet.
+
 Imported only by GPU code (tests/gpu, benchmarks/diagnostics/gluon_walk.py): Gluon does not run in
 TRITON_INTERPRET, and CI's triton may lack it."""
 from __future__ import annotations
