@@ -21,7 +21,16 @@ Packed sequences: the descriptors span all B*T rows; a sequence's partial last c
 sequence (or TMA's zero fill past the end), which touch only V' rows past the end: those are zeroed before
 K^T V' (so the final state is right) and O rows past the end are not stored (causal M keeps them out of the
 valid rows). Initial state (HAS_H0): the chain loads S^T before its loop; final state (STORE_HT): the chain
-stores S^T after it.
+stores S^T after it. The host wrapper takes [B, T, H, 128] or packed [1, TT, H, 128] (the descriptors are
+[B * T, H * 128] either way) and, with no token at all, launches nothing (a TMA descriptor's shape must be
+positive) and passes the initial state (or zeros) through as the final one.
+
+Checked without a GPU (session 9 review): the TTGIR maps each partition's captures to the right ring slots and
+descriptors; each mbarrier.arrive lowers to one thread's arrive after a partition-wide bar.sync (so count 1 a
+partition, 2 for the ring's empties); each [64, 128] TMA load is two 128-byte-swizzled [64, 64] boxes, 8,192 B
+each, 65,536 B a slot as expected; tests/test_gluon_walk_model.py runs a PyTorch model of this arithmetic
+through the GPU test's check() (bitwise equal to the shipped walk in the interpreter at fp16, and check()
+fails on a missing V' mask or causal diagonal).
 
 Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline): 16 warps (8 + 4 + 1
 padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with them); shared
@@ -98,7 +107,7 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))
     o_st = ck[None, :] * D + rv[:, None]  # S^T's [V, K] view of a state [K, V]
     if HAS_H0:
-        b_st = gl.load(h0 + i_nh.to(gl.int64) * D * D + o_st)
+        b_st = gl.load(h0 + i_nh.to(gl.int64) * D * D + o_st).to(gl.float32)
     else:
         b_st = gl.zeros([D, D], gl.float32, layout=s_layout)
     tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
@@ -211,31 +220,52 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
 def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
                       scale: float, initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
                       info: SeqInfo):
-    """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on packed [1, TT, H,
-    128] q, k, w, u into o."""
+    """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
+    128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
+    r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape). With no tokens at all (TT = 0, where
+    a TMA descriptor cannot be built: its shape must be positive) nothing is launched and final_state gets
+    the initial state (or zeros), as the shipped walk's programs without chunks store it."""
     H, D = k.shape[2], k.shape[3]
-    if D != D_WALK or u.shape[3] != D_WALK or k.element_size() != 2:
-        raise ValueError(f"gluon_walk: 16-bit K = V = {D_WALK} only, got K = {D}, V = {u.shape[3]}, {k.dtype}")
+    if any(x.dtype != k.dtype for x in (q, w, u)) or k.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gluon_walk: q, k, w, u must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
+                         f"{w.dtype}, {u.dtype}")
+    if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in (q, w, u)):
+        raise ValueError(f"gluon_walk: 16-bit K = V = {D_WALK} only, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"w {tuple(w.shape)}, u {tuple(u.shape)}")
+    TT = info.total_tokens
+    if any(x.numel() != TT * H * D for x in (q, k, w, u)) or not o.is_contiguous() or o.shape != u.shape:
+        raise ValueError(f"gluon_walk: q, k, w, u must hold {TT} tokens of {H} heads (o contiguous, u's shape)")
+    N = info.num_seqs
+    if initial_state is not None and (tuple(initial_state.shape) != (N, H, D, D) or not initial_state.is_contiguous()):
+        raise ValueError(f"gluon_walk: initial_state must be contiguous [{N}, {H}, {D}, {D}], got "
+                         f"{tuple(initial_state.shape)}")
+    if TT == 0 or N * H == 0:
+        if final_state is not None and initial_state is not None:
+            final_state.copy_(initial_state)
+        elif final_state is not None:
+            final_state.zero_()
+        return
     layout = gl.NVMMASharedLayout.get_default_for([C_WALK, D], gl.bfloat16 if k.dtype == torch.bfloat16
                                                   else gl.float16)
-    descs = [TensorDescriptor.from_tensor(x.reshape(x.shape[1], H * D), [C_WALK, D], layout) for x in (w, u, k, q)]
-    grid = (info.num_seqs * H, )
-    if grid[0]:
-        gluon_walk_kernel[grid](*descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
-                                initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS,
-                                OUTPUT_REGS, STAGES, num_warps=CHAIN_WARPS)
+    # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128); rows past
+    # TT are TMA's zero fill
+    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, D], layout) for x in (w, u, k, q)]
+    grid = (N * H, )
+    gluon_walk_kernel[grid](*descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
+                            initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS,
+                            OUTPUT_REGS, STAGES, num_warps=CHAIN_WARPS)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
                            chunk_size: int = C_WALK) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
-    C = 64, packed q, k, w, u [1, TT, H, 128]."""
+    C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
-    o = torch.empty_like(u)
+    o = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # contiguous, whatever u's strides
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
     gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info)
     return o, final_state
