@@ -1,7 +1,16 @@
 """The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py, a feasibility study not wired into the
 forward) against the shipped fused walk (state.state_output_fwd) on the same W, U: sm_90 only, 16-bit,
 K = V = 128, C = 64. Both round S and V' to the input dtype at the same points, so they differ by the order
-of fp32 sums, and through it by a rounding of the dtype here and there."""
+of fp32 sums, and through it by a rounding of the dtype here and there.
+
+The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
+failing a test, and would take the whole GPU suite (tests/gpu/run_suite.py) with it. So the first use of
+the fixture runs one small call in a child process under a time limit (SMOKE_TIMEOUT_S); if it hangs or
+crashes, the child is killed and every test here fails with its output, without a launch in this process."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,13 +22,38 @@ from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
 pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMOKE_TIMEOUT_S = 240  # compiles (seconds) and runs two sequences of 200 tokens (microseconds)
+SMOKE = """
+import torch
+from deltatron.kernels.chunk import gluon_walk, wy
+from deltatron.kernels.utils import seq_info
+from tests.helpers import make_inputs
+B, T, H = 2, 200, 2
+x = make_inputs(B, T, H, 128, 128, torch.bfloat16, device="cuda", initial_state=True, seed=0)
+info = seq_info(B, T, torch.device("cuda"), None, None)
+_, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
+o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info)
+torch.cuda.synchronize()
+print("gluon walk smoke call done, finite:", bool(torch.isfinite(o).all() and torch.isfinite(s).all()))
+"""
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def gluon_walk():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon walk is written for sm_90 (wgmma, TMA, setmaxnreg)")
     pytest.importorskip("triton.experimental.gluon")
+    try:
+        proc = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, capture_output=True, text=True,
+                              timeout=SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the Gluon walk's smoke call did not finish in {SMOKE_TIMEOUT_S} s (a hang: mbarrier phases?)"
+                    f"; its output: {e.stdout!r} {e.stderr!r}", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"the Gluon walk's smoke call failed (exit {proc.returncode}):\n{proc.stdout}\n"
+                    f"{proc.stderr[-4000:]}", pytrace=False)
+    print(proc.stdout.strip())
     from deltatron.kernels.chunk import gluon_walk
 
     return gluon_walk
