@@ -1,0 +1,151 @@
+"""The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py) against the shipped fused walk
+(state.state_output_fwd, on S^T at K = V = 128 bf16): agreement and times on the GPU, or what triton 3.6
+makes of it offline.
+
+On the GPU, per config (transposed_walk.py's inputs: W, U from wy.wy_fwd as the forward makes them, a random
+fp32 initial state): o and the final state of the Gluon walk against the shipped walk's (relative RMS: o
+within one bf16 rounding, < 1e-2; the state fp32 summation order apart), then both timed as the forward runs
+them (no final state). The Gluon walk runs twice: no atomics, so the second run must give the same bits.
+
+--offline compiles the kernel for sm_90 (bf16 with and without the states, fp16 with them) on a machine
+without a GPU (put triton 3.6 first on PYTHONPATH) and
+prints ptxas's registers and spills, shared memory, the setmaxnreg of each partition, the warp-specialize
+partitions of the TTGIR with their products and waits, and the PTX barriers.
+
+    python benchmarks/diagnostics/gluon_walk.py [--configs b8-t2048-h16-k128 b4-t4096-h16-k128]
+    python benchmarks/diagnostics/gluon_walk.py --offline [--dump DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+os.environ["DELTATRON_BACKEND"] = "triton"
+
+import torch  # noqa: E402
+
+from deltatron import bench  # noqa: E402
+from deltatron.kernels.chunk import state  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transposed_walk import rel_rms, walk_inputs  # noqa: E402
+
+
+def compare(cfg: bench.Config, measure) -> None:
+    from deltatron.kernels.chunk.gluon_walk import gluon_state_output_fwd
+
+    q, k, w, u, scale, h0, info = walk_inputs(cfg, torch.device("cuda"))
+    o_ref, s_ref = state.state_output_fwd(q, k, w, u, scale, h0, True, info, 64)
+    o, s = gluon_state_output_fwd(q, k, w, u, scale, h0, True, info)
+    o2, s2 = gluon_state_output_fwd(q, k, w, u, scale, h0, True, info)
+    same = torch.equal(o2, o) and torch.equal(s2, s)  # no atomics: a race between partitions shows as a change
+    err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
+    ok = err_o < 1e-2 and err_s < 1e-3 and torch.isfinite(o).all() and torch.isfinite(s).all() and same
+    print(f"\n{cfg.name}: gluon walk against the shipped walk: o rel RMS {err_o:.1e}, final state {err_s:.1e}, "
+          f"state bitwise {torch.equal(s, s_ref)}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+    runs = {"shipped (state_output_fwd)": lambda: state.state_output_fwd(q, k, w, u, scale, None, False, info, 64),
+            "gluon warp-specialized": lambda: gluon_state_output_fwd(q, k, w, u, scale, None, False, info)}
+    for name, fn in runs.items():
+        print(f"  {name:<28} {measure(fn):8.3f} ms", flush=True)
+
+
+def offline(dump) -> int:
+    """Compiles the kernel for sm_90 (nothing runs) at the benchmark's 8 x 16 heads: bf16 with and without
+    the initial and final states, fp16 with them."""
+    import triton
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    import offline_compile as oc  # it refuses the interpreter: imported only here
+    from deltatron.kernels.chunk import gluon_walk
+    from deltatron.kernels.utils import seq_info
+
+    backend = oc.make_backend(oc.H200)
+    compiled = []
+
+    def compile_instead(fn, *args, grid, warmup, **kwargs):
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        compiled.append(oc.triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=oc.H200,
+                                          options=options.__dict__))
+
+    B, T, H, D = 8, 256, 16, gluon_walk.D_WALK
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    # bf16 with and without the states; fp16 (the GPU test runs it too) with them
+    variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
+    run = JITFunction.run
+    JITFunction.run = compile_instead
+    try:
+        for _, dtype, states in variants:
+            x = oc.inputs(B, T, H, D, D, dtype)
+            q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
+            gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info)
+    finally:
+        JITFunction.run = run
+    assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
+    for (name, _, states), kernel in zip(variants, compiled):
+        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+        usage = oc.ptxas_usage(ptx)
+        print(f"\ngluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK}, initial/final state {states}: "
+              f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
+              f"setmaxnreg), {usage['spills']} B of spills; shared "
+              f"{kernel.metadata.shared} B (sm_90 limit {oc.SHARED_LIMIT})")
+        setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
+        print("  setmaxnreg in the PTX, in order:", " ".join(f"{op} {n}" for op, n in setmaxnreg))
+        print("  PTX: wgmma.mma_async", len(re.findall(r"wgmma\.mma_async", ptx)), " wgmma.wait_group",
+              collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
+              " mbarrier.try_wait", len(re.findall(r"mbarrier\.try_wait", ptx)),
+              " bar.sync/barrier.sync", collections.Counter(re.findall(r"(?:bar|barrier)\.sync(?:\.aligned)?\s+([^;]+);", ptx)),
+              " cp.async.bulk.tensor", len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+        partition_summary(ttgir)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(dump, f"gluon_walk_{name}_states{int(states)}.{ext}"), "w") as f:
+                    f.write(kernel.asm[ext])
+    print(f"triton {triton.__version__}, target sm_90")
+    return 0
+
+
+def partition_summary(ttgir: str) -> None:
+    """Per region of the ttg.warp_specialize op (default, then each partition): its warps and requested
+    registers, products (warp_group_dot), their waits and mbarrier operations."""
+    head = re.search(r"ttg\.warp_specialize\(.*?\)(.*?)\n", ttgir)
+    regs = re.search(r"requestedRegisters = array<i32: ([\d, ]+)>", ttgir)
+    print("  TTGIR warp_specialize:", head.group(1).strip() if head else "none",
+          "| requested registers", regs.group(1) if regs else "?")
+    start = ttgir.find("ttg.warp_specialize")
+    regions = re.split(r"\n\s*(partition\d+\([^\n]*|default \{)", ttgir[start:])
+    names = ["(before)"] + regions[1::2]
+    for name, body in zip(names, regions[0::2]):
+        if name == "(before)":
+            continue
+        count = lambda p: len(re.findall(p, body))  # noqa: E731
+        print(f"    {name.split('(')[0].strip():<12} warp_group_dot {count(r'ttng.warp_group_dot ')}, waits "
+              f"{count(r'ttng.warp_group_dot_wait')}, mbarrier wait {count(r'ttng.wait_barrier')} / arrive "
+              f"{count(r'ttng.arrive_barrier')}, TMA loads {count(r'ttng.async_tma_copy_global_to_local')}, "
+              f"gpu.barrier {count(r'gpu.barrier')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["b8-t2048-h16-k128", "b4-t4096-h16-k128"])
+    parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
+    parser.add_argument("--dump", help="--offline: write the TTGIR and PTX into this folder")
+    args = parser.parse_args()
+    if args.offline:
+        return offline(args.dump)
+    import triton
+
+    known = {c.name: c for c in bench.CONFIGS}
+    for name in args.configs:
+        compare(known[name], lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
