@@ -31,7 +31,8 @@ from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import state  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transposed_walk import rel_rms, walk_inputs  # noqa: E402
+from stage_configs import worst_difference as rel_rms  # noqa: E402
+from transposed_walk import walk_inputs  # noqa: E402
 
 
 def compare(cfg: bench.Config, measure) -> None:
