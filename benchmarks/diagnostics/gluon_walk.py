@@ -1,9 +1,9 @@
-"""The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py) against the shipped fused walk
+"""The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py) against the Triton fused walk
 (state.state_output_fwd, on S^T at K = V = 128 bf16): agreement and times on the GPU, or what triton 3.6
 makes of it offline.
 
 On the GPU, per config (transposed_walk.py's inputs: W, U from wy.wy_fwd as the forward makes them, a random
-fp32 initial state): o and the final state of the Gluon walk against the shipped walk's (relative RMS: o
+fp32 initial state): o and the final state of the Gluon walk against the Triton walk's (relative RMS: o
 within one bf16 rounding, < 1e-2; the state fp32 summation order apart), then both timed as the forward runs
 them (no final state). The Gluon walk runs twice: no atomics, so the second run must give the same bits.
 
@@ -38,6 +38,7 @@ from transposed_walk import walk_inputs  # noqa: E402
 def compare(cfg: bench.Config, measure) -> None:
     from deltatron.kernels.chunk.gluon_walk import gluon_state_output_fwd
 
+    state.GLUON_WALK = False  # state_output_fwd as the Triton walk, the reference
     q, k, w, u, scale, h0, info = walk_inputs(cfg, torch.device("cuda"))
     o_ref, s_ref = state.state_output_fwd(q, k, w, u, scale, h0, True, info, 64)
     o, s = gluon_state_output_fwd(q, k, w, u, scale, h0, True, info)
@@ -47,7 +48,7 @@ def compare(cfg: bench.Config, measure) -> None:
     ok = err_o < 1e-2 and err_s < 1e-3 and torch.isfinite(o).all() and torch.isfinite(s).all() and same
     print(f"\n{cfg.name}: gluon walk against the shipped walk: o rel RMS {err_o:.1e}, final state {err_s:.1e}, "
           f"state bitwise {torch.equal(s, s_ref)}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
-    runs = {"shipped (state_output_fwd)": lambda: state.state_output_fwd(q, k, w, u, scale, None, False, info, 64),
+    runs = {"Triton walk (state_output_fwd)": lambda: state.state_output_fwd(q, k, w, u, scale, None, False, info, 64),
             "gluon warp-specialized": lambda: gluon_state_output_fwd(q, k, w, u, scale, None, False, info)}
     for name, fn in runs.items():
         print(f"  {name:<28} {measure(fn):8.3f} ms", flush=True)

@@ -92,7 +92,7 @@ def stage_calls(cfg: bench.Config, device):
         "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
         "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
     }
-    walk = "fused" if state.fused_output_pays(k1, v1, info) else "plain"  # the forward's choice
+    walk = "fused" if state.fused_output_pays(k1, v1, info, C) else "plain"  # the forward's choice
     return stages, walk, x
 
 

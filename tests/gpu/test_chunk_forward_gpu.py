@@ -61,6 +61,32 @@ def test_forward_varlen_20_sequences(poison, dtype, D, C):
     assert torch.equal(final[empty], x["initial_state"][empty])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths", [[1000, 1000], [1], [0, 1, 63, 64, 65, 0, 700, 130]])
+def test_forward_gluon_walk(poison, monkeypatch, dtype, lengths):
+    # the forward with the fused walk forced onto the Gluon kernel (by default it runs from 64 sequences x
+    # heads) against the float64 oracle: partial last chunks, T = 1, empty sequences (their state passed
+    # through), 3 heads; the kernel must actually run (counted)
+    x = make_inputs(1, sum(lengths), 3, 128, 128, dtype, device="cuda", initial_state=True, N=len(lengths),
+                    seed=len(lengths))
+    if not state.gluon_walk_applies(x["k"], x["v"], 64):
+        pytest.skip("the Gluon walk runs on sm_90 only")
+    from deltatron.kernels.chunk import gluon_walk
+
+    launches = []
+    launch = gluon_walk.gluon_walk_launch
+    monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    monkeypatch.setattr(state, "GLUON_WALK", True)
+    cu = random_cu_seqlens(lengths, "cuda")
+    o, final = run_forward(x, 0.1, 64, seq_info(1, sum(lengths), torch.device("cuda"), cu, cu.cpu()))
+    assert launches == [1]
+    o_ref, final_ref = oracle(x, 0.1, 64, cu_seqlens=cu.cpu())
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+    for i in [i for i, n in enumerate(lengths) if n == 0]:
+        assert torch.equal(final[i], x["initial_state"][i])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_growing_transition(poison, dtype):
     # unnormalized keys, beta up to 2: the transition is not a contraction, and the rounding of 16-bit
@@ -77,17 +103,21 @@ def test_forward_growing_transition(poison, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T, H, D", [(8, 512, 16, 128), (2, 1000, 4, 128), (4, 300, 8, 256), (3, 700, 8, 64),
                                         (2, 333, 4, 100)])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_fused_state_output_matches_unfused(poison, monkeypatch, dtype, B, T, H, D, transposed):
+@pytest.mark.parametrize("walk", ["S", "S^T", "gluon"])
+def test_fused_state_output_matches_unfused(poison, monkeypatch, dtype, B, T, H, D, walk):
     # the forward's fused walk (its own V-block and warps: 128 x 128 states on 8 warps at 8 x 16 heads,
-    # narrower when there are few heads), on S or (16-bit) on S^T, against state_fwd + output_fwd on the
-    # same W, U: they round alike, so they differ by the order of fp32 sums only, a couple of roundings of
-    # the dtype
-    if transposed and dtype == torch.float32:
-        pytest.skip("the walk on S^T is 16-bit only")
-    monkeypatch.setattr(state, "TRANSPOSED_WALK", transposed)
+    # narrower when there are few heads), on S or (16-bit) on S^T, or the warp-specialized Gluon kernel
+    # (sm_90, 16-bit, K = V = 128), against state_fwd + output_fwd on the same W, U: they round alike, so
+    # they differ by the order of fp32 sums only, a couple of roundings of the dtype
+    if walk != "S" and dtype == torch.float32:
+        pytest.skip(f"the walk on {walk} is 16-bit only")
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=D + H)
+    if walk == "gluon" and not state.gluon_walk_applies(x["k"], x["v"], 64):
+        pytest.skip("the Gluon walk runs on sm_90 at K = V = 128 only")
+    monkeypatch.setattr(state, "TRANSPOSED_WALK", walk == "S^T")
+    monkeypatch.setattr(state, "GLUON_WALK", walk == "gluon")
     info = seq_info(B, T, torch.device("cuda"), None, None)
+    assert state.gluon_walk_pays(x["k"], x["v"], info, 64) == (walk == "gluon")
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
     h, v_new, final_unfused = state.state_fwd(x["k"], w, u, x["initial_state"], True, info, 64)
     o_unfused = output.output_fwd(x["q"], x["k"], v_new, h, D ** -0.5, info, 64)

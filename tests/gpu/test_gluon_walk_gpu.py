@@ -1,5 +1,6 @@
-"""The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py, a feasibility study not wired into the
-forward) against the shipped fused walk (state.state_output_fwd) on the same W, U: sm_90 only, 16-bit,
+"""The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py, the forward's fused walk where
+state.gluon_walk_pays) against the Triton fused walk (state.state_output_fwd with the Gluon kernel switched
+off) on the same W, U: sm_90 only, 16-bit,
 K = V = 128, C = 64. Both round S and V' to the input dtype at the same points, so they differ by the order
 of fp32 sums, and through it by a rounding of the dtype here and there.
 
@@ -37,6 +38,13 @@ o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["i
 torch.cuda.synchronize()
 print("gluon walk smoke call done, finite:", bool(torch.isfinite(o).all() and torch.isfinite(s).all()))
 """
+
+
+@pytest.fixture(autouse=True)
+def triton_walk_as_reference(monkeypatch):
+    # state.state_output_fwd is the reference here: the Triton walk, not the Gluon kernel it runs by default
+    # from 64 sequences x heads
+    monkeypatch.setattr(state, "GLUON_WALK", False)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ Forward stages (each its own module):
     output.output_fwd(q, k, v_new, h, scale, info, chunk_size) -> o   O = scale (Q S + (Q K^T ⊙ M) V')
 Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the forward runs two launches:
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
-while S and V' are on chip, so h and v_new never reach HBM; on S^T where state.transposed_walk_pays);
+while S and V' are on chip, so h and v_new never reach HBM; on S^T where state.transposed_walk_pays, as
+the warp-specialized Gluon kernel of gluon_walk.py where state.gluon_walk_pays);
 elsewhere the three stages above. The backward
 recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
@@ -47,7 +48,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     fused_output_pays), else the state pass and the output apart. Only Tinv is saved: W, U and the
     per-chunk states are recomputed; without needs_backward it is not even written out."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
-    if fused_output_pays(k, v, info):
+    if fused_output_pays(k, v, info, chunk_size):
         o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
     else:
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)

@@ -1,5 +1,6 @@
-"""The forward's fused state+output walk (state.state_output_fwd) as a warp-specialized Gluon kernel for Hopper:
-a feasibility study (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64), not wired into the forward.
+"""The forward's fused state+output walk (state.state_output_fwd) as a warp-specialized Gluon kernel for Hopper
+(triton 3.6, sm_90, 16-bit, K = V = 128, C = 64): state_output_fwd runs it where state.gluon_walk_pays (from 64
+sequences x heads; the measurements are there).
 
 One program per (sequence, head) walks its chunks as state.transposed_walk does, with S^T [V, K] fp32 in
 registers, but split over three partitions that run side by side:
@@ -38,10 +39,11 @@ memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 
 and scratch), so one program per SM and no room for a third ring slot. In the PTX each partition's loop
 synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the output; none in the
 loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions start and end, and each
-wgmma.wait_group waits on its own warp group's products only. Not run on a GPU yet.
+wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9): tests/gpu's checks
+pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns bitwise equal).
 
-Imported only by GPU code (tests/gpu, benchmarks/diagnostics/gluon_walk.py): Gluon does not run in
-TRITON_INTERPRET, and CI's triton may lack it."""
+Imported only where it can run (state.gluon_walk_applies imports it lazily, on a CUDA sm_90 device): Gluon
+does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

@@ -27,16 +27,19 @@ does not overlap them with the chain's products: it waits for every product of t
 it, in program order (offline sm_90 TTGIR, K = 128 bf16), so within a program they lengthen each chunk's
 step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile. The
 fused walk has a variant on S^T (transposed_walk), run where transposed_walk_pays, in which two of its five
-products are left in flight."""
+products are left in flight; on Hopper, from 64 sequences x heads, state_output_fwd runs gluon_walk.py's
+warp-specialized kernel instead (gluon_walk_pays), where the chain's two products, the output's three and the
+loads run in separate warps."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import (PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_block_v,
+from ..utils import (INTERPRET, PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_block_v,
                      state_offsets)
 from .output import causal_output
 from .output_bwd import causal_scores_t
@@ -276,7 +279,48 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
     return final_state
 
 
-def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo) -> bool:
+# Whether the fused walk runs as gluon_walk.py's warp-specialized kernel where it can (gluon_walk_applies): None
+# chooses by the number of sequences x heads (gluon_walk_pays); True or False force it or the Triton walk (tests,
+# benchmarks/diagnostics/gluon_walk.py)
+GLUON_WALK: Optional[bool] = None
+GLUON_WALK_MIN_PROGRAMS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_walk_importable() -> bool:
+    """Whether this triton has the Gluon Hopper API gluon_walk.py is written against (triton 3.6's)."""
+    try:
+        from . import gluon_walk  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def gluon_walk_applies(k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+    """Where the Gluon walk can run: a Hopper GPU (sm_90: wgmma, TMA, setmaxnreg; not the interpreter), 16-bit,
+    K = V = 128, C = 64, and a triton with Gluon's Hopper API."""
+    return (k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16) and chunk_size == 64
+            and k.shape[3] == 128 and v.shape[3] == 128 and _is_sm90(k.device.index) and _gluon_walk_importable())
+
+
+def gluon_walk_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
+    """Whether the fused walk runs as the Gluon kernel (one program per sequence and head, the chain, the output
+    and the loads in separate warps). On the H200 (benchmarks/diagnostics/gluon_walk.py, bf16, 2026-11-30; o
+    within 2e-5 of the Triton walk, the final state bitwise equal), Triton walk against Gluon walk, ms:
+    8 x 16 heads 0.146 / 0.141, 4 x 16 0.264 / 0.171, 2 x 32 0.513 / 0.333, 1 x 64 (T = 32768) 1.982 / 1.307;
+    but 1 x 16 (T = 32768): 16 programs on 132 SMs, 1.317 against the forward's unfused stages (0.922,
+    fused_output_pays). So from GLUON_WALK_MIN_PROGRAMS sequences x heads."""
+    if not gluon_walk_applies(k, v, chunk_size):
+        return False
+    return info.num_seqs * k.shape[2] >= GLUON_WALK_MIN_PROGRAMS if GLUON_WALK is None else GLUON_WALK
+
+
+def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
     """Whether the forward runs the fused walk (state_output_fwd) rather than state_fwd + output_fwd. Measured
     on the H200 (stage_times, bf16, 2026-11-30), fused against plain, ms: at K = V = 128, 0.181 / 0.243 with
     8 x 16 heads (BV = 128), 0.263 / 0.275 with 4 x 16 and 0.513 / 0.537 with 2 x 32 (BV = 64), but
@@ -284,6 +328,8 @@ def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo) -> bool:
     recomputes Q K^T on it); at K = V = 64 with 16 x 8 heads 0.084 / 0.124; at K = V = 256 with 4 x 16 heads
     1.302 / 1.055. So the fused walk runs where it was measured faster: 16-bit inputs, K up to 128 and a
     V-block at least 64 wide."""
+    if gluon_walk_pays(k, v, info, chunk_size):
+        return True
     K, V = k.shape[3], v.shape[3]
     BV, _ = walk_launch(K, V, info.num_seqs * k.shape[2], k.element_size(), fused=True)
     return k.element_size() == 2 and head_block(K) <= 128 and BV >= 64
@@ -324,7 +370,12 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
                      chunk_size: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The state pass with the output fused in: (o [B, T, H, V] in the input dtype, final_state as
     state_fwd's). The same o as output.output_fwd on state_fwd's h and v_new, up to the order of fp32
-    sums over K."""
+    sums over K. As the Gluon kernel where gluon_walk_pays (TMA: q, k, w, u contiguous and 16-byte aligned,
+    else the Triton walk)."""
+    if gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
+                                                       for x in (q, k, w, u)):
+        from .gluon_walk import gluon_state_output_fwd
+        return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
     o = torch.empty_like(u)
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
                               None, o)
