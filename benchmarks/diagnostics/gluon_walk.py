@@ -28,6 +28,7 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 from deltatron import bench  # noqa: E402
+from deltatron.kernels import chunk  # noqa: E402
 from deltatron.kernels.chunk import state  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,12 +47,20 @@ def compare(cfg: bench.Config, measure) -> None:
     same = torch.equal(o2, o) and torch.equal(s2, s)  # no atomics: a race between partitions shows as a change
     err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
     ok = err_o < 1e-2 and err_s < 1e-3 and torch.isfinite(o).all() and torch.isfinite(s).all() and same
-    print(f"\n{cfg.name}: gluon walk against the shipped walk: o rel RMS {err_o:.1e}, final state {err_s:.1e}, "
+    print(f"\n{cfg.name}: gluon walk against the Triton walk: o rel RMS {err_o:.1e}, final state {err_s:.1e}, "
           f"state bitwise {torch.equal(s, s_ref)}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
     runs = {"Triton walk (state_output_fwd)": lambda: state.state_output_fwd(q, k, w, u, scale, None, False, info, 64),
             "gluon warp-specialized": lambda: gluon_state_output_fwd(q, k, w, u, scale, None, False, info)}
     for name, fn in runs.items():
         print(f"  {name:<28} {measure(fn):8.3f} ms", flush=True)
+    # the whole forward (no backward: Tinv not stored), each walk twice, interleaved against drift
+    x = bench.make_inputs(cfg, torch.device("cuda"), seed=0)
+    q, k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
+    for gluon in (False, True, False, True):
+        state.GLUON_WALK = gluon
+        ms = measure(lambda: chunk.forward(q, k, v, beta, scale, None, False, info, needs_backward=False))
+        print(f"  forward, {'Gluon' if gluon else 'Triton'} walk{'':<14} {ms:8.3f} ms", flush=True)
+    state.GLUON_WALK = False
 
 
 def offline(dump) -> int:
