@@ -292,9 +292,17 @@ def sync(opts: Options) -> None:
         torch.cuda.synchronize()
 
 
+# Seconds of back-to-back calls before every GPU timing. After an idle spell (compiling, autotuning, another
+# process starting) the first row timed ran slow, as if at lower clocks, and do_bench's 25 ms of warm-up did
+# not cure it (H200, session 9: b8-t2048-h16-k128 forward 0.378 ms as a run's first row against 0.275 in the
+# previous call's probe; fla's first row 0.733 against 0.520; the decode row 69.8 us against 44.2 as a
+# process's first timing)
+SETTLE_S = 0.3
+
+
 def time_ms(fn: Callable[[], object], opts: Options) -> float:
     """Median time of fn in ms (fn already warm): triton's do_bench on the GPU (it flushes L2 before every
-    timed call), a wall clock on the CPU in smoke mode."""
+    timed call) after SETTLE_S of calls, a wall clock on the CPU in smoke mode."""
     if opts.smoke:
         times = []
         for _ in range(SMOKE_REPS):
@@ -304,6 +312,10 @@ def time_ms(fn: Callable[[], object], opts: Options) -> float:
         return 1e3 * statistics.median(times)
     from triton.testing import do_bench
 
+    settled = time.perf_counter() + SETTLE_S
+    while time.perf_counter() < settled:
+        fn()
+        torch.cuda.synchronize()  # not queued far ahead: the loop ends SETTLE_S from now, not seconds later
     return do_bench(fn, warmup=opts.warmup_ms, rep=opts.rep_ms, return_mode="median")
 
 
@@ -686,7 +698,8 @@ def run(impls: Sequence[str], configs: Sequence[Config], opts: Options, out: Opt
         peak_tflops=peaks.tflops, peak_tbps=peaks.tbps, peaks_measured=peaks.measured,
         mode=opts.mode, dtype="bf16",
         timing=(f"wall clock, median of {SMOKE_REPS} (smoke)" if opts.smoke else
-                f"triton do_bench median, warmup {opts.warmup_ms} ms, rep {opts.rep_ms} ms, L2 flushed per call"),
+                f"triton do_bench median after {SETTLE_S} s of calls, warmup {opts.warmup_ms} ms, "
+                f"rep {opts.rep_ms} ms, L2 flushed per call"),
         floor_chunk_size=CHUNK, l2_bytes=opts.l2_bytes, command=" ".join(["deltatron bench", *argv]),
     )
     results = dict(meta=meta, rows=[])
