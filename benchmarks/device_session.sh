@@ -9,7 +9,8 @@
 # caps: stage_configs.py with register caps (every stage at its shipped warps and stages under maxnreg
 #       200/168/128, then the WY forward and backward, recompute W, U and dQ/dK/dW at 4 and 8 warps, 2 and 3
 #       stages, under 168/128) and wy_breakdown.py's candidate WY forward launches (32-wide tiles) (~5 min);
-# suite: tests/gpu with 6 workers (14 ran the GPU out of memory) and no `deltatron check` (~7 min), with
+# suite: tests/gpu (or SUITE_PATHS: a half per GPU, see tests/gpu/run_suite.py) with 6 workers (14 ran the GPU
+#        out of memory) and no `deltatron check` (~7 min; past 470 s with another GPU busy, session 9), with
 #        one line per test in gpu_suite.log, so that a cut-off run still names its failures; 540 s when
 #        it is the only step, else 420;
 # train: `deltatron check` (cut at 300 s: with an empty Triton cache it needs longer), then
@@ -51,8 +52,9 @@ for step in "${steps[@]}"; do
             --parts launches --out "$OUT/wy_launches.json" ;;
     suite)
         suite_limit=$([[ ${#steps[@]} -eq 1 ]] && echo 540 || echo 420)  # alone it may use the whole call
+        # shellcheck disable=SC2086  # SUITE_PATHS is a list of test files (default: all of tests/gpu)
         timeout "$suite_limit" python tests/gpu/run_suite.py --out "$OUT" -n 6 --no-check --timeout=250 \
-            -p no:cacheprovider -v -v
+            -p no:cacheprovider -v -v ${SUITE_PATHS:+--paths $SUITE_PATHS}
         summary+=("suite: $(grep -m1 '^- pytest:' "$OUT/LAST_RUN.md" 2>/dev/null || echo 'no summary (timed out?)')") ;;
     train)
         run_step check 300 python -m deltatron check  # compiles every form and dtype (fp32: 30-80 s each)

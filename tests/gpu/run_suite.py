@@ -1,6 +1,11 @@
 """Runs the GPU suite and `deltatron check` on the current GPU and writes a summary (LAST_RUN.md).
 
-    python tests/gpu/run_suite.py [--out DIR] [--no-check] [pytest args...]
+    python tests/gpu/run_suite.py [--out DIR] [--no-check] [--paths PATH ...] [pytest args...]
+
+--paths runs part of the suite (default: all of tests/gpu), e.g. one half per GPU of a two-GPU machine; the
+session-9 split by worker time (junit, 6 workers on an H200): test_chunk_backward_gpu, test_chunk_forward_gpu,
+test_fused_recurrent_gpu, test_gluon_walk_gpu (~1,100 s) against test_parallel_gpu, test_fused_chunk_gpu,
+test_layers_gpu (~1,150 s).
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
 (default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it.
@@ -26,11 +31,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "tests", "gpu"))
     parser.add_argument("--no-check", action="store_true", help="skip deltatron check after the suite")
+    parser.add_argument("--paths", nargs="+", default=[os.path.join("tests", "gpu")],
+                        help="test files or folders, relative to the repository (default: tests/gpu)")
     args, pytest_args = parser.parse_known_args()
     os.makedirs(args.out, exist_ok=True)
     junit = os.path.join(args.out, "junit.xml")
     log_path = os.path.join(args.out, "gpu_suite.log")
-    cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "gpu"), "-m", "gpu", "-q", "-rf",
+    cmd = [sys.executable, "-m", "pytest", *[os.path.join(ROOT, p) for p in args.paths], "-m", "gpu", "-q", "-rf",
            f"--junitxml={junit}", *pytest_args]
     with open(log_path, "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -48,7 +55,7 @@ def main() -> int:
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
-        f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` (pytest tests/gpu -m gpu"
+        f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` (pytest {' '.join(args.paths)} -m gpu"
         f"{'' if check is None else ', then deltatron check'})",
         f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
         f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s",
