@@ -37,8 +37,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     junit = os.path.join(args.out, "junit.xml")
     log_path = os.path.join(args.out, "gpu_suite.log")
-    cmd = [sys.executable, "-m", "pytest", *[os.path.join(ROOT, p) for p in args.paths], "-m", "gpu", "-q", "-rf",
-           f"--junitxml={junit}", *pytest_args]
+    paths = [os.path.join(ROOT, p) for p in args.paths]
+    cmd = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rf", f"--junitxml={junit}", *pytest_args]
     with open(log_path, "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     suite = ET.parse(junit).getroot()
@@ -55,7 +55,8 @@ def main() -> int:
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
-        f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` (pytest {' '.join(args.paths)} -m gpu"
+        f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` "
+        f"(pytest {' '.join(args.paths)} -m gpu"
         f"{'' if check is None else ', then deltatron check'})",
         f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
         f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s",

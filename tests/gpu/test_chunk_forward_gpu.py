@@ -110,7 +110,7 @@ def test_fused_state_output_matches_unfused(poison, monkeypatch, dtype, B, T, H,
     # (sm_90, 16-bit, K = V = 128), against state_fwd + output_fwd on the same W, U: they round alike, so
     # they differ by the order of fp32 sums only, a couple of roundings of the dtype
     if walk != "S" and dtype == torch.float32:
-        pytest.skip(f"the walk on {walk} is 16-bit only")
+        pytest.skip(f"the {walk} walk is 16-bit only")
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=D + H)
     if walk == "gluon" and not state.gluon_walk_applies(x["k"], x["v"], 64):
         pytest.skip("the Gluon walk runs on sm_90 at K = V = 128 only")

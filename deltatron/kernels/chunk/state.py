@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import (INTERPRET, PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_block_v,
-                     state_offsets)
+from ..utils import (INTERPRET, PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm,
+                     state_block_v, state_offsets)
 from .output import causal_output
 from .output_bwd import causal_scores_t
 from .wy import tinv_beta_pair, wy_product
