@@ -86,22 +86,26 @@ def offline(dump) -> int:
 
     B, T, H, D = 8, 256, 16, gluon_walk.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    # bf16 with and without the states; fp16 (the GPU test runs it too) with them
-    variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
+    # per V-block width: bf16 with and without the states; fp16 (the GPU test runs it too) with them
+    variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_walk.WALK_CONFIGS, reverse=True)
+                for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
+                                            ("fp16", torch.float16, True)]]
     run = JITFunction.run
     JITFunction.run = compile_instead
     try:
-        for _, dtype, states in variants:
+        for _, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
-            gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info)
+            gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info,
+                                              block_v=block_v)
     finally:
         JITFunction.run = run
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
-    for (name, _, states), kernel in zip(variants, compiled):
+    for (name, _, states, block_v), kernel in zip(variants, compiled):
         ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
         usage = oc.ptxas_usage(ptx)
-        print(f"\ngluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK}, initial/final state {states}: "
+        print(f"\ngluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} "
+              f"({gluon_walk.WALK_CONFIGS[block_v]}), initial/final state {states}: "
               f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
               f"setmaxnreg), {usage['spills']} B of spills; shared "
               f"{kernel.metadata.shared} B (sm_90 limit {oc.SHARED_LIMIT})")
@@ -116,7 +120,8 @@ def offline(dump) -> int:
         if dump:
             os.makedirs(dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(dump, f"gluon_walk_{name}_states{int(states)}.{ext}"), "w") as f:
+                path = os.path.join(dump, f"gluon_walk_bv{block_v}_{name}_states{int(states)}.{ext}")
+                with open(path, "w") as f:
                     f.write(kernel.asm[ext])
     print(f"triton {triton.__version__}, target sm_90")
     return 0

@@ -46,7 +46,7 @@ Imported only where it can run (state.gluon_walk_applies imports it lazily, on a
 does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from triton.experimental import gluon
@@ -58,43 +58,64 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..utils import SeqInfo
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
-CHAIN_WARPS, OUTPUT_WARPS = 8, 4
-# registers a thread per partition (setmaxnreg; 16 warps: the loader's 1 warp is padded to a warp group):
-# loader 24, output 128, and the chain what is left of 65,536, (65536 - 128 (24 + 128)) / 256 = 176. Offline
-# (ptxas, sm_90a): no spills at output 128 (none at 152 either, where the chain's 168 spill 20 B with the
-# states); the chain spills 12 B (3 registers) at 176 when it loads and stores the states, none without
-LOADER_REGS, OUTPUT_REGS = 24, 128
-STAGES = 2  # ring slots of W, U, K, Q tiles (64 KiB a slot at bf16)
+OUTPUT_WARPS, LOADER_REGS = 4, 24
+
+
+class WalkConfig(NamedTuple):
+    chain_warps: int  # BV / 16: the chain's S^T rows are split 16 a warp
+    output_regs: int  # the output partition's setmaxnreg; the chain gets what is left
+    stages: int  # ring slots of W, U, K, Q tiles
+
+
+# per V-block width BV (the S^T rows a program walks), registers a thread per partition (setmaxnreg: the
+# loader's 1 warp is padded to a warp group) and ring slots. Offline (ptxas, sm_90a):
+# BV = 128: 16 warps, loader 24, output 128, and the chain what is left of 65,536, (65536 - 128 (24 + 128)) /
+#     256 = 176. No spills at output 128 (none at 152 either, where the chain's 168 spill 20 B with the states);
+#     the chain spills 12 B (3 registers) at 176 when it loads and stores the states, none without. 2 slots
+#     (64 KiB a slot at bf16; a third does not fit).
+# BV = 64: 12 warps, OUTPUT_REGS_SPLIT
+WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2),
+                64: WalkConfig(chain_warps=4, output_regs=128, stages=3)}
+SPLIT_V_PROGRAMS = 132  # the H200's SMs: a split walk's programs (one an SM) in a single wave
+
+
+def split_v(num_seq_heads: int) -> int:
+    """The V-block a program walks, by the number of sequences x heads: 64 (two programs a head) while they fit
+    the SMs in one wave, else 128. Unmeasured: SPLIT_PREDICTION."""
+    return 64 if 2 * num_seq_heads <= SPLIT_V_PROGRAMS else D_WALK
 
 
 @gluon.jit
-def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, C: gl.constexpr, D: gl.constexpr):
-    """TMA of chunk t's W, U, K, Q tiles into slot t % STAGES once both consumers released it."""
+def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr):
+    """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once both consumers
+    released it."""
     w_desc, u_desc, k_desc, q_desc = descs
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = u_desc.block_type.shape[1]
     for t in range(num_chunks):
         s = t % NS
         mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
         # the consumers read U from this slot through the generic proxy: order it before TMA's writes
         fence_async_shared()
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * w_desc.block_type.nbytes)
+        mbarrier.expect(bar, 3 * w_desc.block_type.nbytes + u_desc.block_type.nbytes)
         row = bos + t * C
         tma.async_copy_global_to_shared(w_desc, [row, i_h * D], bar, w_ring.index(s))
-        tma.async_copy_global_to_shared(u_desc, [row, i_h * D], bar, u_ring.index(s))
+        tma.async_copy_global_to_shared(u_desc, [row, i_h * D + i_v * BV], bar, u_ring.index(s))
         tma.async_copy_global_to_shared(k_desc, [row, i_h * D], bar, k_ring.index(s))
         tma.async_copy_global_to_shared(q_desc, [row, i_h * D], bar, q_ring.index(s))
 
 
 @gluon.jit
-def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, bos, eos, num_chunks,
-                    C: gl.constexpr, D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, i_v, bos, eos,
+                    num_chunks, C: gl.constexpr, D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
                     num_warps: gl.constexpr):
-    """The serial chain on S^T [D, D] fp32 (rows V, columns K), both products with the rounded S^T or V'^T
-    as the register operand; S^T and V'^T of each chunk go to the output partition."""
+    """The serial chain on the V-block i_v of S^T, [BV, D] fp32 (rows V, columns K), both products with the
+    rounded S^T or V'^T as the register operand; S^T and V'^T of each chunk go to the output partition."""
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     # warps stacked along the V rows (16 rows a warp): the two products' accumulators and the operand made
     # from one accumulator for the other share the row split, so no data moves between threads
@@ -105,13 +126,13 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
     sd_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=vn_layout, k_width=2)
     vn_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
 
-    rv = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+    rv = gl.arange(0, BV, layout=gl.SliceLayout(1, s_layout))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))
-    o_st = ck[None, :] * D + rv[:, None]  # S^T's [V, K] view of a state [K, V]
+    o_st = ck[None, :] * D + (i_v * BV + rv)[:, None]  # S^T's [V, K] view of a state [K, V], rows of block i_v
     if HAS_H0:
         b_st = gl.load(h0 + i_nh.to(gl.int64) * D * D + o_st).to(gl.float32)
     else:
-        b_st = gl.zeros([D, D], gl.float32, layout=s_layout)
+        b_st = gl.zeros([BV, D], gl.float32, layout=s_layout)
     tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
 
     for t in range(num_chunks):
@@ -120,7 +141,7 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         b_sd = b_st.to(dt)
         b_wst = warpgroup_mma(gl.convert_layout(b_sd, sd_operand), w_ring.index(s).permute((1, 0)),
-                              gl.zeros([D, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
+                              gl.zeros([BV, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
         # while S^T W^T runs: hand S^T to the output (once it is done with the buffer two chunks back)
         mbarrier.wait(sv_empty.index(b), ((t // 2) & 1) ^ 1)
         st_bufs.index(b).store(b_sd)
@@ -141,21 +162,23 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
 
 @gluon.jit
 def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o, scale, bos, eos, num_chunks, i_h,
-                     H: gl.constexpr, C: gl.constexpr, D: gl.constexpr):
-    """O = scale (Q S + (Q K^T ⊙ M) V') of each chunk, from the ring's Q, K and the chain's S^T, V'^T."""
+                     i_v, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr):
+    """O's columns of V-block i_v, scale (Q S + (Q K^T ⊙ M) V') [C, BV] of each chunk, from the ring's Q, K
+    and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it)."""
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     WARPS: gl.constexpr = gl.num_warps()
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, D, 16])
+                                                       instr_shape=[16, BV, 16])
     p_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, C, 16])
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     pi = gl.arange(0, C, layout=gl.SliceLayout(1, p_layout))
     pj = gl.arange(0, C, layout=gl.SliceLayout(0, p_layout))
     ri = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
-    cv = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    cv = gl.arange(0, BV, layout=gl.SliceLayout(0, o_layout))
 
     for t in range(num_chunks):
         s = t % NS
@@ -168,14 +191,14 @@ def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o
         b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p, ))
         b_p = gl.convert_layout(gl.where(pi[:, None] >= pj[None, :], b_p, 0.0).to(dt), p_operand)
         mbarrier.wait(sv_ready.index(b), (t // 2) & 1)
-        b_o = warpgroup_mma(q_s, st_bufs.index(b).permute((1, 0)), gl.zeros([C, D], gl.float32, layout=o_layout),
+        b_o = warpgroup_mma(q_s, st_bufs.index(b).permute((1, 0)), gl.zeros([C, BV], gl.float32, layout=o_layout),
                             use_acc=False, is_async=True)
         b_o = warpgroup_mma(b_p, vt_bufs.index(b).permute((1, 0)), b_o, is_async=True)
         b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, ))
         mbarrier.arrive(sv_empty.index(b), count=1)
         mbarrier.arrive(empty.index(s), count=1)
         start = bos + t * C
-        o_o = (start + ri[:, None]).to(gl.int64) * (H * D) + i_h * D + cv[None, :]
+        o_o = (start + ri[:, None]).to(gl.int64) * (H * D) + i_h * D + i_v * BV + cv[None, :]
         gl.store(o + o_o, (b_o * scale).to(dt), mask=ri[:, None] < eos - start)
 
 
@@ -186,19 +209,23 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
                       num_warps: gl.constexpr):
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
+    BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
+    NV: gl.constexpr = D // BV
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
-    i_nh = gl.program_id(0)
+    # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
+    pid = gl.program_id(0)
+    i_nh, i_v = pid // NV, pid % NV
     i_n, i_h = i_nh // H, i_nh % H
     bos = gl.load(cu_seqlens + i_n)
     eos = gl.load(cu_seqlens + i_n + 1)
     num_chunks = gl.cdiv(eos - bos, C)
 
     tile: gl.constexpr = w_desc.layout
-    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile),
+    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, BV], u_desc.layout),
             gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
-    st_bufs = gl.allocate_shared_memory(dt, [2, D, D], gl.NVMMASharedLayout.get_default_for([D, D], dt))
-    vt_bufs = gl.allocate_shared_memory(dt, [2, D, C], gl.NVMMASharedLayout.get_default_for([D, C], dt))
+    st_bufs = gl.allocate_shared_memory(dt, [2, BV, D], gl.NVMMASharedLayout.get_default_for([BV, D], dt))
+    vt_bufs = gl.allocate_shared_memory(dt, [2, BV, C], gl.NVMMASharedLayout.get_default_for([BV, C], dt))
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     sv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -211,22 +238,23 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
         mbarrier.init(sv_empty.index(i), count=1)
 
     gl.warp_specialize([
-        (chain_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, bos, eos,
+        (chain_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, i_v, bos, eos,
                            num_chunks, C, D, HAS_H0, STORE_HT, num_warps)),
         (output_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o, scale, bos, eos, num_chunks,
-                            i_h, H, C, D)),
-        (loader_partition, ((w_desc, u_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, C, D)),
+                            i_h, i_v, H, C, D)),
+        (loader_partition, ((w_desc, u_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
     ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
 
 
 def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
                       scale: float, initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
-                      info: SeqInfo):
+                      info: SeqInfo, block_v: int = D_WALK):
     """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
     128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
-    r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape). With no tokens at all (TT = 0, where
-    a TMA descriptor cannot be built: its shape must be positive) nothing is launched and final_state gets
-    the initial state (or zeros), as the shipped walk's programs without chunks store it."""
+    r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
+    head (WALK_CONFIGS' V-block widths). With no tokens at all (TT = 0, where a TMA descriptor cannot be built:
+    its shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
+    shipped walk's programs without chunks store it."""
     H, D = k.shape[2], k.shape[3]
     if any(x.dtype != k.dtype for x in (q, w, u)) or k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon_walk: q, k, w, u must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
@@ -234,6 +262,9 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in (q, w, u)):
         raise ValueError(f"gluon_walk: 16-bit K = V = {D_WALK} only, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"w {tuple(w.shape)}, u {tuple(u.shape)}")
+    if block_v not in WALK_CONFIGS:
+        raise ValueError(f"gluon_walk: block_v (the V-block a program walks) must be one of "
+                         f"{sorted(WALK_CONFIGS)}, got {block_v}")
     TT = info.total_tokens
     if any(x.numel() != TT * H * D for x in (q, k, w, u)) or not o.is_contiguous() or o.shape != u.shape:
         raise ValueError(f"gluon_walk: q, k, w, u must hold {TT} tokens of {H} heads (o contiguous, u's shape)")
@@ -247,27 +278,31 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
         elif final_state is not None:
             final_state.zero_()
         return
-    layout = gl.NVMMASharedLayout.get_default_for([C_WALK, D], gl.bfloat16 if k.dtype == torch.bfloat16
-                                                  else gl.float16)
-    # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128); rows past
-    # TT are TMA's zero fill
-    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, D], layout) for x in (w, u, k, q)]
-    grid = (N * H, )
+    dt = gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16
+    # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128), U's
+    # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill
+    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, width],
+                                          gl.NVMMASharedLayout.get_default_for([C_WALK, width], dt))
+             for x, width in ((w, D), (u, block_v), (k, D), (q, D))]
+    cfg = WALK_CONFIGS[block_v]
+    grid = (N * H * (D // block_v), )
     gluon_walk_kernel[grid](*descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
                             initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS,
-                            OUTPUT_REGS, STAGES, num_warps=CHAIN_WARPS)
+                            cfg.output_regs, cfg.stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                           chunk_size: int = C_WALK) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           chunk_size: int = C_WALK, block_v: Optional[int] = None
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
-    C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]."""
+    C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
+    split_v chooses unless given."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
     o = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # contiguous, whatever u's strides
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info)
+    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, split_v(N * H) if block_v is None else block_v)
     return o, final_state
