@@ -2,18 +2,19 @@
 (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64): state_output_fwd runs it where state.gluon_walk_pays (from 64
 sequences x heads; the measurements are there).
 
-One program per (sequence, head) walks its chunks as state.transposed_walk does, with S^T [V, K] fp32 in
-registers, but split over three partitions that run side by side:
-    loader (1 warp): TMA loads of each chunk's W, U, K, Q tiles [C, 128] into a ring of STAGES slots, each
-        slot guarded by a `ready` mbarrier (TMA bytes) and an `empty` one (the chain and the output done);
-    chain (the default partition, 8 warps = 2 warp groups, S^T rows split over them):
+One program per (sequence, head, V-block of BV rows of S^T) walks its chunks as state.transposed_walk does,
+with its S^T rows [BV, K] fp32 in registers, but split over three partitions that run side by side:
+    loader (1 warp): TMA loads of each chunk's W, K, Q tiles [C, 128] and U's V-block [C, BV] into a ring of
+        STAGES slots, each slot guarded by a `ready` mbarrier (TMA bytes) and an `empty` one (the chain and
+        the output done);
+    chain (the default partition, BV / 16 warps, S^T rows split over them: 2 warp groups at BV = 128):
         V'^T = U^T - S^T W^T        (S^T rounded to the input dtype, from registers)
         S^T += V'^T K               (V'^T rounded to the input dtype, from registers)
         and hands S^T (rounded, the state entering the chunk) and V'^T to the output through a
         double-buffered pair of shared-memory tiles (mbarriers sv_ready / sv_empty);
     output (4 warps = 1 warp group):
-        O = scale (Q S + (Q K^T ⊙ M) V')   (Q K^T masked j <= i and rounded as output.causal_output)
-        stored straight from the accumulator's registers, rows past the sequence's end masked.
+        O = scale (Q S + (Q K^T ⊙ M) V')   (Q K^T masked j <= i and rounded as output.causal_output; O, S, V'
+        the V-block's columns) stored straight from the accumulator's registers, rows past the end masked.
 So the serial chain S -> W S -> V' -> K^T V' -> S runs only its two products, while the output's three and
 the loads of the next chunks run in the other warps (plain Triton 3.6 waits on every product in program
 order, so there all five products of a chunk are serial within a program).
@@ -26,6 +27,19 @@ stores S^T after it. The host wrapper takes [B, T, H, 128] or packed [1, TT, H, 
 [B * T, H * 128] either way) and, with no token at all, launches nothing (a TMA descriptor's shape must be
 positive) and passes the initial state (or zeros) through as the final one.
 
+The V-block width BV (u's descriptor's block width; WALK_CONFIGS, split_v):
+    BV = 128, one program a head: the kernel measured on the H200 (below);
+    BV = 64, two programs a head (unmeasured): for few sequences x heads, where BV = 128 leaves most SMs idle
+        (1 x 16 heads: 16 programs on 132 SMs). V' = U - W S and S += K^T V' are separable by V columns, so
+        each V-block of S^T walks alone given W, K and U's block; only Q K^T (a fifth of a program's products
+        at BV = 64) is computed by both programs of a head. The chain is one warp group (S^T [64, 128]: 64 fp32
+        registers a thread), a ring slot 56 KiB, so 3 slots fit; the two programs of a head are neighbours in
+        the grid, so they run at once and share W, K, Q in L2 (HBM reads as at BV = 128). Narrower blocks do
+        not fit this chain: wgmma's M is 64 a warp group, and the chain's products take S^T's (V'^T's) rows as
+        M from registers; BV = 32 would need the walk on S with both operands in shared memory, a different
+        chain, and four programs a head repeating Q K^T and the loads of W, K, Q. Two programs an SM do not
+        fit either (2 ring slots and the S^T, V'^T tiles are already 160 KiB a program).
+
 Checked without a GPU (session 9 review): the TTGIR maps each partition's captures to the right ring slots and
 descriptors; each mbarrier.arrive lowers to one thread's arrive after a partition-wide bar.sync (so count 1 a
 partition, 2 for the ring's empties); each [64, 128] TMA load is two 128-byte-swizzled [64, 64] boxes, 8,192 B
@@ -33,14 +47,19 @@ each, 65,536 B a slot as expected; tests/test_gluon_walk_model.py runs a PyTorch
 through the GPU test's check() (bitwise equal to the shipped walk in the interpreter at fp16, and check()
 fails on a missing V' mask or causal diagonal).
 
-Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline): 16 warps (8 + 4 + 1
-padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with them); shared
-memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 32,768, the rest barriers
-and scratch), so one program per SM and no room for a third ring slot. In the PTX each partition's loop
-synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the output; none in the
-loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions start and end, and each
-wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9): tests/gpu's checks
-pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns bitwise equal).
+Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline), BV = 128: 16 warps
+(8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with
+them); shared memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 32,768, the rest
+barriers and scratch), so one program per SM and no room for a third ring slot. The V-block changes nothing
+in its PTX (the same instructions as before BV was a parameter, debug lines apart: i_v folds to 0). BV = 64:
+12 warps (4 + 4 + 1 padded to 4), 168 registers at launch, setmaxnreg 256 / 128 / 24 (the pool's 64,512
+leave the chain the maximum), no spills with or without the states, bf16 and fp16; shared memory 221,544 B
+(3 ring slots 172,032, S^T tiles 32,768, V'^T tiles 16,384); the same products and barriers per partition as
+at BV = 128 (32 wgmma instructions, narrower), 7 TMA boxes a slot. In the PTX (either BV) each partition's
+loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain, 0, 128 at BV = 64; 2, 128 in
+the output; none in the loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions
+start and end, and each wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9, BV = 128): tests/gpu's
+checks pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns bitwise equal).
 
 Imported only where it can run (state.gluon_walk_applies imports it lazily, on a CUDA sm_90 device): Gluon
 does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
@@ -73,7 +92,9 @@ class WalkConfig(NamedTuple):
 #     256 = 176. No spills at output 128 (none at 152 either, where the chain's 168 spill 20 B with the states);
 #     the chain spills 12 B (3 registers) at 176 when it loads and stores the states, none without. 2 slots
 #     (64 KiB a slot at bf16; a third does not fit).
-# BV = 64: 12 warps, OUTPUT_REGS_SPLIT
+# BV = 64: 12 warps (4 + 4 + 1 padded to 4), 168 registers a thread at launch: loader 24, output 128 and the
+#     chain setmaxnreg's maximum, 256 (what is left, 64,512 - 128 (24 + 128) over 128 threads, is more); no
+#     spills with or without the states. 3 slots (56 KiB a slot at bf16: W, K, Q [64, 128], U [64, 64]).
 WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2),
                 64: WalkConfig(chain_warps=4, output_regs=128, stages=3)}
 SPLIT_V_PROGRAMS = 132  # the H200's SMs: a split walk's programs (one an SM) in a single wave
@@ -81,7 +102,22 @@ SPLIT_V_PROGRAMS = 132  # the H200's SMs: a split walk's programs (one an SM) in
 
 def split_v(num_seq_heads: int) -> int:
     """The V-block a program walks, by the number of sequences x heads: 64 (two programs a head) while they fit
-    the SMs in one wave, else 128. Unmeasured: SPLIT_PREDICTION."""
+    the SMs in one wave, else 128. A prediction, not measured (BV = 64 has not run on a GPU):
+
+    BV = 128 takes ~2.55 us a chunk whether 16 or 64 programs run (1 x 16 heads, T = 32768: 1.317 ms for 512
+    chunks; 1 x 64: 1.307), so its period is its own latency, not HBM's bandwidth. Per chunk and program,
+    BV = 64 against 128: products 2.4 against 4.2 M bf16 FMA (~0.6 against ~1.1 us of an SM's tensor cores),
+    shared-memory traffic (wgmma operands, TMA, the chain's tile stores and U load) ~190 against ~290 KB,
+    TMA 56 against 64 KiB but 3 ring slots against 2; the chain's two products are as large a warp group as
+    before but no longer share the tensor cores with a second chain warp group. What does not shrink: the
+    chain's serial latency (two wgmma and their waits, the hand-offs through mbarriers). Predicted:
+      1 x 16 heads, T = 32768 (32 programs): 1.5-1.9 us a chunk, 0.8-1.0 ms (~0.85) against 1.317 (BV = 128)
+        and the forward's unfused Triton stages' 0.922; no gain (~1.3) if the chain's latency bounds it;
+      1 x 64 and 4 x 16 (128 programs, one wave; 64 sequences x heads is where state.gluon_walk_pays sends
+        the forward here, so this rule changes their launch): ~0.9-1.0 ms against 1.307 and ~0.13 against
+        0.171, near HBM's bandwidth (~80 KB a chunk and head in ~1.7 us from 64 heads: ~3 TB/s);
+      8 x 16 heads, T = 2048 (forced; split_v keeps 128): 256 programs in two waves of one a SM, 2 x 32 chunks
+        of ~1.7 us, 0.11-0.13 ms against the BV = 128 walk's 0.106: no gain, so not past one wave."""
     return 64 if 2 * num_seq_heads <= SPLIT_V_PROGRAMS else D_WALK
 
 
