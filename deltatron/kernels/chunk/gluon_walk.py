@@ -58,8 +58,9 @@ leave the chain the maximum), no spills with or without the states, bf16 and fp1
 at BV = 128 (32 wgmma instructions, narrower), 7 TMA boxes a slot. In the PTX (either BV) each partition's
 loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain, 0, 128 at BV = 64; 2, 128 in
 the output; none in the loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions
-start and end, and each wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9, BV = 128): tests/gpu's
-checks pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns bitwise equal).
+start and end, and each wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9,
+BV = 128): tests/gpu's checks pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns
+bitwise equal).
 
 Imported only where it can run (state.gluon_walk_applies imports it lazily, on a CUDA sm_90 device): Gluon
 does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
