@@ -98,12 +98,15 @@ class WalkConfig(NamedTuple):
 #     spills with or without the states. 3 slots (56 KiB a slot at bf16: W, K, Q [64, 128], U [64, 64]).
 WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2),
                 64: WalkConfig(chain_warps=4, output_regs=128, stages=3)}
-SPLIT_V_PROGRAMS = 132  # the H200's SMs: a split walk's programs (one an SM) in a single wave
+SPLIT_V_BELOW = 64  # sequences x heads: below, two programs a head (see split_v)
 
 
 def split_v(num_seq_heads: int) -> int:
-    """The V-block a program walks, by the number of sequences x heads: 64 (two programs a head) while they fit
-    the SMs in one wave, else 128. A prediction, not measured (BV = 64 has not run on a GPU):
+    """The V-block a program walks, by the number of sequences x heads: 64 (two programs a head) below
+    SPLIT_V_BELOW, else 128. From 64 sequences x heads state.gluon_walk_pays sends the forward here with the
+    measured BV = 128, which this keeps until the split is measured there; below, the forward runs the Triton
+    stages unless state.GLUON_WALK forces this kernel. A prediction, not measured (BV = 64 has not run on a
+    GPU):
 
     BV = 128 takes ~2.55 us a chunk whether 16 or 64 programs run (1 x 16 heads, T = 32768: 1.317 ms for 512
     chunks; 1 x 64: 1.307), so its period is its own latency, not HBM's bandwidth. Per chunk and program,
@@ -114,12 +117,12 @@ def split_v(num_seq_heads: int) -> int:
     chain's serial latency (two wgmma and their waits, the hand-offs through mbarriers). Predicted:
       1 x 16 heads, T = 32768 (32 programs): 1.5-1.9 us a chunk, 0.8-1.0 ms (~0.85) against 1.317 (BV = 128)
         and the forward's unfused Triton stages' 0.922; no gain (~1.3) if the chain's latency bounds it;
-      1 x 64 and 4 x 16 (128 programs, one wave; 64 sequences x heads is where state.gluon_walk_pays sends
-        the forward here, so this rule changes their launch): ~0.9-1.0 ms against 1.307 and ~0.13 against
-        0.171, near HBM's bandwidth (~80 KB a chunk and head in ~1.7 us from 64 heads: ~3 TB/s);
-      8 x 16 heads, T = 2048 (forced; split_v keeps 128): 256 programs in two waves of one a SM, 2 x 32 chunks
-        of ~1.7 us, 0.11-0.13 ms against the BV = 128 walk's 0.106: no gain, so not past one wave."""
-    return 64 if 2 * num_seq_heads <= SPLIT_V_PROGRAMS else D_WALK
+      1 x 64 and 4 x 16 (128 programs, one wave of the H200's 132 SMs): ~0.9-1.0 ms against 1.307 and ~0.13
+        against 0.171, near HBM's bandwidth (~80 KB a chunk and head in ~1.7 us from 64 heads: ~3 TB/s), so
+        the split may pay up to 66 sequences x heads (2 x 66 = 132 programs, one an SM);
+      8 x 16 heads, T = 2048 (forced): 256 programs in two waves of one a SM, 2 x 32 chunks of ~1.7 us,
+        0.11-0.13 ms against the BV = 128 walk's 0.106: no gain past one wave."""
+    return 64 if num_seq_heads < SPLIT_V_BELOW else D_WALK
 
 
 @gluon.jit
