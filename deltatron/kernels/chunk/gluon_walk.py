@@ -112,9 +112,9 @@ def split_v(num_seq_heads: int) -> int:
     chunks; 1 x 64: 1.307), so its period is its own latency, not HBM's bandwidth. Per chunk and program,
     BV = 64 against 128: products 2.4 against 4.2 M bf16 FMA (~0.6 against ~1.1 us of an SM's tensor cores),
     shared-memory traffic (wgmma operands, TMA, the chain's tile stores and U load) ~190 against ~290 KB,
-    TMA 56 against 64 KiB but 3 ring slots against 2; the chain's two products are as large a warp group as
-    before but no longer share the tensor cores with a second chain warp group. What does not shrink: the
-    chain's serial latency (two wgmma and their waits, the hand-offs through mbarriers). Predicted:
+    TMA 56 against 64 KiB but 3 ring slots against 2; the chain warp group's two products are as large as
+    before (64 rows of S^T) but no longer share the tensor cores with a second chain warp group. What does not
+    shrink: the chain's serial latency (two wgmma and their waits, the hand-offs through mbarriers). Predicted:
       1 x 16 heads, T = 32768 (32 programs): 1.5-1.9 us a chunk, 0.8-1.0 ms (~0.85) against 1.317 (BV = 128)
         and the forward's unfused Triton stages' 0.922; no gain (~1.3) if the chain's latency bounds it;
       1 x 64 and 4 x 16 (128 programs, one wave of the H200's 132 SMs): ~0.9-1.0 ms against 1.307 and ~0.13
