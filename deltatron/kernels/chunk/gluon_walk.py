@@ -251,6 +251,7 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
     D: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
     NV: gl.constexpr = D // BV
+    gl.static_assert(NV * BV == D and num_warps * 16 == BV, "the chain's warps hold 16 rows of S^T each")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
     # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
