@@ -1,6 +1,9 @@
 """The Gluon walk's host wrapper (kernels/chunk/gluon_walk.py) where it launches nothing, so on the CPU: the
 batch without tokens (a TMA descriptor cannot be built on zero rows: the final state is the initial state,
-or zeros) and the misuse it refuses. The kernel itself is checked on the GPU (tests/gpu/test_gluon_walk_gpu.py)."""
+or zeros), the misuse it refuses, and the V-block width it launches (split_v's unless given). The kernel itself
+is checked on the GPU (tests/gpu/test_gluon_walk_gpu.py)."""
+import functools
+
 import pytest
 import torch
 
@@ -15,18 +18,33 @@ from deltatron.kernels.chunk import gluon_walk  # noqa: E402
 D = gluon_walk.D_WALK
 
 
+@pytest.mark.parametrize("block_v", [None, 64, 128])
 @pytest.mark.parametrize("lengths", [[0, 0, 0], []])
-def test_no_tokens_passes_the_state_through(poison, lengths):
+def test_no_tokens_passes_the_state_through(poison, lengths, block_v):
     H, N = 2, len(lengths)
     x = make_inputs(1, 0, H, D, D, torch.bfloat16, initial_state=True, N=N, seed=0)
     cu = random_cu_seqlens(lengths)
     info = seq_info(1, 0, torch.device("cpu"), cu, cu)
-    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, x["initial_state"], True, info)
+    walk = functools.partial(gluon_walk.gluon_state_output_fwd, block_v=block_v)
+    o, s = walk(x["q"], x["k"], x["k"], x["v"], 0.1, x["initial_state"], True, info)
     assert o.shape == x["v"].shape and torch.equal(s, x["initial_state"])
-    _, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, True, info)
+    _, s = walk(x["q"], x["k"], x["k"], x["v"], 0.1, None, True, info)
     assert s.shape == (N, H, D, D) and not s.any()
-    _, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info)
+    _, s = walk(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info)
     assert s is None
+
+
+@pytest.mark.parametrize("B, H, block_v, expected", [(1, 16, None, 64), (3, 21, None, 64), (4, 16, None, 128),
+                                                     (8, 16, None, 128), (8, 16, 64, 64), (1, 16, 128, 128)])
+def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
+    # split_v's width unless one is given: two programs a head below 64 sequences x heads (where
+    # state.gluon_walk_pays does not send the forward here), the measured one program a head from there
+    launched = []
+    monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a: launched.append(a[-1]))
+    x = make_inputs(B, 3, H, D, D, torch.bfloat16)
+    gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False,
+                                      seq_info(B, 3, torch.device("cpu"), None, None), block_v=block_v)
+    assert launched == [expected]
 
 
 def test_refuses_misuse():
@@ -43,3 +61,6 @@ def test_refuses_misuse():
         gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, h0[:1], False, info)
     with pytest.raises(ValueError, match="chunk_size"):
         gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, chunk_size=32)
+    for block_v in (32, 96, 256):  # wgmma's M is 64 a warp group: no narrower V-block; others do not tile 128
+        with pytest.raises(ValueError, match="block_v"):
+            gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, block_v=block_v)

@@ -1,13 +1,16 @@
 """A PyTorch model of gluon_walk_kernel's arithmetic, run through the GPU test's own check() against the
 shipped walk (in the interpreter, fp16: the interpreter's bf16 dot is wrong, DESIGN.md §6).
 
-The model does what the kernel does per (sequence, head), chunk by chunk: [C, 128] tiles read from the packed
-rows at bos + t * C (past the sequence's end the next sequence's rows, past TT zeros as TMA fills them),
-S^T rounded to the input dtype for both of its products, V'^T = U^T - S^T W^T with its columns past the
-end zeroed and then rounded, S^T += V'^T K, (Q K^T masked j <= i) rounded, O = scale (Q S + P V') stored
-for the rows before the end. It checks the kernel's indexing and rounding points, not its synchronization
-(that only the GPU can), and that check() fails on the two wrong kernels nearest to it: V' not masked past
-the end (the next sequence's rows reach the state), and the diagonal left out of the causal mask."""
+The model does what the kernel does per (sequence, head, V-block of block_v rows of S^T), chunk by chunk:
+[C, 128] tiles of W, K, Q and U's [C, block_v] V-block read from the packed rows at bos + t * C (past the
+sequence's end the next sequence's rows, past TT zeros as TMA fills them), S^T's V-block rounded to the input
+dtype for both of its products, V'^T = U^T - S^T W^T with its columns past the end zeroed and then rounded,
+S^T += V'^T K, (Q K^T masked j <= i) rounded, O's V-block columns = scale (Q S + P V') stored for the rows
+before the end. It checks the kernel's indexing and rounding points, not its synchronization (that only the
+GPU can), and that check() fails on the three wrong kernels nearest to it: V' not masked past the end (the
+next sequence's rows reach the state), the diagonal left out of the causal mask, and every V-block reading
+U's first (a missing V-block offset)."""
+import itertools
 import types
 
 import pytest
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.skipif(not INTERPRET, reason="the shipped walk on CPU t
 C, D = 64, 128
 
 
-def kernel_model(q, k, w, u, scale, h0, output_final_state, info, bug=None):
+def kernel_model(q, k, w, u, scale, h0, output_final_state, info, block_v, bug=None):
     TT, H, dt = info.total_tokens, k.shape[2], k.dtype
     tiles = [torch.cat([x.reshape(TT, H, D), x.new_zeros(C, H, D)]) for x in (q, k, w, u)]  # zero fill past TT
     o = torch.full((TT, H, D), float("nan"), dtype=dt)
@@ -32,22 +35,24 @@ def kernel_model(q, k, w, u, scale, h0, output_final_state, info, bug=None):
     tok = torch.arange(C)
     for n in range(info.num_seqs):
         bos, eos = cu[n], cu[n + 1]
-        for h in range(H):
-            st = h0[n, h].float().T.clone() if h0 is not None else torch.zeros(D, D)
+        for h, v0 in itertools.product(range(H), range(0, D, block_v)):
+            blk = slice(v0, v0 + block_v)
+            u_blk = slice(0, block_v) if bug == "no V-block offset" else blk
+            st = h0[n, h].float().T[blk].clone() if h0 is not None else torch.zeros(block_v, D)
             for t in range((eos - bos + C - 1) // C):
                 row = bos + t * C
                 b_q, b_k, b_w, b_u = (x[row:row + C, h].float() for x in tiles)
                 sd = st.to(dt).float()
                 valid = C if bug == "no V' mask" else eos - row
-                vnt = torch.where(tok[None, :] < valid, b_u.T - sd @ b_w.T, 0.0).to(dt).float()
+                vnt = torch.where(tok[None, :] < valid, b_u[:, u_blk].T - sd @ b_w.T, 0.0).to(dt).float()
                 keep = tok[:, None] > tok[None, :] if bug == "no diagonal" else tok[:, None] >= tok[None, :]
                 p = torch.where(keep, b_q @ b_k.T, 0.0).to(dt).float()
                 b_o = b_q @ sd.T + p @ vnt.T
                 st = st + vnt @ b_k
                 rows = min(C, eos - row)
-                o[row:row + rows, h] = (b_o * scale).to(dt)[:rows]
+                o[row:row + rows, h, blk] = (b_o * scale).to(dt)[:rows]
             if output_final_state:
-                final[n, h] = st.T
+                final[n, h, :, blk] = st.T
     return o.reshape(u.shape), final
 
 
@@ -64,13 +69,14 @@ def inputs(case):
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen"])
-@pytest.mark.parametrize("bug", [None, "no V' mask", "no diagonal"])
-def test_kernel_model_against_the_gpu_test(case, bug):
+@pytest.mark.parametrize("bug, block_v", [(None, 128), (None, 64), ("no V' mask", 128), ("no diagonal", 128),
+                                          ("no V-block offset", 64)])
+def test_kernel_model_against_the_gpu_test(case, bug, block_v):
     x, info = inputs(case)
-    model = types.SimpleNamespace(gluon_state_output_fwd=lambda *a: kernel_model(*a, bug=bug))
+    model = types.SimpleNamespace(gluon_state_output_fwd=lambda *a, block_v: kernel_model(*a, block_v, bug=bug))
     if bug is None:
-        gpu_test.check(model, x, info, True)
-        gpu_test.check(model, x, info, False)
+        gpu_test.check(model, x, info, True, block_v)
+        gpu_test.check(model, x, info, False, block_v)
     else:
         with pytest.raises(AssertionError):
-            gpu_test.check(model, x, info, True)
+            gpu_test.check(model, x, info, True, block_v)

@@ -3,22 +3,24 @@
 makes of it offline.
 
 On the GPU, per config (transposed_walk.py's inputs: W, U from wy.wy_fwd as the forward makes them, a random
-fp32 initial state): o and the final state of the Gluon walk against the Triton walk's (relative RMS: o
-within one bf16 rounding, < 1e-2; the state fp32 summation order apart), then both timed as the forward runs
-them (no final state). The Gluon walk runs twice: no atomics, so the second run must give the same bits.
+fp32 initial state), for each V-block width of the Gluon walk (block_v 128: a program a sequence and head;
+64: two): o and the final state against the Triton walk's (relative RMS: o within one bf16 rounding, < 1e-2;
+the state fp32 summation order apart), then the walks timed as the forward runs them (no final state), then
+the whole forward with each. The Gluon walk runs twice: no atomics, so the second run must give the same bits.
 
---offline compiles the kernel for sm_90 (bf16 with and without the states, fp16 with them) on a machine
-without a GPU (put triton 3.6 first on PYTHONPATH) and
-prints ptxas's registers and spills, shared memory, the setmaxnreg of each partition, the warp-specialize
-partitions of the TTGIR with their products and waits, and the PTX barriers.
+--offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them)
+on a machine without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared
+memory, the setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and
+waits, and the PTX barriers.
 
-    python benchmarks/diagnostics/gluon_walk.py [--configs b8-t2048-h16-k128 b4-t4096-h16-k128]
+    python benchmarks/diagnostics/gluon_walk.py [--configs b8-t2048-h16-k128 b1-t32768-h16-k128]
     python benchmarks/diagnostics/gluon_walk.py --offline [--dump DIR]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import sys
@@ -37,35 +39,52 @@ from transposed_walk import walk_inputs  # noqa: E402
 
 
 def compare(cfg: bench.Config, measure) -> None:
-    from deltatron.kernels.chunk.gluon_walk import gluon_state_output_fwd
+    from deltatron.kernels.chunk import gluon_walk
 
     state.GLUON_WALK = False  # state_output_fwd as the Triton walk, the reference
     q, k, w, u, scale, h0, info = walk_inputs(cfg, torch.device("cuda"))
     o_ref, s_ref = state.state_output_fwd(q, k, w, u, scale, h0, True, info, 64)
-    o, s = gluon_state_output_fwd(q, k, w, u, scale, h0, True, info)
-    o2, s2 = gluon_state_output_fwd(q, k, w, u, scale, h0, True, info)
-    same = torch.equal(o2, o) and torch.equal(s2, s)  # no atomics: a race between partitions shows as a change
-    err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
-    ok = err_o < 1e-2 and err_s < 1e-3 and torch.isfinite(o).all() and torch.isfinite(s).all() and same
-    print(f"\n{cfg.name}: gluon walk against the Triton walk: o rel RMS {err_o:.1e}, final state {err_s:.1e}, "
-          f"state bitwise {torch.equal(s, s_ref)}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
-    runs = {"Triton walk (state_output_fwd)": lambda: state.state_output_fwd(q, k, w, u, scale, None, False, info, 64),
-            "gluon warp-specialized": lambda: gluon_state_output_fwd(q, k, w, u, scale, None, False, info)}
+    widths = sorted(gluon_walk.WALK_CONFIGS, reverse=True)
+    print(f"\n{cfg.name}: split_v chooses block_v {gluon_walk.split_v(cfg.B * cfg.H)}")
+    results = {}
+    for block_v in widths:
+        o, s = gluon_walk.gluon_state_output_fwd(q, k, w, u, scale, h0, True, info, block_v=block_v)
+        o2, s2 = gluon_walk.gluon_state_output_fwd(q, k, w, u, scale, h0, True, info, block_v=block_v)
+        same = torch.equal(o2, o) and torch.equal(s2, s)  # no atomics: a race between partitions shows as a change
+        err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
+        ok = err_o < 1e-2 and err_s < 1e-3 and torch.isfinite(o).all() and torch.isfinite(s).all() and same
+        print(f"  gluon walk block_v {block_v} against the Triton walk: o rel RMS {err_o:.1e}, final state "
+              f"{err_s:.1e}, state bitwise {torch.equal(s, s_ref)}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+        results[block_v] = (o, s)
+    (o_a, s_a), (o_b, s_b) = results[widths[0]], results[widths[-1]]
+    print(f"  block_v {widths[-1]} against {widths[0]}: o bitwise {torch.equal(o_a, o_b)}, final state bitwise "
+          f"{torch.equal(s_a, s_b)}")
+    runs = {"Triton walk (state_output_fwd)": lambda: state.state_output_fwd(q, k, w, u, scale, None, False, info, 64)}
+    for block_v in widths:
+        runs[f"gluon walk, block_v {block_v}"] = functools.partial(
+            gluon_walk.gluon_state_output_fwd, q, k, w, u, scale, None, False, info, block_v=block_v)
     for name, fn in runs.items():
-        print(f"  {name:<28} {measure(fn):8.3f} ms", flush=True)
-    # the whole forward (no backward: Tinv not stored), each walk twice, interleaved against drift
+        print(f"  {name:<32} {measure(fn):8.3f} ms", flush=True)
+    # the whole forward (no backward: Tinv not stored), each walk twice, interleaved against drift: without the
+    # Gluon walk (the forward's own choice of Triton stages: the fused walk or state + output apart), and with
+    # it at each V-block width (split_v pinned)
     x = bench.make_inputs(cfg, torch.device("cuda"), seed=0)
     q, k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
-    for gluon in (False, True, False, True):
-        state.GLUON_WALK = gluon
-        ms = measure(lambda: chunk.forward(q, k, v, beta, scale, None, False, info, needs_backward=False))
-        print(f"  forward, {'Gluon' if gluon else 'Triton'} walk{'':<14} {ms:8.3f} ms", flush=True)
-    state.GLUON_WALK = False
+    split_v = gluon_walk.split_v
+    try:
+        for block_v in [None, *widths] * 2:
+            state.GLUON_WALK = block_v is not None
+            gluon_walk.split_v = lambda num_seq_heads, block_v=block_v: block_v
+            ms = measure(lambda: chunk.forward(q, k, v, beta, scale, None, False, info, needs_backward=False))
+            name = "Triton stages" if block_v is None else f"Gluon walk, block_v {block_v}"
+            print(f"  forward, {name:<23} {ms:8.3f} ms", flush=True)
+    finally:
+        state.GLUON_WALK, gluon_walk.split_v = False, split_v
 
 
 def offline(dump) -> int:
-    """Compiles the kernel for sm_90 (nothing runs) at the benchmark's 8 x 16 heads: bf16 with and without
-    the initial and final states, fp16 with them."""
+    """Compiles the kernel for sm_90 (nothing runs) at the benchmark's 8 x 16 heads, per V-block width: bf16
+    with and without the initial and final states, fp16 with them."""
     import triton
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -86,22 +105,26 @@ def offline(dump) -> int:
 
     B, T, H, D = 8, 256, 16, gluon_walk.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    # bf16 with and without the states; fp16 (the GPU test runs it too) with them
-    variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
+    # per V-block width: bf16 with and without the states; fp16 (the GPU test runs it too) with them
+    variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_walk.WALK_CONFIGS, reverse=True)
+                for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
+                                            ("fp16", torch.float16, True)]]
     run = JITFunction.run
     JITFunction.run = compile_instead
     try:
-        for _, dtype, states in variants:
+        for _, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
-            gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info)
+            gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info,
+                                              block_v=block_v)
     finally:
         JITFunction.run = run
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
-    for (name, _, states), kernel in zip(variants, compiled):
+    for (name, _, states, block_v), kernel in zip(variants, compiled):
         ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
         usage = oc.ptxas_usage(ptx)
-        print(f"\ngluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK}, initial/final state {states}: "
+        print(f"\ngluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} "
+              f"({gluon_walk.WALK_CONFIGS[block_v]}), initial/final state {states}: "
               f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
               f"setmaxnreg), {usage['spills']} B of spills; shared "
               f"{kernel.metadata.shared} B (sm_90 limit {oc.SHARED_LIMIT})")
@@ -116,7 +139,8 @@ def offline(dump) -> int:
         if dump:
             os.makedirs(dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(dump, f"gluon_walk_{name}_states{int(states)}.{ext}"), "w") as f:
+                path = os.path.join(dump, f"gluon_walk_bv{block_v}_{name}_states{int(states)}.{ext}")
+                with open(path, "w") as f:
                     f.write(kernel.asm[ext])
     print(f"triton {triton.__version__}, target sm_90")
     return 0
@@ -144,7 +168,8 @@ def partition_summary(ttgir: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=["b8-t2048-h16-k128", "b4-t4096-h16-k128"])
+    parser.add_argument("--configs", nargs="+",
+                        default=["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b1-t32768-h16-k128"])
     parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
     parser.add_argument("--dump", help="--offline: write the TTGIR and PTX into this folder")
     args = parser.parse_args()

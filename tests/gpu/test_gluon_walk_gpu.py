@@ -1,13 +1,15 @@
 """The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py, the forward's fused walk where
 state.gluon_walk_pays) against the Triton fused walk (state.state_output_fwd with the Gluon kernel switched
 off) on the same W, U: sm_90 only, 16-bit,
-K = V = 128, C = 64. Both round S and V' to the input dtype at the same points, so they differ by the order
-of fp32 sums, and through it by a rounding of the dtype here and there.
+K = V = 128, C = 64, each check for both V-block widths (block_v 128: one program a sequence and head; 64:
+two, each walking half of S^T's rows). Both walks round S and V' to the input dtype at the same points, so they
+differ by the order of fp32 sums, and through it by a rounding of the dtype here and there.
 
 The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
 failing a test, and would take the whole GPU suite (tests/gpu/run_suite.py) with it. So the first use of
-the fixture runs one small call in a child process under a time limit (SMOKE_TIMEOUT_S); if it hangs or
-crashes, the child is killed and every test here fails with its output, without a launch in this process."""
+the fixture runs one small call of each V-block width, each in a child process under a time limit
+(SMOKE_TIMEOUT_S); if one hangs or crashes, its child is killed and every test of that width (and those of
+none) fails with its output, without a launch in this process."""
 import os
 import subprocess
 import sys
@@ -24,19 +26,23 @@ pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BLOCK_V = [128, 64]  # gluon_walk.WALK_CONFIGS' V-block widths, each forced
 SMOKE_TIMEOUT_S = 240  # compiles (seconds) and runs two sequences of 200 tokens (microseconds)
 SMOKE = """
+import sys
 import torch
 from deltatron.kernels.chunk import gluon_walk, wy
 from deltatron.kernels.utils import seq_info
 from tests.helpers import make_inputs
-B, T, H = 2, 200, 2
+B, T, H, block_v = 2, 200, 2, int(sys.argv[1])
 x = make_inputs(B, T, H, 128, 128, torch.bfloat16, device="cuda", initial_state=True, seed=0)
 info = seq_info(B, T, torch.device("cuda"), None, None)
 _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
-o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info)
+o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
+                                         block_v=block_v)
 torch.cuda.synchronize()
-print("gluon walk smoke call done, finite:", bool(torch.isfinite(o).all() and torch.isfinite(s).all()))
+print(f"gluon walk smoke call (block_v {block_v}) done, finite:",
+      bool(torch.isfinite(o).all() and torch.isfinite(s).all()))
 """
 
 
@@ -48,20 +54,34 @@ def triton_walk_as_reference(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gluon_walk():
+def smoke_failures():
+    """{block_v: why its smoke call failed, or None}."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon walk is written for sm_90 (wgmma, TMA, setmaxnreg)")
     pytest.importorskip("triton.experimental.gluon")
-    try:
-        proc = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, capture_output=True, text=True,
-                              timeout=SMOKE_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the Gluon walk's smoke call did not finish in {SMOKE_TIMEOUT_S} s (a hang: mbarrier phases?)"
-                    f"; its output: {e.stdout!r} {e.stderr!r}", pytrace=False)
-    if proc.returncode != 0:
-        pytest.fail(f"the Gluon walk's smoke call failed (exit {proc.returncode}):\n{proc.stdout}\n"
-                    f"{proc.stderr[-4000:]}", pytrace=False)
-    print(proc.stdout.strip())
+    failures = {}
+    for block_v in BLOCK_V:
+        try:
+            proc = subprocess.run([sys.executable, "-c", SMOKE, str(block_v)], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=SMOKE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            failures[block_v] = (f"did not finish in {SMOKE_TIMEOUT_S} s (a hang: mbarrier phases?); its output: "
+                                 f"{e.stdout!r} {e.stderr!r}")
+            continue
+        print(proc.stdout.strip())
+        failures[block_v] = (f"failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+                             if proc.returncode != 0 else None)
+    return failures
+
+
+@pytest.fixture
+def gluon_walk(smoke_failures, request):
+    # a test of one V-block width runs unless that width's smoke call failed; a test of none needs all
+    callspec = getattr(request.node, "callspec", None)
+    widths = [callspec.params["block_v"]] if callspec is not None and "block_v" in callspec.params else BLOCK_V
+    failed = [f"block_v {block_v}: {smoke_failures[block_v]}" for block_v in widths if smoke_failures[block_v]]
+    if failed:
+        pytest.fail("the Gluon walk's smoke call " + "\n".join(failed), pytrace=False)
     from deltatron.kernels.chunk import gluon_walk
 
     return gluon_walk
@@ -71,16 +91,16 @@ def packed(x, B, T, H):
     return {n: (t.reshape(1, B * T, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
 
 
-def check(gluon_walk, x, info, states: bool):
+def check(gluon_walk, x, info, states: bool, block_v: int = 128):
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
     h0 = x["initial_state"] if states else None
     o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, C)
-    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info)
+    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, block_v=block_v)
     bound = BOUNDS[x["q"].dtype]
     assert torch.isfinite(o).all()
     err_o = rel_rms(o, o_ref)
     err_s = rel_rms(s, s_ref) if states else None
-    print(f"gluon walk against the shipped walk: o {err_o:.2e}, final state {err_s}")
+    print(f"gluon walk (block_v {block_v}) against the shipped walk: o {err_o:.2e}, final state {err_s}")
     assert err_o < bound
     if states:
         assert torch.isfinite(s).all()
@@ -90,31 +110,33 @@ def check(gluon_walk, x, info, states: bool):
     # the kernel has no atomics and no cross-program work: a second run must give the same bits. A race
     # between the partitions (a slot or S / V' tile read before it is written or after it is overwritten)
     # would show here even where it moves the error by less than the bound
-    o2, s2 = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info)
+    o2, s2 = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, block_v=block_v)
     assert torch.equal(o2, o)
     if states:
         assert torch.equal(s2, s)
 
 
+@pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B, T, H", [(8, 2048, 16), (2, 1000, 4), (3, 64, 2), (1, 1, 3)])
 @pytest.mark.parametrize("states", [False, True])
-def test_gluon_walk_matches_shipped_walk(poison, gluon_walk, dtype, B, T, H, states):
+def test_gluon_walk_matches_shipped_walk(poison, gluon_walk, dtype, B, T, H, states, block_v):
     # T = 1000: a partial last chunk whose TMA tiles read the next sequence's rows (which must not reach
     # the state); T = 1: every chunk partial; T = 64: exactly one chunk
     x = packed(make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + H), B, T, H)
-    check(gluon_walk, x, seq_info(B, T, torch.device("cuda"), None, None), states)
+    check(gluon_walk, x, seq_info(B, T, torch.device("cuda"), None, None), states, block_v)
 
 
+@pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_walk_varlen(poison, gluon_walk, dtype):
+def test_gluon_walk_varlen(poison, gluon_walk, dtype, block_v):
     g = torch.Generator().manual_seed(7)
     lengths = [0, 1, C - 1, C, C + 1] + torch.randint(1, 1500, (11,), generator=g).tolist()
     lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
     TT, H = sum(lengths), 8
     x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=3)
     cu = random_cu_seqlens(lengths, "cuda")
-    check(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True)
+    check(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v)
 
 
 def test_gluon_walk_refuses_other_shapes(gluon_walk):
@@ -124,29 +146,33 @@ def test_gluon_walk_refuses_other_shapes(gluon_walk):
         gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.125, None, False, info)
 
 
-def test_gluon_walk_unpacked_batch(poison, gluon_walk):
+@pytest.mark.parametrize("block_v", BLOCK_V)
+def test_gluon_walk_unpacked_batch(poison, gluon_walk, block_v):
     # [B, T, H, 128] without packing (B > 1): the descriptors span all B * T rows, the same bits as packed
     B, T, H = 3, 200, 2
     x = make_inputs(B, T, H, D, D, torch.bfloat16, device="cuda", initial_state=True, seed=5)
     info = seq_info(B, T, torch.device("cuda"), None, None)
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
-    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info)
+    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info,
+                                             block_v=block_v)
     flat = [t.reshape(1, B * T, H, D) for t in (x["q"], x["k"], w, u)]
-    o_p, s_p = gluon_walk.gluon_state_output_fwd(*flat, D ** -0.5, x["initial_state"], True, info)
+    o_p, s_p = gluon_walk.gluon_state_output_fwd(*flat, D ** -0.5, x["initial_state"], True, info, block_v=block_v)
     assert torch.equal(o.reshape(1, B * T, H, D), o_p) and torch.equal(s, s_p)
     o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info, C)
     assert rel_rms(o, o_ref) < BOUNDS[torch.bfloat16] and rel_rms(s, s_ref) < BOUNDS[torch.bfloat16]
 
 
+@pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("lengths", [[0, 0], []])
-def test_gluon_walk_no_tokens(poison, gluon_walk, lengths):
+def test_gluon_walk_no_tokens(poison, gluon_walk, lengths, block_v):
     # no token at all: nothing launches (a TMA descriptor's shape must be positive); the final state is the
     # initial one (or zeros), o is empty
     H = 2
     x = make_inputs(1, 0, H, D, D, torch.bfloat16, device="cuda", initial_state=True, N=len(lengths), seed=1)
     cu = random_cu_seqlens(lengths, "cuda")
     info = seq_info(1, 0, torch.device("cuda"), cu, cu.cpu())
-    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, x["initial_state"], True, info)
+    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, x["initial_state"], True, info,
+                                             block_v=block_v)
     assert o.shape == x["v"].shape and torch.equal(s, x["initial_state"])
-    _, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, True, info)
+    _, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, True, info, block_v=block_v)
     assert s.shape == (len(lengths), H, D, D) and not s.any()

@@ -2,18 +2,19 @@
 (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64): state_output_fwd runs it where state.gluon_walk_pays (from 64
 sequences x heads; the measurements are there).
 
-One program per (sequence, head) walks its chunks as state.transposed_walk does, with S^T [V, K] fp32 in
-registers, but split over three partitions that run side by side:
-    loader (1 warp): TMA loads of each chunk's W, U, K, Q tiles [C, 128] into a ring of STAGES slots, each
-        slot guarded by a `ready` mbarrier (TMA bytes) and an `empty` one (the chain and the output done);
-    chain (the default partition, 8 warps = 2 warp groups, S^T rows split over them):
+One program per (sequence, head, V-block of BV rows of S^T) walks its chunks as state.transposed_walk does,
+with its S^T rows [BV, K] fp32 in registers, but split over three partitions that run side by side:
+    loader (1 warp): TMA loads of each chunk's W, K, Q tiles [C, 128] and U's V-block [C, BV] into a ring of
+        STAGES slots, each slot guarded by a `ready` mbarrier (TMA bytes) and an `empty` one (the chain and
+        the output done);
+    chain (the default partition, BV / 16 warps, S^T rows split over them: 2 warp groups at BV = 128):
         V'^T = U^T - S^T W^T        (S^T rounded to the input dtype, from registers)
         S^T += V'^T K               (V'^T rounded to the input dtype, from registers)
         and hands S^T (rounded, the state entering the chunk) and V'^T to the output through a
         double-buffered pair of shared-memory tiles (mbarriers sv_ready / sv_empty);
     output (4 warps = 1 warp group):
-        O = scale (Q S + (Q K^T ⊙ M) V')   (Q K^T masked j <= i and rounded as output.causal_output)
-        stored straight from the accumulator's registers, rows past the sequence's end masked.
+        O = scale (Q S + (Q K^T ⊙ M) V')   (Q K^T masked j <= i and rounded as output.causal_output; O, S, V'
+        the V-block's columns) stored straight from the accumulator's registers, rows past the end masked.
 So the serial chain S -> W S -> V' -> K^T V' -> S runs only its two products, while the output's three and
 the loads of the next chunks run in the other warps (plain Triton 3.6 waits on every product in program
 order, so there all five products of a chunk are serial within a program).
@@ -26,6 +27,19 @@ stores S^T after it. The host wrapper takes [B, T, H, 128] or packed [1, TT, H, 
 [B * T, H * 128] either way) and, with no token at all, launches nothing (a TMA descriptor's shape must be
 positive) and passes the initial state (or zeros) through as the final one.
 
+The V-block width BV (u's descriptor's block width; WALK_CONFIGS, split_v):
+    BV = 128, one program a head: the kernel measured on the H200 (below);
+    BV = 64, two programs a head (unmeasured): for few sequences x heads, where BV = 128 leaves most SMs idle
+        (1 x 16 heads: 16 programs on 132 SMs). V' = U - W S and S += K^T V' are separable by V columns, so
+        each V-block of S^T walks alone given W, K and U's block; only Q K^T (a fifth of a program's products
+        at BV = 64) is computed by both programs of a head. The chain is one warp group (S^T [64, 128]: 64 fp32
+        registers a thread), a ring slot 56 KiB, so 3 slots fit; the two programs of a head are neighbours in
+        the grid, so they run at once and share W, K, Q in L2 (HBM reads as at BV = 128). Narrower blocks do
+        not fit this chain: wgmma's M is 64 a warp group, and the chain's products take S^T's (V'^T's) rows as
+        M from registers; BV = 32 would need the walk on S with both operands in shared memory, a different
+        chain, and four programs a head repeating Q K^T and the loads of W, K, Q. Two programs an SM do not
+        fit either (2 ring slots and the S^T, V'^T tiles are already 160 KiB a program).
+
 Checked without a GPU (session 9 review): the TTGIR maps each partition's captures to the right ring slots and
 descriptors; each mbarrier.arrive lowers to one thread's arrive after a partition-wide bar.sync (so count 1 a
 partition, 2 for the ring's empties); each [64, 128] TMA load is two 128-byte-swizzled [64, 64] boxes, 8,192 B
@@ -33,20 +47,26 @@ each, 65,536 B a slot as expected; tests/test_gluon_walk_model.py runs a PyTorch
 through the GPU test's check() (bitwise equal to the shipped walk in the interpreter at fp16, and check()
 fails on a missing V' mask or causal diagonal).
 
-Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline): 16 warps (8 + 4 + 1
-padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with them); shared
-memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 32,768, the rest barriers
-and scratch), so one program per SM and no room for a third ring slot. In the PTX each partition's loop
-synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the output; none in the
-loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions start and end, and each
-wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9): tests/gpu's checks
-pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns bitwise equal).
+Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline), BV = 128: 16 warps
+(8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with
+them); shared memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 32,768, the rest
+barriers and scratch), so one program per SM and no room for a third ring slot. The V-block changes nothing
+in its PTX (the same instructions as before BV was a parameter, debug lines apart: i_v folds to 0). BV = 64:
+12 warps (4 + 4 + 1 padded to 4), 168 registers at launch, setmaxnreg 256 / 128 / 24 (the pool's 64,512
+leave the chain the maximum), no spills with or without the states, bf16 and fp16; shared memory 221,544 B
+(3 ring slots 172,032, S^T tiles 32,768, V'^T tiles 16,384); the same products and barriers per partition as
+at BV = 128 (32 wgmma instructions, narrower), 7 TMA boxes a slot. In the PTX (either BV) each partition's
+loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain, 0, 128 at BV = 64; 2, 128 in
+the output; none in the loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions
+start and end, and each wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9,
+BV = 128): tests/gpu's checks pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns
+bitwise equal).
 
 Imported only where it can run (state.gluon_walk_applies imports it lazily, on a CUDA sm_90 device): Gluon
 does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from triton.experimental import gluon
@@ -58,43 +78,84 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..utils import SeqInfo
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
-CHAIN_WARPS, OUTPUT_WARPS = 8, 4
-# registers a thread per partition (setmaxnreg; 16 warps: the loader's 1 warp is padded to a warp group):
-# loader 24, output 128, and the chain what is left of 65,536, (65536 - 128 (24 + 128)) / 256 = 176. Offline
-# (ptxas, sm_90a): no spills at output 128 (none at 152 either, where the chain's 168 spill 20 B with the
-# states); the chain spills 12 B (3 registers) at 176 when it loads and stores the states, none without
-LOADER_REGS, OUTPUT_REGS = 24, 128
-STAGES = 2  # ring slots of W, U, K, Q tiles (64 KiB a slot at bf16)
+OUTPUT_WARPS, LOADER_REGS = 4, 24
+
+
+class WalkConfig(NamedTuple):
+    chain_warps: int  # BV / 16: the chain's S^T rows are split 16 a warp
+    output_regs: int  # the output partition's setmaxnreg; the chain gets what is left
+    stages: int  # ring slots of W, U, K, Q tiles
+
+
+# per V-block width BV (the S^T rows a program walks), registers a thread per partition (setmaxnreg: the
+# loader's 1 warp is padded to a warp group) and ring slots. Offline (ptxas, sm_90a):
+# BV = 128: 16 warps, loader 24, output 128, and the chain what is left of 65,536, (65536 - 128 (24 + 128)) /
+#     256 = 176. No spills at output 128 (none at 152 either, where the chain's 168 spill 20 B with the states);
+#     the chain spills 12 B (3 registers) at 176 when it loads and stores the states, none without. 2 slots
+#     (64 KiB a slot at bf16; a third does not fit).
+# BV = 64: 12 warps (4 + 4 + 1 padded to 4), 168 registers a thread at launch: loader 24, output 128 and the
+#     chain setmaxnreg's maximum, 256 (what is left, 64,512 - 128 (24 + 128) over 128 threads, is more); no
+#     spills with or without the states. 3 slots (56 KiB a slot at bf16: W, K, Q [64, 128], U [64, 64]).
+WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2),
+                64: WalkConfig(chain_warps=4, output_regs=128, stages=3)}
+SPLIT_V_BELOW = 64  # sequences x heads: below, two programs a head (see split_v)
+
+
+def split_v(num_seq_heads: int) -> int:
+    """The V-block a program walks, by the number of sequences x heads: 64 (two programs a head) below
+    SPLIT_V_BELOW, else 128. From 64 sequences x heads state.gluon_walk_pays sends the forward here with the
+    measured BV = 128, which this keeps until the split is measured there; below, the forward runs the Triton
+    stages unless state.GLUON_WALK forces this kernel. A prediction, not measured (BV = 64 has not run on a
+    GPU):
+
+    BV = 128 takes ~2.55 us a chunk whether 16 or 64 programs run (1 x 16 heads, T = 32768: 1.317 ms for 512
+    chunks; 1 x 64: 1.307), so its period is its own latency, not HBM's bandwidth. Per chunk and program,
+    BV = 64 against 128: products 2.4 against 4.2 M bf16 FMA (~0.6 against ~1.1 us of an SM's tensor cores),
+    shared-memory traffic (wgmma operands, TMA, the chain's tile stores and U load) ~190 against ~290 KB,
+    TMA 56 against 64 KiB but 3 ring slots against 2; the chain warp group's two products are as large as
+    before (64 rows of S^T) but no longer share the tensor cores with a second chain warp group. What does not
+    shrink: the chain's serial latency (two wgmma and their waits, the hand-offs through mbarriers). Predicted:
+      1 x 16 heads, T = 32768 (32 programs): 1.5-1.9 us a chunk, 0.8-1.0 ms (~0.85) against 1.317 (BV = 128)
+        and the forward's unfused Triton stages' 0.922; no gain (~1.3) if the chain's latency bounds it;
+      1 x 64 and 4 x 16 (128 programs, one wave of the H200's 132 SMs): ~0.9-1.0 ms against 1.307 and ~0.13
+        against 0.171, near HBM's bandwidth (~80 KB a chunk and head in ~1.7 us from 64 heads: ~3 TB/s), so
+        the split may pay up to 66 sequences x heads (2 x 66 = 132 programs, one an SM);
+      8 x 16 heads, T = 2048 (forced): 256 programs in two waves of one a SM, 2 x 32 chunks of ~1.7 us,
+        0.11-0.13 ms against the BV = 128 walk's 0.106: no gain past one wave."""
+    return 64 if num_seq_heads < SPLIT_V_BELOW else D_WALK
 
 
 @gluon.jit
-def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, C: gl.constexpr, D: gl.constexpr):
-    """TMA of chunk t's W, U, K, Q tiles into slot t % STAGES once both consumers released it."""
+def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr):
+    """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once both consumers
+    released it."""
     w_desc, u_desc, k_desc, q_desc = descs
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = u_desc.block_type.shape[1]
     for t in range(num_chunks):
         s = t % NS
         mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
         # the consumers read U from this slot through the generic proxy: order it before TMA's writes
         fence_async_shared()
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * w_desc.block_type.nbytes)
+        mbarrier.expect(bar, 3 * w_desc.block_type.nbytes + u_desc.block_type.nbytes)
         row = bos + t * C
         tma.async_copy_global_to_shared(w_desc, [row, i_h * D], bar, w_ring.index(s))
-        tma.async_copy_global_to_shared(u_desc, [row, i_h * D], bar, u_ring.index(s))
+        tma.async_copy_global_to_shared(u_desc, [row, i_h * D + i_v * BV], bar, u_ring.index(s))
         tma.async_copy_global_to_shared(k_desc, [row, i_h * D], bar, k_ring.index(s))
         tma.async_copy_global_to_shared(q_desc, [row, i_h * D], bar, q_ring.index(s))
 
 
 @gluon.jit
-def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, bos, eos, num_chunks,
-                    C: gl.constexpr, D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, i_v, bos, eos,
+                    num_chunks, C: gl.constexpr, D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
                     num_warps: gl.constexpr):
-    """The serial chain on S^T [D, D] fp32 (rows V, columns K), both products with the rounded S^T or V'^T
-    as the register operand; S^T and V'^T of each chunk go to the output partition."""
+    """The serial chain on the V-block i_v of S^T, [BV, D] fp32 (rows V, columns K), both products with the
+    rounded S^T or V'^T as the register operand; S^T and V'^T of each chunk go to the output partition."""
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     # warps stacked along the V rows (16 rows a warp): the two products' accumulators and the operand made
     # from one accumulator for the other share the row split, so no data moves between threads
@@ -105,13 +166,13 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
     sd_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=vn_layout, k_width=2)
     vn_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
 
-    rv = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+    rv = gl.arange(0, BV, layout=gl.SliceLayout(1, s_layout))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))
-    o_st = ck[None, :] * D + rv[:, None]  # S^T's [V, K] view of a state [K, V]
+    o_st = ck[None, :] * D + (i_v * BV + rv)[:, None]  # S^T's [V, K] view of a state [K, V], rows of block i_v
     if HAS_H0:
         b_st = gl.load(h0 + i_nh.to(gl.int64) * D * D + o_st).to(gl.float32)
     else:
-        b_st = gl.zeros([D, D], gl.float32, layout=s_layout)
+        b_st = gl.zeros([BV, D], gl.float32, layout=s_layout)
     tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
 
     for t in range(num_chunks):
@@ -120,7 +181,7 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         b_sd = b_st.to(dt)
         b_wst = warpgroup_mma(gl.convert_layout(b_sd, sd_operand), w_ring.index(s).permute((1, 0)),
-                              gl.zeros([D, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
+                              gl.zeros([BV, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
         # while S^T W^T runs: hand S^T to the output (once it is done with the buffer two chunks back)
         mbarrier.wait(sv_empty.index(b), ((t // 2) & 1) ^ 1)
         st_bufs.index(b).store(b_sd)
@@ -141,21 +202,23 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
 
 @gluon.jit
 def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o, scale, bos, eos, num_chunks, i_h,
-                     H: gl.constexpr, C: gl.constexpr, D: gl.constexpr):
-    """O = scale (Q S + (Q K^T ⊙ M) V') of each chunk, from the ring's Q, K and the chain's S^T, V'^T."""
+                     i_v, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr):
+    """O's columns of V-block i_v, scale (Q S + (Q K^T ⊙ M) V') [C, BV] of each chunk, from the ring's Q, K
+    and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it)."""
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     WARPS: gl.constexpr = gl.num_warps()
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, D, 16])
+                                                       instr_shape=[16, BV, 16])
     p_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, C, 16])
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     pi = gl.arange(0, C, layout=gl.SliceLayout(1, p_layout))
     pj = gl.arange(0, C, layout=gl.SliceLayout(0, p_layout))
     ri = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
-    cv = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    cv = gl.arange(0, BV, layout=gl.SliceLayout(0, o_layout))
 
     for t in range(num_chunks):
         s = t % NS
@@ -168,14 +231,14 @@ def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o
         b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p, ))
         b_p = gl.convert_layout(gl.where(pi[:, None] >= pj[None, :], b_p, 0.0).to(dt), p_operand)
         mbarrier.wait(sv_ready.index(b), (t // 2) & 1)
-        b_o = warpgroup_mma(q_s, st_bufs.index(b).permute((1, 0)), gl.zeros([C, D], gl.float32, layout=o_layout),
+        b_o = warpgroup_mma(q_s, st_bufs.index(b).permute((1, 0)), gl.zeros([C, BV], gl.float32, layout=o_layout),
                             use_acc=False, is_async=True)
         b_o = warpgroup_mma(b_p, vt_bufs.index(b).permute((1, 0)), b_o, is_async=True)
         b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, ))
         mbarrier.arrive(sv_empty.index(b), count=1)
         mbarrier.arrive(empty.index(s), count=1)
         start = bos + t * C
-        o_o = (start + ri[:, None]).to(gl.int64) * (H * D) + i_h * D + cv[None, :]
+        o_o = (start + ri[:, None]).to(gl.int64) * (H * D) + i_h * D + i_v * BV + cv[None, :]
         gl.store(o + o_o, (b_o * scale).to(dt), mask=ri[:, None] < eos - start)
 
 
@@ -186,19 +249,24 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
                       num_warps: gl.constexpr):
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
+    BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
+    NV: gl.constexpr = D // BV
+    gl.static_assert(NV * BV == D and num_warps * 16 == BV, "the chain's warps hold 16 rows of S^T each")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
-    i_nh = gl.program_id(0)
+    # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
+    pid = gl.program_id(0)
+    i_nh, i_v = pid // NV, pid % NV
     i_n, i_h = i_nh // H, i_nh % H
     bos = gl.load(cu_seqlens + i_n)
     eos = gl.load(cu_seqlens + i_n + 1)
     num_chunks = gl.cdiv(eos - bos, C)
 
     tile: gl.constexpr = w_desc.layout
-    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile),
+    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, BV], u_desc.layout),
             gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
-    st_bufs = gl.allocate_shared_memory(dt, [2, D, D], gl.NVMMASharedLayout.get_default_for([D, D], dt))
-    vt_bufs = gl.allocate_shared_memory(dt, [2, D, C], gl.NVMMASharedLayout.get_default_for([D, C], dt))
+    st_bufs = gl.allocate_shared_memory(dt, [2, BV, D], gl.NVMMASharedLayout.get_default_for([BV, D], dt))
+    vt_bufs = gl.allocate_shared_memory(dt, [2, BV, C], gl.NVMMASharedLayout.get_default_for([BV, C], dt))
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     sv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -211,22 +279,23 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
         mbarrier.init(sv_empty.index(i), count=1)
 
     gl.warp_specialize([
-        (chain_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, bos, eos,
+        (chain_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, i_v, bos, eos,
                            num_chunks, C, D, HAS_H0, STORE_HT, num_warps)),
         (output_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o, scale, bos, eos, num_chunks,
-                            i_h, H, C, D)),
-        (loader_partition, ((w_desc, u_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, C, D)),
+                            i_h, i_v, H, C, D)),
+        (loader_partition, ((w_desc, u_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
     ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
 
 
 def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
                       scale: float, initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
-                      info: SeqInfo):
+                      info: SeqInfo, block_v: int = D_WALK):
     """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
     128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
-    r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape). With no tokens at all (TT = 0, where
-    a TMA descriptor cannot be built: its shape must be positive) nothing is launched and final_state gets
-    the initial state (or zeros), as the shipped walk's programs without chunks store it."""
+    r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
+    head (WALK_CONFIGS' V-block widths). With no tokens at all (TT = 0, where a TMA descriptor cannot be built:
+    its shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
+    shipped walk's programs without chunks store it."""
     H, D = k.shape[2], k.shape[3]
     if any(x.dtype != k.dtype for x in (q, w, u)) or k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon_walk: q, k, w, u must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
@@ -234,6 +303,9 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in (q, w, u)):
         raise ValueError(f"gluon_walk: 16-bit K = V = {D_WALK} only, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"w {tuple(w.shape)}, u {tuple(u.shape)}")
+    if block_v not in WALK_CONFIGS:
+        raise ValueError(f"gluon_walk: block_v (the V-block a program walks) must be one of "
+                         f"{sorted(WALK_CONFIGS)}, got {block_v}")
     TT = info.total_tokens
     if any(x.numel() != TT * H * D for x in (q, k, w, u)) or not o.is_contiguous() or o.shape != u.shape:
         raise ValueError(f"gluon_walk: q, k, w, u must hold {TT} tokens of {H} heads (o contiguous, u's shape)")
@@ -247,27 +319,31 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
         elif final_state is not None:
             final_state.zero_()
         return
-    layout = gl.NVMMASharedLayout.get_default_for([C_WALK, D], gl.bfloat16 if k.dtype == torch.bfloat16
-                                                  else gl.float16)
-    # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128); rows past
-    # TT are TMA's zero fill
-    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, D], layout) for x in (w, u, k, q)]
-    grid = (N * H, )
+    dt = gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16
+    # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128), U's
+    # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill
+    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, width],
+                                          gl.NVMMASharedLayout.get_default_for([C_WALK, width], dt))
+             for x, width in ((w, D), (u, block_v), (k, D), (q, D))]
+    cfg = WALK_CONFIGS[block_v]
+    grid = (N * H * (D // block_v), )
     gluon_walk_kernel[grid](*descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
                             initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS,
-                            OUTPUT_REGS, STAGES, num_warps=CHAIN_WARPS)
+                            cfg.output_regs, cfg.stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                           chunk_size: int = C_WALK) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           chunk_size: int = C_WALK, block_v: Optional[int] = None
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
-    C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]."""
+    C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
+    split_v chooses unless given."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
     o = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # contiguous, whatever u's strides
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info)
+    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, split_v(N * H) if block_v is None else block_v)
     return o, final_state
