@@ -68,8 +68,10 @@ STAGES = 2  # ring slots of W, U, K, Q tiles (64 KiB a slot at bf16)
 
 
 @gluon.jit
-def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, C: gl.constexpr, D: gl.constexpr):
-    """TMA of chunk t's W, U, K, Q tiles into slot t % STAGES once both consumers released it."""
+def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, C: gl.constexpr, D: gl.constexpr,
+                     REVERSE: gl.constexpr = False):
+    """TMA of chunk t's W, U, K, Q tiles into slot t % STAGES once both consumers released it (REVERSE, for
+    gluon_reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the sequence walked backwards)."""
     w_desc, u_desc, k_desc, q_desc = descs
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
@@ -80,7 +82,7 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, C: gl.cons
         fence_async_shared()
         bar = ready.index(s)
         mbarrier.expect(bar, 4 * w_desc.block_type.nbytes)
-        row = bos + t * C
+        row = bos + ((num_chunks - 1 - t) if REVERSE else t) * C
         tma.async_copy_global_to_shared(w_desc, [row, i_h * D], bar, w_ring.index(s))
         tma.async_copy_global_to_shared(u_desc, [row, i_h * D], bar, u_ring.index(s))
         tma.async_copy_global_to_shared(k_desc, [row, i_h * D], bar, k_ring.index(s))
