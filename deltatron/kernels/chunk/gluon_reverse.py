@@ -53,19 +53,20 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
         # dV'^T = dV'_local^T + dS_next^T K^T, the local part (fp32) as the accumulator's start
         b_dvt = warpgroup_mma(gl.convert_layout(b_dsd, sd_operand), k_ring.index(s).permute((1, 0)),
                               dvl_buf.permute((1, 0)).load(vn_layout), is_async=True)
-        # while it runs: the off-chain term scale Q^T dO joins dS, dh leaves
+        # while it runs: the off-chain term scale Q^T dO joins dS
         b_dst = b_dst + qdo_buf.load(s_layout)
         mbarrier.arrive(hand_empty, count=1)
-        o_dh = ((first_chunk + t) * H + i_h).to(gl.int64) * D * D
-        gl.store(dh + o_dh + o_st, b_dsd)
         b_dvt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dvt, ))
         # dV' rows past the sequence's end (K rows of the next sequence) must not reach dS
         n = eos - bos - t * C
         b_dvd = gl.where(tokens[None, :] < n, b_dvt, 0.0).to(dt)
         # dS^T -= dV'^T W: the negation of the rounded dV' is exact
         b_dst = warpgroup_mma(gl.convert_layout(-b_dvd, vn_operand), w_ring.index(s), b_dst, is_async=True)
+        # while that runs: the stores (here rather than beside the first product, where they spill)
         o_dv = (bos + t * C + tokens[None, :]).to(gl.int64) * (H * D) + i_h * D + vv[:, None]
         gl.store(dv + o_dv, b_dvd, mask=tokens[None, :] < n)
+        o_dh = ((first_chunk + t) * H + i_h).to(gl.int64) * D * D
+        gl.store(dh + o_dh + o_st, b_dsd)
         b_dst = warpgroup_mma_wait(num_outstanding=0, deps=(b_dst, ))
         mbarrier.arrive(empty.index(s), count=1)
 
