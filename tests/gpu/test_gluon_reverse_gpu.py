@@ -39,6 +39,12 @@ print("gluon reverse smoke call done, finite:", all(bool(torch.isfinite(x).all()
 """
 
 
+@pytest.fixture(autouse=True)
+def triton_pass_as_reference(monkeypatch):
+    # state_bwd.state_bwd is the reference here: the Triton pass, whatever GLUON_REVERSE's default becomes
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
+
+
 @pytest.fixture(scope="module")
 def gluon_reverse():
     if torch.cuda.get_device_capability() != (9, 0):
@@ -130,6 +136,16 @@ def test_gluon_reverse_unpacked_batch(poison, gluon_reverse):
     assert unpacked[1].shape == (B, T, H, D)
     assert torch.equal(packed[0], unpacked[0]) and torch.equal(packed[1], unpacked[1].reshape(packed[1].shape))
     assert torch.equal(packed[2], unpacked[2])
+
+
+def test_state_bwd_runs_gluon_reverse_where_forced(gluon_reverse, monkeypatch):
+    (q, k, w, do, dht), info = reverse_inputs(2, 300, 4, torch.bfloat16, "cuda", seed=11)
+    direct = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info)
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", True)
+    dispatched = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, True, info, C)
+    assert all(torch.equal(x, y) for x, y in zip(direct, dispatched))
+    # the unfused pass (dv_local given) stays Triton's
+    assert not state_bwd.gluon_reverse_pays(q, k, w, do, torch.empty_like(do), info, C)
 
 
 def test_gluon_reverse_refuses_other_shapes(gluon_reverse):
