@@ -1,4 +1,81 @@
-"""DOCSTRING"""
+"""The backward's reverse state pass (state_bwd.state_bwd with dv_local=None, the fused pass) as a
+warp-specialized Gluon kernel for Hopper (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64), the mirror of
+gluon_walk.py. state_bwd runs it only where state_bwd.gluon_reverse_pays, which GLUON_REVERSE keeps off until
+it is measured; backward.py does not call it otherwise.
+
+One program per (sequence, head) walks its chunks backwards from dS = dht (or 0), as state_bwd_kernel does,
+with dS^T [V, K] fp32 in registers, split over three partitions that run side by side:
+    loader (1 warp): gluon_walk.loader_partition (REVERSE): TMA of each chunk's W, dO, K, Q tiles [C, 128]
+        into a ring of STAGES slots, last chunk first, each slot guarded by a `ready` mbarrier (TMA bytes)
+        and an `empty` one (both consumers done);
+    off-chain (4 warps = 1 warp group): per chunk, from Q, K, dO,
+        A^T = K Q^T, kept for j <= i < n, scaled and rounded (output_bwd.causal_scores_t's rounding),
+        dV'_local = A^T dO                                 [C, V] fp32,
+        scale dO^T Q (dO's rows from n on zeroed)          [V, K] fp32, in two halves of V rows (a [128, 128]
+            fp32 accumulator does not fit one warp group's 128 registers a thread),
+        handed to the chain through one pair of shared-memory tiles (mbarriers hand_ready / hand_empty);
+    chain (the default partition, 8 warps = 2 warp groups, dS^T rows split over them):
+        dV'^T = dV'_local^T + dS_next^T K^T     (dS_next^T rounded, from registers; dV'_local^T loaded from
+                                                 the hand-off tile as the accumulator's start)
+        dS^T += scale dO^T Q                    (the hand-off tile, added while the product above runs)
+        dS^T -= dV'^T W                         (dV'^T, its columns from n on zeroed, rounded and negated
+                                                 (exact), from registers)
+        storing dh[chunk] = dS_next (rounded) and dv = dV' (rounded, rows before the end) straight from
+        registers while the second product runs, and dh0 = dS (fp32) after the last chunk.
+So the serial chain dS -> K dS -> dV' -> W^T dV' -> dS runs only its two products, while the three
+off-chain products and the loads of the next chunks run in the other warps.
+
+Orientation: dS^T, as gluon_walk.py holds S^T. With dS [K, V] as the accumulator, K dS_next would need dS_next
+as wgmma's B operand, i.e. stored to shared memory every chunk on the chain. With dS^T [V, K] both chain
+products take their chain operand as the register A operand: dS_next^T [V, K] against K^T (the K tile,
+permuted) into dV'^T [V, C], then -dV'^T [V, C] against the W tile [C, K] into dS^T; both accumulators
+split their V rows over the warps alike, so each one's rounding becomes the other product's operand without
+data moving between threads (gluon_walk.py's two layouts, unchanged).
+
+Rounding points are state_bwd_kernel's (fused): dS_next to the input dtype for K dS_next and for dh, A^T after
+scaling, dV' once for dv and W^T dV'; dV'_local and scale Q^T dO stay fp32. The two passes differ by the order
+of fp32 sums only (tests/test_gluon_reverse_model.py: a PyTorch model of this arithmetic within 3e-5 of the
+Triton pass in the interpreter at fp16, through the GPU test's check()).
+
+Packed sequences: the descriptors span all B*T rows; a sequence's partial first-walked (last) chunk reads rows
+of the next sequence (or TMA's zero fill past TT). In the Triton pass those rows read as zeros, so here: A^T's
+columns i >= n and dO^T's columns i >= n are zeroed off the chain (the next sequence's q and dO stay out of
+dV'_local and Q^T dO), and dV'^T's columns j >= n are zeroed before W^T dV' (its K rows stay out of dS); dv
+rows from n on are not stored. The host wrapper takes [B, T, H, 128] or packed [1, TT, H, 128] and, with no
+token at all, launches nothing (a TMA descriptor's shape must be positive): dh is empty, dh0 is dht (or
+zeros). Empty sequences launch programs without chunks: dh0 = dht (or zeros).
+
+Shared memory: the ring (2 slots of four [64, 128] tiles, 131,072 B) and the fp32 hand-off tiles (dV'_local
+32,768 B, scale dO^T Q 65,536 B) fill sm_90's 232,448 B: the hand-off is single-buffered, so the off-chain
+partition computes chunk i's A^T and dV'_local while the chain is on chunk i - 1, then waits for the chain
+to have read chunk i - 1's tiles (early in its step, while its first product runs) before storing them and
+computing scale dO^T Q into them.
+
+Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16
+warps (8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0,
+64 B with them (all but 8 B, two registers a chunk, outside the loop: the state's offsets kept for dh0's
+store). With dh stored beside the first product instead the chain spilled 124 B; adding the off-chain term
+after that product instead of beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared
+memory 229,664 B. In the PTX each partition's loop synchronizes only on its own named barrier (bar.sync 0,
+256 in the chain; 2, 128 in the off-chain; none in the loader) and on mbarriers; the CTA-wide barrier 1 only
+where the partitions start and end; each wgmma.wait_group 0 waits on its own warp group's products (2 in
+the chain, 4 off it). The chain's products lower to 8 HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group
+with register A operands; dO^T's halves are read with ldmatrix.trans. The compiler puts one bar.sync 0, 256
+between the chain's first wait and its second product that gluon_walk's chain does not have (both warp
+groups meet there once a chunk).
+
+Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
+settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
+walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). The chain
+here is about 1,000 cycles a chunk (two products of 1 MFLOP a warp group, the roundings, one hand-off read),
+the off-chain partition about 1,600 (three products, 96 KiB of fp32 hand-off stores), both under the ring's
+period; the reverse pass also writes dh and dv (48 KiB a chunk, stores that no one waits for). So about 2.7
+to 2.9 us a chunk: b4-t4096-h16 about 0.18 ms (Triton 0.234), b2-t8192-h32 0.36 (0.463), b1-t32768-h64 1.4
+(1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk gained 3 %) about
+0.17-0.19 (0.183), no gain.
+
+Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
+Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
