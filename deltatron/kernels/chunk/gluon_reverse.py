@@ -60,9 +60,10 @@ memory 229,664 B. In the PTX each partition's loop synchronizes only on its own 
 256 in the chain; 2, 128 in the off-chain; none in the loader) and on mbarriers; the CTA-wide barrier 1 only
 where the partitions start and end; each wgmma.wait_group 0 waits on its own warp group's products (2 in
 the chain, 4 off it). The chain's products lower to 8 HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group
-with register A operands; dO^T's halves are read with ldmatrix.trans. The compiler puts one bar.sync 0, 256
-between the chain's first wait and its second product that gluon_walk's chain does not have (both warp
-groups meet there once a chunk).
+with register A operands; dO^T's halves are read with ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more
+than gluon_walk's, before its second product: the barrier the compiler puts ahead of the first shared-memory
+access after an mbarrier arrive, here hand_empty's (with that arrive after the second product's issue it is
+gone, but the off-chain partition would wait for the whole first product before storing its next tiles).
 
 Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
 settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
