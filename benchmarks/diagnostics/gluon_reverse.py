@@ -51,6 +51,7 @@ def reverse_inputs(cfg: bench.Config, device):
 def compare(cfg: bench.Config, measure) -> None:
     from deltatron.kernels.chunk.gluon_reverse import gluon_state_bwd
 
+    state_bwd.GLUON_REVERSE = False  # state_bwd as the Triton pass, the reference
     q, k, w, do, dht, scale, info = reverse_inputs(cfg, torch.device("cuda"))
     ref = state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)
     out = gluon_state_bwd(q, k, w, do, dht, scale, True, info)

@@ -67,13 +67,19 @@ gone, but the off-chain partition would wait for the whole first product before 
 
 Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
 settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
-walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). The chain
-here is about 1,000 cycles a chunk (two products of 1 MFLOP a warp group, the roundings, one hand-off read),
-the off-chain partition about 1,600 (three products, 96 KiB of fp32 hand-off stores), both under the ring's
-period; the reverse pass also writes dh and dv (48 KiB a chunk, stores that no one waits for). So about 2.7
-to 2.9 us a chunk: b4-t4096-h16 about 0.18 ms (Triton 0.234), b2-t8192-h32 0.36 (0.463), b1-t32768-h64 1.4
-(1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk gained 3 %) about
-0.17-0.19 (0.183), no gain.
+walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). Here the
+chain is about 1,200 cycles a chunk (two products of 1 MFLOP a warp group with their K / W reads, the
+roundings, the 64 KiB hand-off read beside the first product); the off-chain partition, after the chain has
+read the hand-off tiles, needs about 1,300 more (dV'_local's store, two products and 64 KiB of stores) before
+the chain can go on, so the programs' step is about 2,100 cycles, 1.2 us. The floor is shared memory: about
+416 KiB a chunk (the TMA writes, the products' operand reads, the 96 KiB hand-off written and read) at 128 B a
+cycle is 3,300 cycles, 1.8 us (the forward's Gluon walk moves about 290 KiB, 1.2 us), still under the 2.6 us
+the forward settles at, and the pass also writes dh and dv (48 KiB a chunk to HBM, stores no one waits for).
+So about 2.7 to 3.2 us a chunk: b4-t4096-h16 0.17-0.20 ms (Triton 0.234), b2-t8192-h32 0.35-0.41 (0.463),
+b1-t32768-h64 1.4-1.65 (1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk
+gained 3 %) 0.18-0.21 (0.183), no gain. If the chain turns out to wait on hand_ready, a separate barrier pair
+for the scale dO^T Q tile (needed only before the second product) would give the off-chain partition the
+first product's time too.
 
 Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
 Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
