@@ -77,9 +77,7 @@ cycle is 3,300 cycles, 1.8 us (the forward's Gluon walk moves about 290 KiB, 1.2
 the forward settles at, and the pass also writes dh and dv (48 KiB a chunk to HBM, stores no one waits for).
 So about 2.7 to 3.2 us a chunk: b4-t4096-h16 0.17-0.20 ms (Triton 0.234), b2-t8192-h32 0.35-0.41 (0.463),
 b1-t32768-h64 1.4-1.65 (1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk
-gained 3 %) 0.18-0.21 (0.183), no gain. If the chain turns out to wait on hand_ready, a separate barrier pair
-for the scale dO^T Q tile (needed only before the second product) would give the off-chain partition the
-first product's time too.
+gained 3 %) 0.18-0.21 (0.183), no gain.
 
 Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
 Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
