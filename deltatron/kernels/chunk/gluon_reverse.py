@@ -51,19 +51,19 @@ partition computes chunk i's A^T and dV'_local while the chain is on chunk i - 1
 to have read chunk i - 1's tiles (early in its step, while its first product runs) before storing them and
 computing scale dO^T Q into them.
 
-Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16
-warps (8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0,
-64 B with them (all but 8 B, two registers a chunk, outside the loop: the state's offsets kept for dh0's
-store). With dh stored beside the first product instead the chain spilled 124 B; adding the off-chain term
-after that product instead of beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared
-memory 229,664 B. In the PTX each partition's loop synchronizes only on its own named barrier (bar.sync 0,
-256 in the chain; 2, 128 in the off-chain; none in the loader) and on mbarriers; the CTA-wide barrier 1 only
-where the partitions start and end; each wgmma.wait_group 0 waits on its own warp group's products (2 in
-the chain, 4 off it). The chain's products lower to 8 HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group
-with register A operands; dO^T's halves are read with ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more
-than gluon_walk's, before its second product: the barrier the compiler puts ahead of the first shared-memory
-access after an mbarrier arrive, here hand_empty's (with that arrive after the second product's issue it is
-gone, but the off-chain partition would wait for the whole first product before storing its next tiles).
+Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16 warps (8
++ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 64 B with them
+(all but 8 B, two registers stored and reloaded once a chunk, before and after the loop). With dh stored
+beside the first product instead the chain spilled 124 B; adding the off-chain term after that product instead of
+beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared memory 229,664 B. In the PTX each
+partition's loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the
+off-chain; none in the loader) and on mbarriers; the CTA-wide barrier 1 only where the partitions start and end;
+each wgmma.wait_group 0 waits on its own warp group's products (2 in the chain, 4 off it). The chain's products
+lower to 8 HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group with register A operands; dO^T's halves are read
+with ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more than gluon_walk's, before its second product:
+the barrier the compiler puts ahead of the first shared-memory access after an mbarrier arrive, here hand_empty's
+(with that arrive after the second product's issue it is gone, but the off-chain partition would wait for the
+whole first product before storing its next tiles).
 
 Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
 settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
