@@ -126,9 +126,11 @@ def split_v(num_seq_heads: int) -> int:
 
 
 @gluon.jit
-def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr):
+def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr,
+                     REVERSE: gl.constexpr = False):
     """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once both consumers
-    released it."""
+    released it (REVERSE, for gluon_reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
+    sequence walked backwards, and dO's whole tile takes U's place)."""
     w_desc, u_desc, k_desc, q_desc = descs
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
@@ -140,7 +142,7 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl
         fence_async_shared()
         bar = ready.index(s)
         mbarrier.expect(bar, 3 * w_desc.block_type.nbytes + u_desc.block_type.nbytes)
-        row = bos + t * C
+        row = bos + ((num_chunks - 1 - t) if REVERSE else t) * C
         tma.async_copy_global_to_shared(w_desc, [row, i_h * D], bar, w_ring.index(s))
         tma.async_copy_global_to_shared(u_desc, [row, i_h * D + i_v * BV], bar, u_ring.index(s))
         tma.async_copy_global_to_shared(k_desc, [row, i_h * D], bar, k_ring.index(s))

@@ -18,6 +18,7 @@ Both round A^T to the input dtype alike (output_bwd.causal_scores_t); the fused 
 in fp32, where the unfused one has it rounded to the input dtype by its store."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -27,6 +28,7 @@ import triton.language as tl
 from ..utils import (INTERPRET, PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
                      state_block_v, state_offsets, store_rows)
 from .output_bwd import causal_scores_t
+from .state import GLUON_WALK_MIN_PROGRAMS, _is_sm90
 
 
 @triton.jit
@@ -103,12 +105,51 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
     return BV, warps
 
 
+# Whether the fused pass runs as gluon_reverse.py's warp-specialized kernel where it can (gluon_reverse_applies).
+# Unmeasured (compiled offline only), so off: False. True forces it (tests, benchmarks/diagnostics/
+# gluon_reverse.py); None would choose as the forward's Gluon walk does, from GLUON_WALK_MIN_PROGRAMS sequences
+# x heads, a guess until the probe has timed it
+GLUON_REVERSE: Optional[bool] = False
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_reverse_importable() -> bool:
+    """Whether this triton has the Gluon Hopper API gluon_reverse.py is written against (triton 3.6's)."""
+    try:
+        from . import gluon_reverse  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
+                          dv_local: Optional[torch.Tensor], chunk_size: int) -> bool:
+    """Where the Gluon reverse pass can run: the fused pass (dv_local None) on a Hopper GPU (sm_90, not the
+    interpreter), q, k, w, do of one 16-bit dtype, K = V = 128, C = 64, contiguous and 16-byte aligned (TMA),
+    and a triton with Gluon's Hopper API."""
+    return (dv_local is None and k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16)
+            and all(x.dtype == k.dtype and x.shape[-1] == 128 and x.is_contiguous() and x.data_ptr() % 16 == 0
+                    for x in (q, k, w, do))
+            and chunk_size == 64 and _is_sm90(k.device.index) and _gluon_reverse_importable())
+
+
+def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
+                       dv_local: Optional[torch.Tensor], info, chunk_size: int) -> bool:
+    """Whether state_bwd runs the Gluon reverse pass: where it applies and GLUON_REVERSE allows (see there)."""
+    if GLUON_REVERSE is False or not gluon_reverse_applies(q, k, w, do, dv_local, chunk_size):
+        return False
+    return GLUON_REVERSE or info.num_seqs * k.shape[2] >= GLUON_WALK_MIN_PROGRAMS
+
+
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
               need_dh0: bool, info, chunk_size: int):
     """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
     dqkw, rounds it to that dtype before its products anyway), dv [1, TT, H, V] in do's dtype: the full
     dV', dh0 [N, H, K, V] fp32 or None). dv_local: the local dV' from output_bwd.dv_local, or None to
-    compute it in this pass (fused: the backward's path)."""
+    compute it in this pass (fused: the backward's path; as the Gluon kernel where gluon_reverse_pays)."""
+    if gluon_reverse_pays(q, k, w, do, dv_local, info, chunk_size):
+        from .gluon_reverse import gluon_state_bwd
+        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size)
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)

@@ -1,0 +1,148 @@
+"""The warp-specialized Gluon reverse state pass (kernels/chunk/gluon_reverse.py) against the Triton reverse
+pass (state_bwd.state_bwd with dv_local=None, the backward's fused pass) at K = V = 128: agreement and times
+on the GPU, or what triton 3.6 makes of it offline.
+
+On the GPU, per config (transposed_walk.py's q, k, W, its random fp32 initial state as dht, a random dO):
+dh, dv, dh0 of the Gluon pass against the Triton pass's (relative RMS; both round dS_next, dV' and A^T to
+the input dtype at the same points, so they differ by fp32 summation order), a second Gluon run bitwise equal
+to the first (no atomics: a race between the partitions would show), then both timed as the backward runs
+them (dht and dh0 as with a final and an initial state).
+
+--offline compiles the kernel for sm_90 (bf16 with and without dht / dh0, fp16 with them) on a machine
+without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory,
+the setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits,
+and the PTX barriers (gluon_walk.py's report).
+
+    python benchmarks/diagnostics/gluon_reverse.py [--configs b8-t2048-h16-k128 b4-t4096-h16-k128]
+    python benchmarks/diagnostics/gluon_reverse.py --offline [--dump DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+os.environ["DELTATRON_BACKEND"] = "triton"
+
+import torch  # noqa: E402
+
+from deltatron import bench  # noqa: E402
+from deltatron.kernels.chunk import state_bwd  # noqa: E402
+from deltatron.kernels.utils import seq_info  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_walk import partition_summary  # noqa: E402
+from stage_configs import worst_difference as rel_rms  # noqa: E402
+from transposed_walk import walk_inputs  # noqa: E402
+
+CONFIGS = ["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b2-t8192-h32-k128", "b1-t32768-h64-k128"]
+
+
+def reverse_inputs(cfg: bench.Config, device):
+    """q, k, W (transposed_walk.py's forward inputs, packed), a random dO, dht (its random initial state),
+    scale, info."""
+    q, k, w, u, scale, dht, info = walk_inputs(cfg, device)
+    do = torch.randn(u.shape, generator=torch.Generator(device).manual_seed(2), device=device).to(u.dtype)
+    return q, k, w, do, dht, scale, info
+
+
+def compare(cfg: bench.Config, measure) -> None:
+    from deltatron.kernels.chunk.gluon_reverse import gluon_state_bwd
+
+    state_bwd.GLUON_REVERSE = False  # state_bwd as the Triton pass, the reference
+    q, k, w, do, dht, scale, info = reverse_inputs(cfg, torch.device("cuda"))
+    ref = state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)
+    out = gluon_state_bwd(q, k, w, do, dht, scale, True, info)
+    again = gluon_state_bwd(q, k, w, do, dht, scale, True, info)
+    same = all(torch.equal(a, b) for a, b in zip(out, again))
+    errs = {n: rel_rms(a, b) for n, a, b in zip(("dh", "dv", "dh0"), out, ref)}
+    finite = all(bool(torch.isfinite(a).all()) for a in out)
+    ok = finite and same and max(errs.values()) < 1e-2
+    print(f"\n{cfg.name}: gluon reverse against the Triton pass: "
+          + ", ".join(f"{n} rel RMS {e:.1e}" for n, e in errs.items())
+          + f", rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+    runs = {"Triton reverse (state_bwd)": lambda: state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64),
+            "gluon warp-specialized": lambda: gluon_state_bwd(q, k, w, do, dht, scale, True, info)}
+    for _ in range(2):  # interleaved, against drift
+        for name, fn in runs.items():
+            print(f"  {name:<28} {measure(fn):8.3f} ms", flush=True)
+
+
+def offline(dump) -> int:
+    """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads: bf16 with and without dht and
+    dh0, fp16 with them."""
+    import triton
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    import offline_compile as oc  # it refuses the interpreter: imported only here
+    from deltatron.kernels.chunk import gluon_reverse
+
+    backend = oc.make_backend(oc.H200)
+    compiled = []
+
+    def compile_instead(fn, *args, grid, warmup, **kwargs):
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        compiled.append(oc.triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=oc.H200,
+                                          options=options.__dict__))
+
+    B, T, H, D = 8, 256, 16, gluon_reverse.D_WALK
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
+    run = JITFunction.run
+    JITFunction.run = compile_instead
+    try:
+        for _, dtype, states in variants:
+            x = oc.inputs(B, T, H, D, D, dtype)
+            q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
+            gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info)
+    finally:
+        JITFunction.run = run
+    assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
+    for (name, _, states), kernel in zip(variants, compiled):
+        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+        usage = oc.ptxas_usage(ptx)
+        print(f"\ngluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK}, dht/dh0 {states}: "
+              f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
+              f"setmaxnreg), {usage['spills']} B of spills; shared {kernel.metadata.shared} B (sm_90 limit "
+              f"{oc.SHARED_LIMIT})")
+        setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
+        print("  setmaxnreg in the PTX, in order:", " ".join(f"{op} {n}" for op, n in setmaxnreg))
+        print("  PTX: wgmma.mma_async", len(re.findall(r"wgmma\.mma_async", ptx)), " wgmma.wait_group",
+              collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
+              " mbarrier.try_wait", len(re.findall(r"mbarrier\.try_wait", ptx)),
+              " bar.sync/barrier.sync",
+              collections.Counter(re.findall(r"(?:bar|barrier)\.sync(?:\.aligned)?\s+([^;]+);", ptx)),
+              " cp.async.bulk.tensor", len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+        partition_summary(ttgir)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(dump, f"gluon_reverse_{name}_states{int(states)}.{ext}"), "w") as f:
+                    f.write(kernel.asm[ext])
+    print(f"triton {triton.__version__}, target sm_90")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=CONFIGS)
+    parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
+    parser.add_argument("--dump", help="--offline: write the TTGIR and PTX into this folder")
+    args = parser.parse_args()
+    if args.offline:
+        return offline(args.dump)
+    import triton
+
+    known = {c.name: c for c in bench.CONFIGS}
+    for name in args.configs:
+        compare(known[name], lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

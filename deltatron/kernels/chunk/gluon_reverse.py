@@ -1,0 +1,294 @@
+"""The backward's reverse state pass (state_bwd.state_bwd with dv_local=None, the fused pass) as a
+warp-specialized Gluon kernel for Hopper (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64), the mirror of
+gluon_walk.py. state_bwd runs it only where state_bwd.gluon_reverse_pays, which GLUON_REVERSE keeps off until
+it is measured; backward.py does not call it otherwise.
+
+One program per (sequence, head) walks its chunks backwards from dS = dht (or 0), as state_bwd_kernel does,
+with dS^T [V, K] fp32 in registers, split over three partitions that run side by side:
+    loader (1 warp): gluon_walk.loader_partition (REVERSE): TMA of each chunk's W, dO, K, Q tiles [C, 128]
+        into a ring of STAGES slots, last chunk first, each slot guarded by a `ready` mbarrier (TMA bytes)
+        and an `empty` one (both consumers done);
+    off-chain (4 warps = 1 warp group): per chunk, from Q, K, dO,
+        A^T = K Q^T, kept for j <= i < n, scaled and rounded (output_bwd.causal_scores_t's rounding),
+        dV'_local = A^T dO                                 [C, V] fp32,
+        scale dO^T Q (dO's rows from n on zeroed)          [V, K] fp32, in two halves of V rows (a [128, 128]
+            fp32 accumulator does not fit one warp group's 128 registers a thread),
+        handed to the chain through one pair of shared-memory tiles (mbarriers hand_ready / hand_empty);
+    chain (the default partition, 8 warps = 2 warp groups, dS^T rows split over them):
+        dV'^T = dV'_local^T + dS_next^T K^T     (dS_next^T rounded, from registers; dV'_local^T loaded from
+                                                 the hand-off tile as the accumulator's start)
+        dS^T += scale dO^T Q                    (the hand-off tile, added while the product above runs)
+        dS^T -= dV'^T W                         (dV'^T, its columns from n on zeroed, rounded and negated
+                                                 (exact), from registers)
+        storing dh[chunk] = dS_next (rounded) and dv = dV' (rounded, rows before the end) straight from
+        registers while the second product runs, and dh0 = dS (fp32) after the last chunk.
+So the serial chain dS -> K dS -> dV' -> W^T dV' -> dS runs only its two products, while the three
+off-chain products and the loads of the next chunks run in the other warps.
+
+Orientation: dS^T, as gluon_walk.py holds S^T. With dS [K, V] as the accumulator, K dS_next would need dS_next
+as wgmma's B operand, i.e. stored to shared memory every chunk on the chain. With dS^T [V, K] both chain
+products take their chain operand as the register A operand: dS_next^T [V, K] against K^T (the K tile,
+permuted) into dV'^T [V, C], then -dV'^T [V, C] against the W tile [C, K] into dS^T; both accumulators
+split their V rows over the warps alike, so each one's rounding becomes the other product's operand without
+data moving between threads (gluon_walk.py's two layouts, unchanged).
+
+Rounding points are state_bwd_kernel's (fused): dS_next to the input dtype for K dS_next and for dh, A^T after
+scaling, dV' once for dv and W^T dV'; dV'_local and scale Q^T dO stay fp32. The two passes differ by the order
+of fp32 sums only (tests/test_gluon_reverse_model.py: a PyTorch model of this arithmetic within 3e-5 of the
+Triton pass in the interpreter at fp16, through the GPU test's check()).
+
+Packed sequences: the descriptors span all B*T rows; a sequence's partial first-walked (last) chunk reads rows
+of the next sequence (or TMA's zero fill past TT). In the Triton pass those rows read as zeros, so here: A^T's
+columns i >= n and dO^T's columns i >= n are zeroed off the chain (the next sequence's q and dO stay out of
+dV'_local and Q^T dO), and dV'^T's columns j >= n are zeroed before W^T dV' (its K rows stay out of dS); dv
+rows from n on are not stored. The host wrapper takes [B, T, H, 128] or packed [1, TT, H, 128] and, with no
+token at all, launches nothing (a TMA descriptor's shape must be positive): dh is empty, dh0 is dht (or
+zeros). Empty sequences launch programs without chunks: dh0 = dht (or zeros).
+
+Shared memory: the ring (2 slots of four [64, 128] tiles, 131,072 B) and the fp32 hand-off tiles (dV'_local
+32,768 B, scale dO^T Q 65,536 B) fill sm_90's 232,448 B: the hand-off is single-buffered, so the off-chain
+partition computes chunk i's A^T and dV'_local while the chain is on chunk i - 1, then waits for the chain
+to have read chunk i - 1's tiles (early in its step, while its first product runs) before storing them and
+computing scale dO^T Q into them.
+
+Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16 warps (8
++ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 64 B with them
+(all but 8 B, two registers stored and reloaded once a chunk, before and after the loop). With dh stored
+beside the first product instead the chain spilled 124 B; adding the off-chain term after that product instead of
+beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared memory 229,664 B. In the PTX each
+partition's loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the
+off-chain; none in the loader) and on mbarriers; the CTA-wide barrier 1 only where the partitions start and end;
+each wgmma.wait_group 0 waits on its own warp group's products (2 in the chain, 4 off it). The chain's products
+lower to 8 HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group with register A operands; dO^T's halves are read
+with ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more than gluon_walk's, before its second product:
+the barrier the compiler puts ahead of the first shared-memory access after an mbarrier arrive, here hand_empty's
+(with that arrive after the second product's issue it is gone, but the off-chain partition would wait for the
+whole first product before storing its next tiles).
+
+Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
+settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
+walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). Here the
+chain is about 1,200 cycles a chunk (two products of 1 MFLOP a warp group with their K / W reads, the
+roundings, the 64 KiB hand-off read beside the first product); the off-chain partition, after the chain has
+read the hand-off tiles, needs about 1,300 more (dV'_local's store, two products and 64 KiB of stores) before
+the chain can go on, so the programs' step is about 2,100 cycles, 1.2 us. The floor is shared memory: about
+416 KiB a chunk (the TMA writes, the products' operand reads, the 96 KiB hand-off written and read) at 128 B a
+cycle is 3,300 cycles, 1.8 us (the forward's Gluon walk moves about 290 KiB, 1.2 us), still under the 2.6 us
+the forward settles at, and the pass also writes dh and dv (48 KiB a chunk to HBM, stores no one waits for).
+So about 2.7 to 3.2 us a chunk: b4-t4096-h16 0.17-0.20 ms (Triton 0.234), b2-t8192-h32 0.35-0.41 (0.463),
+b1-t32768-h64 1.4-1.65 (1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk
+gained 3 %) 0.18-0.21 (0.183), no gain.
+
+Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
+Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..utils import SeqInfo
+from .gluon_walk import C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, loader_partition
+
+STAGES = WALK_CONFIGS[D_WALK].stages  # ring slots, as the unsplit walk's (shared memory leaves no third)
+
+CHAIN_WARPS, OFFCHAIN_WARPS = 8, 4
+OFFCHAIN_REGS = 128  # the chain gets (65536 - 128 (24 + 128)) / 256 = 176 a thread, as gluon_walk's chain
+
+
+@gluon.jit
+def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h, bos,
+                    eos, first_chunk, num_chunks, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr,
+                    USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, num_warps: gl.constexpr):
+    """The serial chain on dS^T [D, D] fp32 (rows V, columns K), backwards over the chunks, both products with
+    the rounded dS_next^T or dV'^T as the register operand; stores dh (dS_next) and dv (dV') of each chunk."""
+    w_ring, do_ring, k_ring, q_ring = ring
+    NS: gl.constexpr = w_ring.shape[0]
+    dt: gl.constexpr = w_ring.dtype
+    # warps stacked along the V rows, as gluon_walk's chain: each accumulator is the other product's operand
+    # without data moving between threads
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    vn_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, C, 16])
+    sd_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=vn_layout, k_width=2)
+    vn_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+
+    rv = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+    ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))
+    o_st = ck[None, :] * D + rv[:, None]  # dS^T's [V, K] view of a state [K, V]
+    if USE_DHT:
+        b_dst = gl.load(dht + i_nh.to(gl.int64) * D * D + o_st).to(gl.float32)
+    else:
+        b_dst = gl.zeros([D, D], gl.float32, layout=s_layout)
+    vv = gl.arange(0, D, layout=gl.SliceLayout(1, vn_layout))
+    tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
+
+    for i in range(num_chunks):
+        t = num_chunks - 1 - i
+        s = i % NS
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        mbarrier.wait(hand_ready, i & 1)
+        b_dsd = b_dst.to(dt)  # dS_next, rounded: the operand of K dS_next and the stored dh
+        # dV'^T = dV'_local^T + dS_next^T K^T, the local part (fp32) as the accumulator's start
+        b_dvt = warpgroup_mma(gl.convert_layout(b_dsd, sd_operand), k_ring.index(s).permute((1, 0)),
+                              dvl_buf.permute((1, 0)).load(vn_layout), is_async=True)
+        # while it runs: the off-chain term scale Q^T dO joins dS
+        b_dst = b_dst + qdo_buf.load(s_layout)
+        mbarrier.arrive(hand_empty, count=1)
+        b_dvt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dvt, ))
+        # dV' rows past the sequence's end (K rows of the next sequence) must not reach dS
+        n = eos - bos - t * C
+        b_dvd = gl.where(tokens[None, :] < n, b_dvt, 0.0).to(dt)
+        # dS^T -= dV'^T W: the negation of the rounded dV' is exact
+        b_dst = warpgroup_mma(gl.convert_layout(-b_dvd, vn_operand), w_ring.index(s), b_dst, is_async=True)
+        # while that runs: the stores (here rather than beside the first product, where they spill)
+        o_dv = (bos + t * C + tokens[None, :]).to(gl.int64) * (H * D) + i_h * D + vv[:, None]
+        gl.store(dv + o_dv, b_dvd, mask=tokens[None, :] < n)
+        o_dh = ((first_chunk + t) * H + i_h).to(gl.int64) * D * D
+        gl.store(dh + o_dh + o_st, b_dsd)
+        b_dst = warpgroup_mma_wait(num_outstanding=0, deps=(b_dst, ))
+        mbarrier.arrive(empty.index(s), count=1)
+
+    if STORE_DH0:
+        gl.store(dh0 + i_nh.to(gl.int64) * D * D + o_st, b_dst)
+
+
+@gluon.jit
+def offchain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, scale, bos, eos, num_chunks,
+                       C: gl.constexpr, D: gl.constexpr):
+    """Per chunk, from the ring's Q, K, dO: dV'_local = scale (K Q^T ⊙ M^T) dO [C, V] and scale dO^T Q [V, K]
+    (fp32), handed to the chain through dvl_buf and qdo_buf."""
+    w_ring, do_ring, k_ring, q_ring = ring
+    NS: gl.constexpr = w_ring.shape[0]
+    dt: gl.constexpr = w_ring.dtype
+    WARPS: gl.constexpr = gl.num_warps()
+    HALF: gl.constexpr = D // 2
+    p_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, C, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    pj = gl.arange(0, C, layout=gl.SliceLayout(1, p_layout))
+    pi = gl.arange(0, C, layout=gl.SliceLayout(0, p_layout))
+
+    for i in range(num_chunks):
+        t = num_chunks - 1 - i
+        s = i % NS
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        n = eos - bos - t * C
+        q_s, do_s = q_ring.index(s), do_ring.index(s)
+        # A^T = K Q^T, kept for j <= i < n (row j, column i; the next sequence's tokens i >= n are left out,
+        # their dO rows with them), scaled and rounded as output_bwd.causal_scores_t
+        b_at = warpgroup_mma(k_ring.index(s), q_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=p_layout),
+                             use_acc=False, is_async=True)
+        b_at = warpgroup_mma_wait(num_outstanding=0, deps=(b_at, ))
+        b_at = gl.where((pj[:, None] <= pi[None, :]) & (pi[None, :] < n), b_at * scale, 0.0).to(dt)
+        b_dvl = warpgroup_mma(gl.convert_layout(b_at, a_operand), do_s, gl.zeros([C, D], gl.float32, layout=g_layout),
+                              use_acc=False, is_async=True)
+        b_dvl = warpgroup_mma_wait(num_outstanding=0, deps=(b_dvl, ))
+        mbarrier.wait(hand_empty, (i & 1) ^ 1)  # the chain has read the previous chunk's tiles
+        dvl_buf.store(b_dvl)
+        # scale dO^T Q in two halves of V rows (a [128, 128] fp32 accumulator would not fit 4 warps'
+        # registers); dO^T's columns i >= n zeroed, the register operand
+        for h in gl.static_range(2):
+            b_dot = do_s.slice(h * HALF, HALF, dim=1).permute((1, 0)).load(p_layout)
+            b_dot = gl.convert_layout(gl.where(pi[None, :] < n, b_dot, gl.zeros_like(b_dot)), a_operand)
+            b_g = warpgroup_mma(b_dot, q_s, gl.zeros([HALF, D], gl.float32, layout=g_layout), use_acc=False,
+                                is_async=True)
+            b_g = warpgroup_mma_wait(num_outstanding=0, deps=(b_g, ))
+            qdo_buf.slice(h * HALF, HALF, dim=0).store(b_g * scale)
+        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(hand_ready, count=1)
+
+
+@gluon.jit
+def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scale, cu_seqlens, chunk_offsets,
+                         H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, LOADER_REGS: gl.constexpr,
+                         OFFCHAIN_WARPS: gl.constexpr, OFFCHAIN_REGS: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
+    C: gl.constexpr = w_desc.block_type.shape[0]
+    D: gl.constexpr = w_desc.block_type.shape[1]
+    NS: gl.constexpr = STAGES
+    dt: gl.constexpr = w_desc.dtype
+    i_nh = gl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = gl.load(cu_seqlens + i_n)
+    eos = gl.load(cu_seqlens + i_n + 1)
+    first_chunk = gl.load(chunk_offsets + i_n)
+    num_chunks = gl.cdiv(eos - bos, C)
+
+    tile: gl.constexpr = w_desc.layout
+    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile),
+            gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
+    # one chunk's fp32 hand-off (single: the ring and a double buffer would not fit sm_90's shared memory),
+    # written in one accumulator layout and read in another: fp32 pairs swizzled over 8 rows, so that a
+    # warp's 8 rows of one column pair do not all fall into the same banks
+    handoff: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
+    dvl_buf = gl.allocate_shared_memory(gl.float32, [C, D], handoff)
+    qdo_buf = gl.allocate_shared_memory(gl.float32, [D, D], handoff)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    hand_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    hand_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NS):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)  # the chain and the off-chain partition
+    mbarrier.init(hand_ready, count=1)
+    mbarrier.init(hand_empty, count=1)
+
+    gl.warp_specialize([
+        (chain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h,
+                           bos, eos, first_chunk, num_chunks, H, C, D, USE_DHT, STORE_DH0, num_warps)),
+        (offchain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, scale, bos, eos,
+                              num_chunks, C, D)),
+        (loader_partition, ((w_desc, do_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, 0, C,
+                            D, True)),
+    ], [OFFCHAIN_WARPS, 1], [OFFCHAIN_REGS, LOADER_REGS])
+
+
+def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+                    scale: float, need_dh0: bool, info: SeqInfo,
+                    chunk_size: int = C_WALK) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """state_bwd.state_bwd's contract with dv_local=None (the fused pass): (dh [NT, H, 128, 128] in q's dtype,
+    dv in do's shape and dtype, dh0 [N, H, 128, 128] fp32 or None), on q, k, w, do [B, T, H, 128] or packed
+    [1, TT, H, 128], one 16-bit dtype, contiguous rows (the descriptors and the stores address row r of head h
+    at r * H * 128 + h * 128). With no tokens at all nothing is launched (a TMA descriptor's shape must be
+    positive): dh is empty, dh0 the dht (or zeros)."""
+    if chunk_size != C_WALK:
+        raise ValueError(f"gluon_reverse: chunk_size {C_WALK} only, got {chunk_size}")
+    H, D = k.shape[2], k.shape[3]
+    if any(x.dtype != k.dtype for x in (q, w, do)) or k.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gluon_reverse: q, k, w, do must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
+                         f"{w.dtype}, {do.dtype}")
+    if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in (q, w, do)):
+        raise ValueError(f"gluon_reverse: 16-bit K = V = {D_WALK} only, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"w {tuple(w.shape)}, do {tuple(do.shape)}")
+    TT, N = info.total_tokens, info.num_seqs
+    if any(x.numel() != TT * H * D or not x.is_contiguous() for x in (q, k, w, do)):
+        raise ValueError(f"gluon_reverse: q, k, w, do must hold {TT} tokens of {H} heads, contiguous")
+    if dht is not None and tuple(dht.shape) != (N, H, D, D):
+        raise ValueError(f"gluon_reverse: dht must be [{N}, {H}, {D}, {D}], got {tuple(dht.shape)}")
+    chunks = info.chunks(chunk_size)
+    dh = q.new_empty(chunks.num_chunks, H, D, D)
+    dv = torch.empty(do.shape, dtype=do.dtype, device=do.device)
+    dh0 = q.new_empty(N, H, D, D, dtype=torch.float32) if need_dh0 else None
+    dht = dht.float().contiguous() if dht is not None else None
+    if TT == 0 or N * H == 0:
+        if dh0 is not None and dht is not None:
+            dh0.copy_(dht)
+        elif dh0 is not None:
+            dh0.zero_()
+        return dh, dv, dh0
+    layout = gl.NVMMASharedLayout.get_default_for([C_WALK, D], gl.bfloat16 if k.dtype == torch.bfloat16
+                                                  else gl.float16)
+    # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128); rows past TT are TMA's zero fill
+    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, D], layout) for x in (w, do, k, q)]
+    gluon_reverse_kernel[(N * H, )](*descs, dh, dv, dht, dh0, scale, info.cu_seqlens, chunks.chunk_offsets, H,
+                                    dht is not None, need_dh0, LOADER_REGS, OFFCHAIN_WARPS, OFFCHAIN_REGS, STAGES,
+                                    num_warps=CHAIN_WARPS)
+    return dh, dv, dh0

@@ -1,0 +1,168 @@
+"""The warp-specialized Gluon reverse state pass (kernels/chunk/gluon_reverse.py) against the Triton reverse pass
+(state_bwd.state_bwd with dv_local=None, the backward's fused pass) on the same q, k, W, dO: sm_90 only, 16-bit,
+K = V = 128, C = 64. Both round dS_next, dV' and A^T to the input dtype at the same points, so they differ by
+the order of fp32 sums, and through it by a rounding of the dtype here and there.
+
+The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
+failing a test, and would take the whole GPU suite with it. So the first use of the fixture runs one small
+call in a child process under a time limit (SMOKE_TIMEOUT_S); if it hangs or crashes, the child is killed
+and every test here fails with its output, without a launch in this process."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltatron.kernels.chunk import state_bwd, wy
+from deltatron.kernels.utils import seq_info
+
+from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+D, C = 128, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMOKE_TIMEOUT_S = 240  # compiles (seconds) and runs two sequences of 200 tokens (microseconds)
+SMOKE = """
+import torch
+from deltatron.kernels.chunk import gluon_reverse
+from deltatron.kernels.utils import seq_info
+B, T, H = 2, 200, 2
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, w, do = (torch.randn(B, T, H, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
+dht = torch.randn(B, H, 128, 128, generator=g, device="cuda")
+info = seq_info(B, T, torch.device("cuda"), None, None)
+dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, 128 ** -0.5, True, info)
+torch.cuda.synchronize()
+print("gluon reverse smoke call done, finite:", all(bool(torch.isfinite(x).all()) for x in (dh, dv, dh0)))
+"""
+
+
+@pytest.fixture(autouse=True)
+def triton_pass_as_reference(monkeypatch):
+    # state_bwd.state_bwd is the reference here: the Triton pass, whatever GLUON_REVERSE's default becomes
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
+
+
+@pytest.fixture(scope="module")
+def gluon_reverse():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon reverse pass is written for sm_90 (wgmma, TMA, setmaxnreg)")
+    pytest.importorskip("triton.experimental.gluon")
+    try:
+        proc = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, capture_output=True, text=True,
+                              timeout=SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the Gluon reverse pass's smoke call did not finish in {SMOKE_TIMEOUT_S} s (a hang: mbarrier "
+                    f"phases?); its output: {e.stdout!r} {e.stderr!r}", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"the Gluon reverse pass's smoke call failed (exit {proc.returncode}):\n{proc.stdout}\n"
+                    f"{proc.stderr[-4000:]}", pytrace=False)
+    print(proc.stdout.strip())
+    from deltatron.kernels.chunk import gluon_reverse
+
+    return gluon_reverse
+
+
+def reverse_inputs(B, T, H, dtype, device, N=None, seed=0, cu_seqlens=None):
+    """q, k, W (from wy.wy_fwd, as the backward has it), dO, dht [N, H, 128, 128] fp32, packed [1, B * T, H, 128];
+    and the batch's SeqInfo."""
+    x = make_inputs(B, T, H, D, D, dtype, device=device, initial_state=True, N=N, seed=seed)
+    q, k, v = (x[n].reshape(1, B * T, H, D) for n in ("q", "k", "v"))
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+    beta = x["beta"].reshape(1, B * T, H)
+    info = (seq_info(B, T, torch.device(device), None, None) if cu_seqlens is None
+            else seq_info(1, B * T, torch.device(device), cu_seqlens, cu_seqlens.cpu()))
+    _, w, _ = wy.wy_fwd(k, v, beta, info, C)
+    return (q, k, w, do, x["initial_state"]), info
+
+
+def close(x, ref, bound):
+    if not ref.any():  # dh of a single chunk without dht: zeros, exactly
+        return torch.equal(x, ref)
+    return rel_rms(x, ref) < bound
+
+
+def check(gluon_reverse, inputs, info, with_dht: bool, need_dh0: bool):
+    q, k, w, do, dht = inputs
+    dht = dht if with_dht else None
+    ref = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, need_dh0, info, C)
+    got = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, need_dh0, info)
+    bound = BOUNDS[q.dtype]
+    for name, x, r in zip(("dh", "dv", "dh0"), got, ref):
+        if r is None:
+            assert x is None, name
+            continue
+        assert x.shape == r.shape and x.dtype == r.dtype, name
+        assert torch.isfinite(x).all(), name
+        assert close(x, r, bound), f"{name}: rel RMS {rel_rms(x, r) if r.any() else 'not zero'} above {bound}"
+    # no atomics, no cross-program work: a second run must give the same bits. A race between the partitions
+    # (a ring slot or a hand-off tile read before it is written or after it is overwritten) would show here
+    # even where it moves the error by less than the bound
+    again = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, need_dh0, info)
+    for x, y in zip(got, again):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, T, H", [(8, 2048, 16), (2, 1000, 4), (3, 64, 2), (1, 1, 3)])
+@pytest.mark.parametrize("with_dht, need_dh0", [(False, False), (True, True), (True, False), (False, True)])
+def test_gluon_reverse_matches_triton_pass(poison, gluon_reverse, dtype, B, T, H, with_dht, need_dh0):
+    # T = 1000: a partial last chunk whose TMA tiles read the next sequence's rows (which must not reach dS,
+    # dh or dv); T = 1: every chunk partial; T = 64: exactly one chunk
+    inputs, info = reverse_inputs(B, T, H, dtype, "cuda", seed=T + H)
+    check(gluon_reverse, inputs, info, with_dht, need_dh0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_gluon_reverse_varlen(poison, gluon_reverse, dtype, with_dht):
+    g = torch.Generator().manual_seed(7)
+    lengths = [0, 1, C - 1, C, C + 1] + torch.randint(1, 1500, (11,), generator=g).tolist()
+    lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
+    cu = random_cu_seqlens(lengths, "cuda")
+    inputs, info = reverse_inputs(1, sum(lengths), 8, dtype, "cuda", N=len(lengths), seed=3, cu_seqlens=cu)
+    check(gluon_reverse, inputs, info, with_dht, True)
+
+
+def test_gluon_reverse_unpacked_batch(poison, gluon_reverse):
+    # [B, T, H, 128] without packing (B > 1): the descriptors span all B * T rows, the same bits as packed
+    B, T, H = 3, 200, 2
+    (q, k, w, do, dht), info = reverse_inputs(B, T, H, torch.bfloat16, "cuda", seed=5)
+    packed = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info)
+    unpacked = gluon_reverse.gluon_state_bwd(*(x.reshape(B, T, H, D) for x in (q, k, w, do)), dht, D ** -0.5, True,
+                                             info)
+    assert unpacked[1].shape == (B, T, H, D)
+    assert torch.equal(packed[0], unpacked[0]) and torch.equal(packed[1], unpacked[1].reshape(packed[1].shape))
+    assert torch.equal(packed[2], unpacked[2])
+
+
+def test_state_bwd_runs_gluon_reverse_where_forced(gluon_reverse, monkeypatch):
+    (q, k, w, do, dht), info = reverse_inputs(2, 300, 4, torch.bfloat16, "cuda", seed=11)
+    direct = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info)
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", True)
+    dispatched = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, True, info, C)
+    assert all(torch.equal(x, y) for x, y in zip(direct, dispatched))
+    # the unfused pass (dv_local given) stays Triton's
+    assert not state_bwd.gluon_reverse_pays(q, k, w, do, torch.empty_like(do), info, C)
+
+
+def test_gluon_reverse_refuses_other_shapes(gluon_reverse):
+    x = make_inputs(1, 64, 2, 64, 64, torch.bfloat16, device="cuda")
+    info = seq_info(1, 64, torch.device("cuda"), None, None)
+    with pytest.raises(ValueError, match="K = V = 128"):
+        gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], None, 0.125, False, info)
+
+
+@pytest.mark.parametrize("lengths", [[0, 0], []])
+def test_gluon_reverse_no_tokens(poison, gluon_reverse, lengths):
+    # no token at all: nothing launches (a TMA descriptor's shape must be positive); dh0 is dht (or zeros)
+    H, N = 2, len(lengths)
+    x = make_inputs(1, 0, H, D, D, torch.bfloat16, device="cuda", initial_state=True, N=N, seed=1)
+    cu = random_cu_seqlens(lengths, "cuda")
+    info = seq_info(1, 0, torch.device("cuda"), cu, cu.cpu())
+    dh, dv, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], x["initial_state"], 0.1, True, info)
+    assert dh.shape == (0, H, D, D) and dv.shape == x["v"].shape and torch.equal(dh0, x["initial_state"])
+    _, _, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], None, 0.1, True, info)
+    assert dh0.shape == (N, H, D, D) and not dh0.any()
