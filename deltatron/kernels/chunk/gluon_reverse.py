@@ -52,8 +52,8 @@ to have read chunk i - 1's tiles (early in its step, while its first product run
 computing scale dO^T Q into them.
 
 Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16 warps (8
-+ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 64 B with them
-(all but 8 B, two registers stored and reloaded once a chunk, before and after the loop). With dh stored
++ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 56 B with them
+(all but 8 B before and after the loop; 8 B, two registers, stored and reloaded once a chunk). With dh stored
 beside the first product instead the chain spilled 124 B; adding the off-chain term after that product instead of
 beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared memory 229,664 B. In the PTX each
 partition's loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the
@@ -224,9 +224,12 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
     ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile),
             gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
     # one chunk's fp32 hand-off (single: the ring and a double buffer would not fit sm_90's shared memory),
-    # written in one accumulator layout and read in another: fp32 pairs swizzled over 8 rows, so that a
-    # warp's 8 rows of one column pair do not all fall into the same banks
-    handoff: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
+    # written in one accumulator layout and read in another. A warp's 8-byte accesses of the accumulator
+    # layouts cover 8 rows x 4 column pairs (8 columns): groups of 8 columns swizzled over 8 rows put those
+    # 32 pairs in distinct banks (pairs swizzled alone, vec=2, left 4 rows of a half-warp on 4 banks, 2-4
+    # times the shared-memory passes); dvl's transposed 4-byte loads (8 rows x 4 columns j = 2(lane % 4) + c)
+    # take 2 passes instead of 1
+    handoff: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     dvl_buf = gl.allocate_shared_memory(gl.float32, [C, D], handoff)
     qdo_buf = gl.allocate_shared_memory(gl.float32, [D, D], handoff)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
