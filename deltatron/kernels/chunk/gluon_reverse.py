@@ -65,6 +65,25 @@ the barrier the compiler puts ahead of the first shared-memory access after an m
 (with that arrive after the second product's issue it is gone, but the off-chain partition would wait for the
 whole first product before storing its next tiles).
 
+Reviewed (session 9, without a GPU): the SASS's barrier addresses and init counts (ready 1, empty 2, hand_ready and
+hand_empty 1) match each partition's waits and arrives; every mbarrier.arrive of the chain and the off-chain
+partition lowers to one thread's arrive (tid % 256 or % 128 == 0) right after its partition's bar.sync, so the
+chain's hand_empty arrive follows all its warps' hand-off loads; the loader's expect is 4 x 16,384 B, the full boxes
+that TMA counts even where it zero-fills. A random-interleaving model of the protocol (the review's, not kept;
+hardware parity semantics, TMA completing at random; 0 to 8 chunks) neither hangs nor reads a stale or overwritten
+slot or hand-off tile, and fails on each of four broken variants (hand_empty not waited, empty counting 1, a wrong
+hand_ready parity, a short expect). Proxies: the only async-proxy accesses are TMA writes and wgmma reads of the
+ring (ordered by ready / empty, the loader's fence before TMA overwrites the generic ldmatrix reads of dO); the
+hand-off is generic on both sides, so it needs no fence. The TTGIR maps each capture to the right ring (do / k / q)
+and descriptor; operands: register A with kWidth 2 from an accumulator of the same row split, smem B K-major (the K
+and Q tiles permuted) or MN-major (tnspB: W, dO, Q). Math and masks against state_bwd_kernel (fused): the same
+rounding points, dh at (chunk_offsets[n] + t) * H + h in [K, V], dv rows and dV' columns from n on masked, A^T and
+dO^T columns from n on zeroed (so the next sequence's rows reach nothing). The forward's gluon_walk.py compiles to
+the same PTX as before the loader's REVERSE (outside debug info). Not checkable here: what the hardware makes of it
+(a hang shows only in the GPU test's smoke child), the numerics of Triton's lowering of the new shared-memory paths
+(ldmatrix.trans of a half tile, the fp32 hand-off loaded transposed), the bank-conflict counts (from Triton's
+swizzle formula, checked against the PTX's addresses, not measured) and every time below.
+
 Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
 settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
 walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). Here the
