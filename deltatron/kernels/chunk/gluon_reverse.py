@@ -76,13 +76,15 @@ hand_ready parity, a short expect). Proxies: the only async-proxy accesses are T
 ring (ordered by ready / empty, the loader's fence before TMA overwrites the generic ldmatrix reads of dO); the
 hand-off is generic on both sides, so it needs no fence. The TTGIR maps each capture to the right ring (do / k / q)
 and descriptor; operands: register A with kWidth 2 from an accumulator of the same row split, smem B K-major (the K
-and Q tiles permuted) or MN-major (tnspB: W, dO, Q). Math and masks against state_bwd_kernel (fused): the same
-rounding points, dh at (chunk_offsets[n] + t) * H + h in [K, V], dv rows and dV' columns from n on masked, A^T and
-dO^T columns from n on zeroed (so the next sequence's rows reach nothing). The forward's gluon_walk.py compiles to
-the same PTX as before the loader's REVERSE (outside debug info). Not checkable here: what the hardware makes of it
-(a hang shows only in the GPU test's smoke child), the numerics of Triton's lowering of the new shared-memory paths
-(ldmatrix.trans of a half tile, the fp32 hand-off loaded transposed), the bank-conflict counts (from Triton's
-swizzle formula, checked against the PTX's addresses, not measured) and every time below.
+and Q tiles permuted) or MN-major (tnspB: W, dO, Q). The new shared-memory paths, evaluated per thread from the PTX:
+the ldmatrix.trans addresses of dO^T's two halves are those of gluon_walk's U^T load (warps 0-3 and 4-7), which
+passed on the H200; the fp32 hand-off's store and load addresses are, thread by thread, the accumulator layouts'
+elements under the swizzle's formula (dV'_local read transposed). Math and masks against state_bwd_kernel (fused):
+the same rounding points, dh at (chunk_offsets[seq] + t) * H + h in [K, V], dv rows and dV' columns from n on masked,
+A^T and dO^T columns from n on zeroed (so the next sequence's rows reach nothing). The forward's gluon_walk.py
+compiles to the same PTX as before the loader's REVERSE (outside debug info). Not checkable here: what the hardware
+makes of it (a hang shows only in the GPU test's smoke child), the register order within those layouts (Triton's, as
+in the walk), the bank conflicts (counted from those addresses, not measured) and every time below.
 
 Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
 settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
