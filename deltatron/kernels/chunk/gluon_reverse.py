@@ -52,8 +52,8 @@ to have read chunk i - 1's tiles (early in its step, while its first product run
 computing scale dO^T Q into them.
 
 Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16 warps (8
-+ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 64 B with them
-(all but 8 B, two registers stored and reloaded once a chunk, before and after the loop). With dh stored
++ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 56 B with them
+(all but 8 B before and after the loop; 8 B, two registers, stored and reloaded once a chunk). With dh stored
 beside the first product instead the chain spilled 124 B; adding the off-chain term after that product instead of
 beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared memory 229,664 B. In the PTX each
 partition's loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the
@@ -64,6 +64,27 @@ with ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more than gluon_wa
 the barrier the compiler puts ahead of the first shared-memory access after an mbarrier arrive, here hand_empty's
 (with that arrive after the second product's issue it is gone, but the off-chain partition would wait for the
 whole first product before storing its next tiles).
+
+Reviewed (session 9, without a GPU): the SASS's barrier addresses and init counts (ready 1, empty 2, hand_ready and
+hand_empty 1) match each partition's waits and arrives; every mbarrier.arrive of the chain and the off-chain
+partition lowers to one thread's arrive (tid % 256 or % 128 == 0) right after its partition's bar.sync, so the
+chain's hand_empty arrive follows all its warps' hand-off loads; the loader's expect is 4 x 16,384 B, the full boxes
+that TMA counts even where it zero-fills. A random-interleaving model of the protocol (the review's, not kept;
+hardware parity semantics, TMA completing at random; 0 to 8 chunks) neither hangs nor reads a stale or overwritten
+slot or hand-off tile, and fails on each of four broken variants (hand_empty not waited, empty counting 1, a wrong
+hand_ready parity, a short expect). Proxies: the only async-proxy accesses are TMA writes and wgmma reads of the
+ring (ordered by ready / empty, the loader's fence before TMA overwrites the generic ldmatrix reads of dO); the
+hand-off is generic on both sides, so it needs no fence. The TTGIR maps each capture to the right ring (do / k / q)
+and descriptor; operands: register A with kWidth 2 from an accumulator of the same row split, smem B K-major (the K
+and Q tiles permuted) or MN-major (tnspB: W, dO, Q). The new shared-memory paths, evaluated per thread from the PTX:
+the ldmatrix.trans addresses of dO^T's two halves are those of gluon_walk's U^T load (warps 0-3 and 4-7), which
+passed on the H200; the fp32 hand-off's store and load addresses are, thread by thread, the accumulator layouts'
+elements under the swizzle's formula (dV'_local read transposed). Math and masks against state_bwd_kernel (fused):
+the same rounding points, dh at (chunk_offsets[seq] + t) * H + h in [K, V], dv rows and dV' columns from n on masked,
+A^T and dO^T columns from n on zeroed (so the next sequence's rows reach nothing). The forward's gluon_walk.py
+compiles to the same PTX as before the loader's REVERSE (outside debug info). Not checkable here: what the hardware
+makes of it (a hang shows only in the GPU test's smoke child), the register order within those layouts (Triton's, as
+in the walk), the bank conflicts (counted from those addresses, not measured) and every time below.
 
 Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
 settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
@@ -226,9 +247,12 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
     ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile),
             gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
     # one chunk's fp32 hand-off (single: the ring and a double buffer would not fit sm_90's shared memory),
-    # written in one accumulator layout and read in another: fp32 pairs swizzled over 8 rows, so that a
-    # warp's 8 rows of one column pair do not all fall into the same banks
-    handoff: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
+    # written in one accumulator layout and read in another. A warp's 8-byte accesses of the accumulator
+    # layouts cover 8 rows x 4 column pairs (8 columns): groups of 8 columns swizzled over 8 rows put those
+    # 32 pairs in distinct banks (pairs swizzled alone, vec=2, left 4 rows of a half-warp on 4 banks, 2-4
+    # times the shared-memory passes); dvl's transposed 4-byte loads (8 rows x 4 columns j = 2(lane % 4) + c)
+    # take 2 passes instead of 1
+    handoff: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     dvl_buf = gl.allocate_shared_memory(gl.float32, [C, D], handoff)
     qdo_buf = gl.allocate_shared_memory(gl.float32, [D, D], handoff)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
