@@ -68,3 +68,9 @@ def nearly_parallel_keys(shape, beta_low=1.95, dtype=torch.float32, device="cpu"
 def random_cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
     lens = torch.tensor([0, *lengths], dtype=torch.int64)
     return lens.cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def misaligned(x):
+    """x's values in a contiguous tensor that starts one element (2 bytes) past a 16-byte boundary."""
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype)[1:]
+    return flat.view(x.shape).copy_(x)

@@ -6,7 +6,7 @@ import torch
 
 from deltatron.kernels.utils import seq_info
 
-from .helpers import make_inputs, random_cu_seqlens
+from .helpers import make_inputs, misaligned, random_cu_seqlens
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -47,5 +47,7 @@ def test_refuses_misuse():
         gluon_reverse.gluon_state_bwd(q, k, k, v.transpose(1, 2).contiguous().transpose(1, 2), None, 0.1, False, info)
     with pytest.raises(ValueError, match="dht"):
         gluon_reverse.gluon_state_bwd(q, k, k, v, dht[:1], 0.1, False, info)
+    with pytest.raises(ValueError, match="16-byte aligned"):  # TMA: the descriptor's base
+        gluon_reverse.gluon_state_bwd(q, k, misaligned(k), v, None, 0.1, False, info)
     with pytest.raises(ValueError, match="chunk_size"):
         gluon_reverse.gluon_state_bwd(q, k, k, v, None, 0.1, False, info, chunk_size=32)

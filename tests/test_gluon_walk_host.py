@@ -9,7 +9,7 @@ import torch
 
 from deltatron.kernels.utils import seq_info
 
-from .helpers import make_inputs, random_cu_seqlens
+from .helpers import make_inputs, misaligned, random_cu_seqlens
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -59,6 +59,8 @@ def test_refuses_misuse():
         gluon_walk.gluon_state_output_fwd(q[:1], k[:1], k[:1], v[:1], 0.1, None, False, info)
     with pytest.raises(ValueError, match="initial_state"):
         gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, h0[:1], False, info)
+    with pytest.raises(ValueError, match="16-byte aligned"):  # TMA: the descriptor's base
+        gluon_walk.gluon_state_output_fwd(q, k, misaligned(k), v, 0.1, None, False, info)
     with pytest.raises(ValueError, match="chunk_size"):
         gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, chunk_size=32)
     for block_v in (32, 96, 256):  # wgmma's M is 64 a warp group: no narrower V-block; others do not tile 128

@@ -113,7 +113,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..utils import SeqInfo
-from .gluon_walk import C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, loader_partition
+from .gluon_walk import C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, loader_partition, tile_layout
 
 STAGES = WALK_CONFIGS[D_WALK].stages  # ring slots, as the unsplit walk's (shared memory leaves no third)
 
@@ -295,6 +295,8 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     TT, N = info.total_tokens, info.num_seqs
     if any(x.numel() != TT * H * D or not x.is_contiguous() for x in (q, k, w, do)):
         raise ValueError(f"gluon_reverse: q, k, w, do must hold {TT} tokens of {H} heads, contiguous")
+    if any(x.data_ptr() % 16 for x in (q, k, w, do)):
+        raise ValueError("gluon_reverse: q, k, w, do must start 16-byte aligned (TMA)")
     if dht is not None and tuple(dht.shape) != (N, H, D, D):
         raise ValueError(f"gluon_reverse: dht must be [{N}, {H}, {D}, {D}], got {tuple(dht.shape)}")
     chunks = info.chunks(chunk_size)
@@ -308,8 +310,7 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
         elif dh0 is not None:
             dh0.zero_()
         return dh, dv, dh0
-    layout = gl.NVMMASharedLayout.get_default_for([C_WALK, D], gl.bfloat16 if k.dtype == torch.bfloat16
-                                                  else gl.float16)
+    layout = tile_layout(k.dtype, C_WALK, D)
     # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128); rows past TT are TMA's zero fill
     descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, D], layout) for x in (w, do, k, q)]
     gluon_reverse_kernel[(N * H, )](*descs, dh, dv, dht, dh0, scale, info.cu_seqlens, chunks.chunk_offsets, H,

@@ -319,6 +319,8 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     TT = info.total_tokens
     if any(x.numel() != TT * H * D for x in (q, k, w, u)) or not o.is_contiguous() or o.shape != u.shape:
         raise ValueError(f"gluon_walk: q, k, w, u must hold {TT} tokens of {H} heads (o contiguous, u's shape)")
+    if any(x.data_ptr() % 16 for x in (q, k, w, u)):
+        raise ValueError("gluon_walk: q, k, w, u must start 16-byte aligned (TMA)")
     N = info.num_seqs
     if initial_state is not None and (tuple(initial_state.shape) != (N, H, D, D) or not initial_state.is_contiguous()):
         raise ValueError(f"gluon_walk: initial_state must be contiguous [{N}, {H}, {D}, {D}], got "
