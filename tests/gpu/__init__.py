@@ -1,4 +1,11 @@
 """GPU-only tests (marked gpu; skipped without CUDA). Realistic sizes; run them with tests/gpu/run_suite.py."""
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+import torch
 
 # (B, T, H, head size K = V, chunk size) of the chunk pipeline's fixed-length tests, forward and backward:
 # long and short sequences, B*H up to 64, every head size class (16, 64, 128, 256 and 100), every chunk size
@@ -10,3 +17,25 @@ CHUNK_SHAPES = [
     (2, 777, 32, 128, 16),
     (8, 128, 4, 16, 64),  # 16-wide heads (deltatron train's CPU preset), where the fused WY kernel once failed on the GPU
 ]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GLUON_SMOKE_TIMEOUT_S = 240  # compiles (seconds) and runs a small call (microseconds)
+
+
+def gluon_smoke(code: str, *args: str) -> Optional[str]:
+    """Runs code (python -c, args after it: a small call of a Gluon kernel) in a child process under
+    GLUON_SMOKE_TIMEOUT_S and returns why it failed, or None. The Gluon kernels' partitions wait on each other
+    through mbarriers: a wrong phase hangs the GPU rather than failing a test, and would take the whole suite
+    with it, so each Gluon test file runs its kernel here before any launch in its own process. Skips the
+    calling test off sm_90 or without Gluon."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are written for sm_90 (wgmma, TMA, setmaxnreg)")
+    pytest.importorskip("triton.experimental.gluon")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=GLUON_SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        return (f"did not finish in {GLUON_SMOKE_TIMEOUT_S} s (a hang: mbarrier phases?); its output: "
+                f"{e.stdout!r} {e.stderr!r}")
+    print(proc.stdout.strip())
+    return f"failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}" if proc.returncode else None

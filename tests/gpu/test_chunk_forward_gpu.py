@@ -12,7 +12,7 @@ from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
 from deltatron.reference.chunk import from_chunks, to_chunks
 
 from ..helpers import BOUNDS, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
-from . import CHUNK_SHAPES
+from . import CHUNK_SHAPES, gluon_smoke
 
 pytestmark = pytest.mark.gpu
 
@@ -61,9 +61,20 @@ def test_forward_varlen_20_sequences(poison, dtype, D, C):
     assert torch.equal(final[empty], x["initial_state"][empty])
 
 
+@pytest.fixture(scope="module")
+def gluon_walk_runs():
+    # the Gluon walk's smoke calls (test_gluon_walk_gpu.py's, each V-block width) in a child process before
+    # this process launches it: a hang there must not take the suite with it
+    from .test_gluon_walk_gpu import BLOCK_V, SMOKE
+
+    failures = [f"block_v {block_v}: {why}" for block_v in BLOCK_V if (why := gluon_smoke(SMOKE, str(block_v)))]
+    if failures:
+        pytest.fail("the Gluon walk's smoke call " + "\n".join(failures), pytrace=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lengths", [[1000, 1000], [1], [0, 1, 63, 64, 65, 0, 700, 130]])
-def test_forward_gluon_walk(poison, monkeypatch, dtype, lengths):
+def test_forward_gluon_walk(poison, monkeypatch, request, dtype, lengths):
     # the forward with the fused walk forced onto the Gluon kernel (by default it runs from 64 sequences x
     # heads) against the float64 oracle: partial last chunks, T = 1, empty sequences (their state passed
     # through), 3 heads; the kernel must actually run (counted)
@@ -71,6 +82,7 @@ def test_forward_gluon_walk(poison, monkeypatch, dtype, lengths):
                     seed=len(lengths))
     if not state.gluon_walk_applies(x["k"], x["v"], 64):
         pytest.skip("the Gluon walk runs on sm_90 only")
+    request.getfixturevalue("gluon_walk_runs")
     from deltatron.kernels.chunk import gluon_walk
 
     launches = []
@@ -104,7 +116,7 @@ def test_forward_growing_transition(poison, dtype):
 @pytest.mark.parametrize("B, T, H, D", [(8, 512, 16, 128), (2, 1000, 4, 128), (4, 300, 8, 256), (3, 700, 8, 64),
                                         (2, 333, 4, 100)])
 @pytest.mark.parametrize("walk", ["S", "S^T", "gluon"])
-def test_fused_state_output_matches_unfused(poison, monkeypatch, dtype, B, T, H, D, walk):
+def test_fused_state_output_matches_unfused(poison, monkeypatch, request, dtype, B, T, H, D, walk):
     # the forward's fused walk (its own V-block and warps: 128 x 128 states on 8 warps at 8 x 16 heads,
     # narrower when there are few heads), on S or (16-bit) on S^T, or the warp-specialized Gluon kernel
     # (sm_90, 16-bit, K = V = 128), against state_fwd + output_fwd on the same W, U: they round alike, so
@@ -114,6 +126,8 @@ def test_fused_state_output_matches_unfused(poison, monkeypatch, dtype, B, T, H,
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=D + H)
     if walk == "gluon" and not state.gluon_walk_applies(x["k"], x["v"], 64):
         pytest.skip("the Gluon walk runs on sm_90 at K = V = 128 only")
+    if walk == "gluon":
+        request.getfixturevalue("gluon_walk_runs")
     monkeypatch.setattr(state, "TRANSPOSED_WALK", walk == "S^T")
     monkeypatch.setattr(state, "GLUON_WALK", walk == "gluon")
     info = seq_info(B, T, torch.device("cuda"), None, None)

@@ -5,12 +5,8 @@ the order of fp32 sums, and through it by a rounding of the dtype here and there
 
 The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
 failing a test, and would take the whole GPU suite with it. So the first use of the fixture runs one small
-call in a child process under a time limit (SMOKE_TIMEOUT_S); if it hangs or crashes, the child is killed
+call in a child process under a time limit (gluon_smoke); if it hangs or crashes, the child is killed
 and every test here fails with its output, without a launch in this process."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -18,12 +14,11 @@ from deltatron.kernels.chunk import state_bwd, wy
 from deltatron.kernels.utils import seq_info
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from . import gluon_smoke
 
 pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOKE_TIMEOUT_S = 240  # compiles (seconds) and runs two sequences of 200 tokens (microseconds)
 SMOKE = """
 import torch
 from deltatron.kernels.chunk import gluon_reverse
@@ -47,19 +42,9 @@ def triton_pass_as_reference(monkeypatch):
 
 @pytest.fixture(scope="module")
 def gluon_reverse():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon reverse pass is written for sm_90 (wgmma, TMA, setmaxnreg)")
-    pytest.importorskip("triton.experimental.gluon")
-    try:
-        proc = subprocess.run([sys.executable, "-c", SMOKE], cwd=ROOT, capture_output=True, text=True,
-                              timeout=SMOKE_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the Gluon reverse pass's smoke call did not finish in {SMOKE_TIMEOUT_S} s (a hang: mbarrier "
-                    f"phases?); its output: {e.stdout!r} {e.stderr!r}", pytrace=False)
-    if proc.returncode != 0:
-        pytest.fail(f"the Gluon reverse pass's smoke call failed (exit {proc.returncode}):\n{proc.stdout}\n"
-                    f"{proc.stderr[-4000:]}", pytrace=False)
-    print(proc.stdout.strip())
+    failure = gluon_smoke(SMOKE)
+    if failure:
+        pytest.fail("the Gluon reverse pass's smoke call " + failure, pytrace=False)
     from deltatron.kernels.chunk import gluon_reverse
 
     return gluon_reverse

@@ -8,12 +8,8 @@ differ by the order of fp32 sums, and through it by a rounding of the dtype here
 The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
 failing a test, and would take the whole GPU suite (tests/gpu/run_suite.py) with it. So the first use of
 the fixture runs one small call of each V-block width, each in a child process under a time limit
-(SMOKE_TIMEOUT_S); if one hangs or crashes, its child is killed and every test of that width (and those of
+(gluon_smoke); if one hangs or crashes, its child is killed and every test of that width (and those of
 none) fails with its output, without a launch in this process."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,13 +17,12 @@ from deltatron.kernels.chunk import state, wy
 from deltatron.kernels.utils import seq_info
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from . import gluon_smoke
 
 pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK_V = [128, 64]  # gluon_walk.WALK_CONFIGS' V-block widths, each forced
-SMOKE_TIMEOUT_S = 240  # compiles (seconds) and runs two sequences of 200 tokens (microseconds)
 SMOKE = """
 import sys
 import torch
@@ -56,22 +51,7 @@ def triton_walk_as_reference(monkeypatch):
 @pytest.fixture(scope="module")
 def smoke_failures():
     """{block_v: why its smoke call failed, or None}."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon walk is written for sm_90 (wgmma, TMA, setmaxnreg)")
-    pytest.importorskip("triton.experimental.gluon")
-    failures = {}
-    for block_v in BLOCK_V:
-        try:
-            proc = subprocess.run([sys.executable, "-c", SMOKE, str(block_v)], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=SMOKE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            failures[block_v] = (f"did not finish in {SMOKE_TIMEOUT_S} s (a hang: mbarrier phases?); its output: "
-                                 f"{e.stdout!r} {e.stderr!r}")
-            continue
-        print(proc.stdout.strip())
-        failures[block_v] = (f"failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-                             if proc.returncode != 0 else None)
-    return failures
+    return {block_v: gluon_smoke(SMOKE, str(block_v)) for block_v in BLOCK_V}
 
 
 @pytest.fixture
