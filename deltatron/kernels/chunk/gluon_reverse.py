@@ -113,7 +113,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..utils import SeqInfo
-from .gluon_walk import C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, loader_partition, tile_layout
+from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, chain_layout, loader_partition, register_operand,
+                         tile_layout)
 
 STAGES = WALK_CONFIGS[D_WALK].stages  # ring slots, as the unsplit walk's (shared memory leaves no third)
 
@@ -130,14 +131,11 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
     w_ring, do_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
     dt: gl.constexpr = w_ring.dtype
-    # warps stacked along the V rows, as gluon_walk's chain: each accumulator is the other product's operand
-    # without data moving between threads
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
-    vn_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, C, 16])
-    sd_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=vn_layout, k_width=2)
-    vn_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    # warps stacked along the V rows, as gluon_walk's chain
+    s_layout: gl.constexpr = chain_layout(num_warps, D)
+    vn_layout: gl.constexpr = chain_layout(num_warps, C)
+    sd_operand: gl.constexpr = register_operand(vn_layout)
+    vn_operand: gl.constexpr = register_operand(s_layout)
 
     rv = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))

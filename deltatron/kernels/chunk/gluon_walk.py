@@ -133,6 +133,20 @@ def tile_layout(dtype: torch.dtype, rows: int, cols: int) -> gl.NVMMASharedLayou
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
+@gluon.constexpr_function
+def chain_layout(num_warps, n):
+    """A chain accumulator's layout, [rows, n] fp32: warps stacked along the rows (16 a warp), so that the two
+    chain products' accumulators and the register operand made from one for the other share the row split
+    and no data moves between threads (the walk's chain and gluon_reverse.py's)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def register_operand(accumulator):
+    """A 16-bit wgmma A operand in registers with an accumulator layout's rows."""
+    return gl.DotOperandLayout(operand_index=0, parent=accumulator, k_width=2)
+
+
 @gluon.jit
 def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr,
                      REVERSE: gl.constexpr = False):
@@ -167,14 +181,10 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
-    # warps stacked along the V rows (16 rows a warp): the two products' accumulators and the operand made
-    # from one accumulator for the other share the row split, so no data moves between threads
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
-    vn_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, C, 16])
-    sd_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=vn_layout, k_width=2)
-    vn_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    s_layout: gl.constexpr = chain_layout(num_warps, D)  # S^T's V rows split over the warps
+    vn_layout: gl.constexpr = chain_layout(num_warps, C)
+    sd_operand: gl.constexpr = register_operand(vn_layout)
+    vn_operand: gl.constexpr = register_operand(s_layout)
 
     rv = gl.arange(0, BV, layout=gl.SliceLayout(1, s_layout))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))
