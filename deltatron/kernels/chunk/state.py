@@ -312,7 +312,8 @@ def gluon_walk_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size:
     """Whether the fused walk runs as the Gluon kernel (one program per sequence and head, the chain, the output
     and the loads in separate warps). On the H200 (benchmarks/diagnostics/gluon_walk.py, bf16, 2026-11-30; o
     within 2e-5 of the Triton walk, the final state bitwise equal), Triton walk against Gluon walk, ms:
-    8 x 16 heads 0.146 / 0.141, 4 x 16 0.264 / 0.171, 2 x 32 0.513 / 0.333, 1 x 64 (T = 32768) 1.982 / 1.307;
+    8 x 16 heads 0.146 / 0.106 (0.141 in another call), 4 x 16 0.264 / 0.171, 2 x 32 0.513 / 0.333, 1 x 64
+    (T = 32768) 1.982 / 1.307;
     but 1 x 16 (T = 32768): 16 programs on 132 SMs, 1.317 against the forward's unfused stages (0.922,
     fused_output_pays). So from GLUON_WALK_MIN_PROGRAMS sequences x heads."""
     if not gluon_walk_applies(k, v, chunk_size):
