@@ -34,13 +34,20 @@ def test_no_tokens_passes_the_state_through(poison, lengths, block_v):
     assert s is None
 
 
-@pytest.mark.parametrize("B, H, block_v, expected", [(1, 16, None, 64), (3, 21, None, 64), (4, 16, None, 128),
+@pytest.mark.parametrize("num_seq_heads, expected", [(1, 64), (16, 64), (64, 64), (66, 64), (67, 128), (128, 128),
+                                                     (320, 128)])
+def test_split_v_while_the_doubled_grid_fits_one_wave(num_seq_heads, expected):
+    # two programs a head while 2 x sequences x heads fit the H200's 132 SMs (measured faster there), else one
+    assert gluon_walk.split_v(num_seq_heads, 132) == expected
+
+
+@pytest.mark.parametrize("B, H, block_v, expected", [(1, 16, None, 64), (3, 21, None, 64), (4, 16, None, 64),
                                                      (8, 16, None, 128), (8, 16, 64, 64), (1, 16, 128, 128)])
 def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
-    # split_v's width unless one is given: two programs a head below 64 sequences x heads (where
-    # state.gluon_walk_pays does not send the forward here), the measured one program a head from there
+    # split_v's width on the tensors' device's SMs (here as the H200's 132) unless one is given
     launched = []
     monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a: launched.append(a[-1]))
+    monkeypatch.setattr(gluon_walk, "num_sms", lambda device: 132)
     x = make_inputs(B, 3, H, D, D, torch.bfloat16)
     gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False,
                                       seq_info(B, 3, torch.device("cpu"), None, None), block_v=block_v)

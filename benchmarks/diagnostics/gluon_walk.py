@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from deltatron import bench  # noqa: E402
 from deltatron.kernels import chunk  # noqa: E402
 from deltatron.kernels.chunk import state  # noqa: E402
+from deltatron.kernels.utils import num_sms  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stage_configs import worst_difference as rel_rms  # noqa: E402
@@ -45,7 +46,7 @@ def compare(cfg: bench.Config, measure) -> None:
     q, k, w, u, scale, h0, info = walk_inputs(cfg, torch.device("cuda"))
     o_ref, s_ref = state.state_output_fwd(q, k, w, u, scale, h0, True, info, 64)
     widths = sorted(gluon_walk.WALK_CONFIGS, reverse=True)
-    print(f"\n{cfg.name}: split_v chooses block_v {gluon_walk.split_v(cfg.B * cfg.H)}")
+    print(f"\n{cfg.name}: split_v chooses block_v {gluon_walk.split_v(info.num_seqs * cfg.H, num_sms(q.device))}")
     results = {}
     for block_v in widths:
         o, s = gluon_walk.gluon_state_output_fwd(q, k, w, u, scale, h0, True, info, block_v=block_v)
@@ -74,7 +75,7 @@ def compare(cfg: bench.Config, measure) -> None:
     try:
         for block_v in [None, *widths] * 2:
             state.GLUON_WALK = block_v is not None
-            gluon_walk.split_v = lambda num_seq_heads, block_v=block_v: block_v
+            gluon_walk.split_v = lambda num_seq_heads, sms, block_v=block_v: block_v
             ms = measure(lambda: chunk.forward(q, k, v, beta, scale, None, False, info, needs_backward=False))
             name = "Triton stages" if block_v is None else f"Gluon walk, block_v {block_v}"
             print(f"  forward, {name:<23} {ms:8.3f} ms", flush=True)

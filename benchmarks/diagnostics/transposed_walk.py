@@ -43,12 +43,13 @@ WALKS = {"on S": False, "on S^T": True}
 
 def walk_inputs(cfg: bench.Config, device):
     """(q, k, w, u, scale, h0, info) of the forward's fused walk on the benchmark's inputs, packed as the
-    forward packs them."""
+    forward packs them (a varlen configuration as its sequences)."""
     x = bench.make_inputs(cfg, device, seed=0)
     q, k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
-    info = seq_info(cfg.B, cfg.T, device, None, None)
+    info = seq_info(cfg.B, cfg.T, device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))  # varlen: its sequences
     _, w, u = wy.wy_fwd(k, v, beta, info, C)
-    h0 = torch.randn(cfg.B, cfg.H, cfg.K, cfg.V, device=device, generator=torch.Generator(device).manual_seed(1))
+    h0 = torch.randn(info.num_seqs, cfg.H, cfg.K, cfg.V, device=device,
+                     generator=torch.Generator(device).manual_seed(1))
     return q, k, w, u, cfg.K ** -0.5, h0, info
 
 

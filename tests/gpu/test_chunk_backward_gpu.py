@@ -11,7 +11,7 @@ from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
-from . import CHUNK_SHAPES
+from . import CHUNK_SHAPES, gluon_smoke
 
 pytestmark = pytest.mark.gpu
 
@@ -87,12 +87,38 @@ def test_backward_growing_transition(triton_backend, poison, dtype):
     check(x, 0.125, 64)
 
 
+@pytest.fixture(scope="module")
+def gluon_reverse_runs():
+    # the Gluon reverse pass's smoke call (test_gluon_reverse_gpu.py's) in a child process before this process
+    # launches it: a hang there must not take the suite with it
+    from .test_gluon_reverse_gpu import SMOKE
+
+    failure = gluon_smoke(SMOKE)
+    if failure:
+        pytest.fail("the Gluon reverse pass's smoke call " + failure, pytrace=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, dtype):
-    # 8 x 16 heads at K = V = 128: where the GPU has at least 128 SMs the reverse pass runs one program of
-    # 128 columns per head (state_bwd.reverse_launch), not two of 64; T = 300 ends in a partial chunk
+@pytest.mark.parametrize("reverse", ["triton", "gluon"])
+def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse):
+    # 8 x 16 heads at K = V = 128: the reverse pass runs one program per head, either Triton's of 128 columns
+    # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or, by default on sm_90, the Gluon kernel
+    # (state_bwd.gluon_reverse_pays; its launches counted); T = 300 ends in a partial chunk
     x = make_inputs(8, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
+    launches = []
+    if reverse == "gluon":
+        if not state_bwd.gluon_reverse_applies(x["q"], x["k"], x["k"], x["v"], None, 64):
+            pytest.skip("the Gluon reverse pass runs on sm_90 only")
+        request.getfixturevalue("gluon_reverse_runs")
+        from deltatron.kernels.chunk import gluon_reverse
+
+        state_bwd_gluon = gluon_reverse.gluon_state_bwd
+        monkeypatch.setattr(gluon_reverse, "gluon_state_bwd",
+                            lambda *a, **kw: launches.append(1) or state_bwd_gluon(*a, **kw))
+    else:
+        monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
     check(x, 128 ** -0.5, 64)
+    assert len(launches) == (reverse == "gluon")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -117,10 +143,12 @@ def test_backward_deterministic(triton_backend, dtype):
     (1, 4096, 4, 128),  # few heads: 16-column V-blocks, A^T recomputed by 8 programs per head
     (1, [0, 1, 63, 64, 65, 700, 1500, 333, 0, 2047], 8, 256),  # varlen, K = 256 (fp32: 16-column V-blocks)
 ])
-def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
-    # the backward's reverse state pass computing dV'_local itself against output_bwd.dv_local + the
+def test_fused_dv_local_matches_unfused(poison, monkeypatch, dtype, B, T_or_lengths, H, D):
+    # the backward's Triton reverse state pass computing dV'_local itself against output_bwd.dv_local + the
     # unfused pass, on the real W of the inputs: they round A^T alike, the fused pass keeps dV'_local in
-    # fp32 (the unfused store rounds it), so they differ by about one rounding of the dtype
+    # fp32 (the unfused store rounds it), so they differ by about one rounding of the dtype (the Gluon
+    # reverse pass, state_bwd's default at 8 x 16 heads on sm_90, is checked in test_gluon_reverse_gpu.py)
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
     varlen = isinstance(T_or_lengths, list)
     T = sum(T_or_lengths) if varlen else T_or_lengths
     N = len(T_or_lengths) if varlen else B

@@ -75,7 +75,7 @@ def gluon_walk_runs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lengths", [[1000, 1000], [1], [0, 1, 63, 64, 65, 0, 700, 130]])
 def test_forward_gluon_walk(poison, monkeypatch, request, dtype, lengths):
-    # the forward with the fused walk forced onto the Gluon kernel (by default it runs from 64 sequences x
+    # the forward with the fused walk forced onto the Gluon kernel (by default it runs from 16 sequences x
     # heads) against the float64 oracle: partial last chunks, T = 1, empty sequences (their state passed
     # through), 3 heads; the kernel must actually run (counted)
     x = make_inputs(1, sum(lengths), 3, 128, 128, dtype, device="cuda", initial_state=True, N=len(lengths),

@@ -44,7 +44,7 @@ print(f"gluon walk smoke call (block_v {block_v}) done, finite:",
 @pytest.fixture(autouse=True)
 def triton_walk_as_reference(monkeypatch):
     # state.state_output_fwd is the reference here: the Triton walk, not the Gluon kernel it runs by default
-    # from 64 sequences x heads
+    # from 16 sequences x heads
     monkeypatch.setattr(state, "GLUON_WALK", False)
 
 

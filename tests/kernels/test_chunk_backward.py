@@ -358,3 +358,19 @@ def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch, dtype,
     o, _ = deltatron.chunk_delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"])
     torch.autograd.grad(o.sum(), (inp["q"], inp["k"], inp["v"], inp["beta"]))
     assert set(refs) == watched
+
+
+@pytest.mark.parametrize("N, H, forced, expected", [(8, 16, None, True), (67, 1, None, True), (1, 132, None, True),
+                                                     (4, 16, None, False), (66, 1, None, False),
+                                                     (1, 133, None, False), (20, 16, None, False),
+                                                     (4, 16, True, True), (8, 16, False, False)])
+def test_gluon_reverse_pays_within_one_wave_past_half(monkeypatch, N, H, forced, expected):
+    # where the Gluon reverse pass applies (a Hopper GPU; faked here as the H200's 132 SMs), the backward takes
+    # it while one program a sequence and head fills more than half the SMs in one wave (below, the Triton pass
+    # splits V and was measured faster), unless state_bwd.GLUON_REVERSE forces it either way
+    monkeypatch.setattr(state_bwd, "gluon_reverse_applies", lambda *args: True)
+    monkeypatch.setattr(state_bwd, "num_sms", lambda device: 132)
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", forced)
+    k = torch.empty(N, 1, H, 128, dtype=torch.bfloat16)
+    info = seq_info(N, 1, torch.device("cpu"), None, None)
+    assert state_bwd.gluon_reverse_pays(k, k, k, k, None, info, 64) == expected

@@ -344,3 +344,14 @@ def test_public_api_uses_the_kernels(poison, monkeypatch):
                                             ref["initial_state"], True)
     assert rel_rms(o, o_ref) < BOUNDS[torch.bfloat16]
     assert rel_rms(final, final_ref) < BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.parametrize("N, H, forced, expected", [(1, 16, None, True), (4, 16, None, True), (1, 8, None, False),
+                                                     (3, 5, None, False), (1, 8, True, True), (8, 16, False, False)])
+def test_gluon_walk_pays_from_16_sequences_x_heads(monkeypatch, N, H, forced, expected):
+    # where the Gluon walk applies (a Hopper GPU; faked here), the forward takes it from 16 sequences x heads
+    # (the fewest it was measured faster at) unless state.GLUON_WALK forces it either way
+    monkeypatch.setattr(state, "gluon_walk_applies", lambda k, v, chunk_size: True)
+    monkeypatch.setattr(state, "GLUON_WALK", forced)
+    k = torch.empty(N, 1, H, 128, dtype=torch.bfloat16)
+    assert state.gluon_walk_pays(k, k, seq_info(N, 1, torch.device("cpu"), None, None), 64) == expected

@@ -1,7 +1,7 @@
 """The backward's reverse state pass (state_bwd.state_bwd with dv_local=None, the fused pass) as a
 warp-specialized Gluon kernel for Hopper (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64), the mirror of
-gluon_walk.py. state_bwd runs it only where state_bwd.gluon_reverse_pays, which GLUON_REVERSE keeps off until
-it is measured; backward.py does not call it otherwise.
+gluon_walk.py. state_bwd runs it where state_bwd.gluon_reverse_pays (one wave of programs, more than half the
+SMs; the measurements are there).
 
 One program per (sequence, head) walks its chunks backwards from dS = dht (or 0), as state_bwd_kernel does,
 with dS^T [V, K] fp32 in registers, split over three partitions that run side by side:
@@ -99,6 +99,12 @@ the forward settles at, and the pass also writes dh and dv (48 KiB a chunk to HB
 So about 2.7 to 3.2 us a chunk: b4-t4096-h16 0.17-0.20 ms (Triton 0.234), b2-t8192-h32 0.35-0.41 (0.463),
 b1-t32768-h64 1.4-1.65 (1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk
 gained 3 %) 0.18-0.21 (0.183), no gain.
+
+Measured on the H200 (session 10, benchmarks/diagnostics/gluon_reverse.py, bf16), Triton pass against this one,
+ms: b8-t2048-h16 0.202 / 0.162, b4-t4096-h16 0.232 / 0.289, b2-t8192-h32 0.453 / 0.561, b1-t32768-h64
+1.793 / 2.226. The prediction was wrong both ways: about 4.5 us a chunk with 64 programs (not 2.7-3.2), and
+5.1 with 128 programs, where the Triton pass, at one program a head too, takes 6.3. With 64 programs the
+Triton pass splits V over two programs a head (128 programs, 3.6 us a chunk), which this kernel does not.
 
 Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
 Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""

@@ -1,6 +1,6 @@
 """The forward's fused state+output walk (state.state_output_fwd) as a warp-specialized Gluon kernel for Hopper
-(triton 3.6, sm_90, 16-bit, K = V = 128, C = 64): state_output_fwd runs it where state.gluon_walk_pays (from 64
-sequences x heads; the measurements are there).
+(triton 3.6, sm_90, 16-bit, K = V = 128, C = 64): state_output_fwd runs it where state.gluon_walk_pays (from 16
+sequences x heads; the measurements are there and at split_v).
 
 One program per (sequence, head, V-block of BV rows of S^T) walks its chunks as state.transposed_walk does,
 with its S^T rows [BV, K] fp32 in registers, but split over three partitions that run side by side:
@@ -29,16 +29,16 @@ positive) and passes the initial state (or zeros) through as the final one.
 
 The V-block width BV (u's descriptor's block width; WALK_CONFIGS, split_v):
     BV = 128, one program a head: the kernel measured on the H200 (below);
-    BV = 64, two programs a head (unmeasured): for few sequences x heads, where BV = 128 leaves most SMs idle
-        (1 x 16 heads: 16 programs on 132 SMs). V' = U - W S and S += K^T V' are separable by V columns, so
-        each V-block of S^T walks alone given W, K and U's block; only Q K^T (a fifth of a program's products
-        at BV = 64) is computed by both programs of a head. The chain is one warp group (S^T [64, 128]: 64 fp32
-        registers a thread), a ring slot 56 KiB, so 3 slots fit; the two programs of a head are neighbours in
-        the grid, so they run at once and share W, K, Q in L2 (HBM reads as at BV = 128). Narrower blocks do
-        not fit this chain: wgmma's M is 64 a warp group, and the chain's products take S^T's (V'^T's) rows as
-        M from registers; BV = 32 would need the walk on S with both operands in shared memory, a different
-        chain, and four programs a head repeating Q K^T and the loads of W, K, Q. Two programs an SM do not
-        fit either (2 ring slots and the S^T, V'^T tiles are already 160 KiB a program).
+    BV = 64, two programs a head (faster while the grid fits one wave, measured; split_v): for few sequences x
+        heads, where BV = 128 leaves most SMs idle (1 x 16 heads: 16 programs on 132 SMs). V' = U - W S and S +=
+        K^T V' are separable by V columns, so each V-block of S^T walks alone given W, K and U's block; only Q K^T
+        (a fifth of a program's products at BV = 64) is computed by both programs of a head. The chain is one warp
+        group (S^T [64, 128]: 64 fp32 registers a thread), a ring slot 56 KiB, so 3 slots fit; the two programs of
+        a head are neighbours in the grid, so they run at once and share W, K, Q in L2 (HBM reads as at BV = 128).
+        Narrower blocks do not fit this chain: wgmma's M is 64 a warp group, and the chain's products take S^T's
+        (V'^T's) rows as M from registers; BV = 32 would need the walk on S with both operands in shared memory, a
+        different chain, and four programs a head repeating Q K^T and the loads of W, K, Q. Two programs an SM do
+        not fit either (2 ring slots and the S^T, V'^T tiles are already 160 KiB a program).
 
 Checked without a GPU (session 9 review): the TTGIR maps each partition's captures to the right ring slots and
 descriptors; each mbarrier.arrive lowers to one thread's arrive after a partition-wide bar.sync (so count 1 a
@@ -76,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..utils import SeqInfo
+from ..utils import SeqInfo, num_sms
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
 OUTPUT_WARPS, LOADER_REGS = 4, 24
@@ -99,31 +99,20 @@ class WalkConfig(NamedTuple):
 #     spills with or without the states. 3 slots (56 KiB a slot at bf16: W, K, Q [64, 128], U [64, 64]).
 WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2),
                 64: WalkConfig(chain_warps=4, output_regs=128, stages=3)}
-SPLIT_V_BELOW = 64  # sequences x heads: below, two programs a head (see split_v)
-
-
-def split_v(num_seq_heads: int) -> int:
-    """The V-block a program walks, by the number of sequences x heads: 64 (two programs a head) below
-    SPLIT_V_BELOW, else 128. From 64 sequences x heads state.gluon_walk_pays sends the forward here with the
-    measured BV = 128, which this keeps until the split is measured there; below, the forward runs the Triton
-    stages unless state.GLUON_WALK forces this kernel. A prediction, not measured (BV = 64 has not run on a
-    GPU):
-
-    BV = 128 takes ~2.55 us a chunk whether 16 or 64 programs run (1 x 16 heads, T = 32768: 1.317 ms for 512
-    chunks; 1 x 64: 1.307), so its period is its own latency, not HBM's bandwidth. Per chunk and program,
-    BV = 64 against 128: products 2.4 against 4.2 M bf16 FMA (~0.6 against ~1.1 us of an SM's tensor cores),
-    shared-memory traffic (wgmma operands, TMA, the chain's tile stores and U load) ~190 against ~290 KB,
-    TMA 56 against 64 KiB but 3 ring slots against 2; the chain warp group's two products are as large as
-    before (64 rows of S^T) but no longer share the tensor cores with a second chain warp group. What does not
-    shrink: the chain's serial latency (two wgmma and their waits, the hand-offs through mbarriers). Predicted:
-      1 x 16 heads, T = 32768 (32 programs): 1.5-1.9 us a chunk, 0.8-1.0 ms (~0.85) against 1.317 (BV = 128)
-        and the forward's unfused Triton stages' 0.922; no gain (~1.3) if the chain's latency bounds it;
-      1 x 64 and 4 x 16 (128 programs, one wave of the H200's 132 SMs): ~0.9-1.0 ms against 1.307 and ~0.13
-        against 0.171, near HBM's bandwidth (~80 KB a chunk and head in ~1.7 us from 64 heads: ~3 TB/s), so
-        the split may pay up to 66 sequences x heads (2 x 66 = 132 programs, one an SM);
-      8 x 16 heads, T = 2048 (forced): 256 programs in two waves of one a SM, 2 x 32 chunks of ~1.7 us,
-        0.11-0.13 ms against the BV = 128 walk's 0.106: no gain past one wave."""
-    return 64 if num_seq_heads < SPLIT_V_BELOW else D_WALK
+def split_v(num_seq_heads: int, sms: int) -> int:
+    """The V-block a program walks: 64 (two programs a head) while the doubled grid still fits one wave of the
+    GPU's SMs (2 x sequences x heads <= sms), else 128. Measured on the H200 (132 SMs; benchmarks/diagnostics/
+    gluon_walk.py, bf16, 2026-11-30 session 10; o and the final state bitwise equal at both widths), the walk
+    alone at BV = 128 against 64, ms, and the whole forward with each in brackets:
+      4 x 16 heads, T = 4096 (64 programs against 128):  0.170 / 0.107 (0.342 / 0.277);
+      2 x 32 heads, T = 8192:                            0.330 / 0.205 (0.665 / 0.533);
+      1 x 16 heads, T = 32768 (16 against 32):           1.307 / 0.721 (1.639 / 1.059; the Triton stages'
+                                                         forward 1.256);
+      8 x 16 heads, T = 2048 (128 against 256, 2 waves): 0.105 / 0.111 (0.272 / 0.279): no gain past one wave.
+    Predicted in session 9: ~0.13, ~0.85 and 0.11-0.13 ms for the 4 x 16, 1 x 16 and 8 x 16 walks: the split
+    paid more than predicted where it fits one wave (BV = 128's chunk period is the chain's latency with two
+    chain warp groups sharing the tensor cores; at BV = 64 each program's chain is half as long)."""
+    return 64 if 2 * num_seq_heads <= sms else D_WALK
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,5 +354,6 @@ def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, split_v(N * H) if block_v is None else block_v)
+    block_v = split_v(N * H, num_sms(u.device)) if block_v is None else block_v
+    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v)
     return o, final_state

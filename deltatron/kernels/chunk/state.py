@@ -27,7 +27,7 @@ does not overlap them with the chain's products: it waits for every product of t
 it, in program order (offline sm_90 TTGIR, K = 128 bf16), so within a program they lengthen each chunk's
 step; the second program an SM holds (16-bit, K <= 128) is what can fill the tensor cores meanwhile. The
 fused walk has a variant on S^T (transposed_walk), run where transposed_walk_pays, in which two of its five
-products are left in flight; on Hopper, from 64 sequences x heads, state_output_fwd runs gluon_walk.py's
+products are left in flight; on Hopper, from 16 sequences x heads, state_output_fwd runs gluon_walk.py's
 warp-specialized kernel instead (gluon_walk_pays), where the chain's two products, the output's three and the
 loads run in separate warps."""
 from __future__ import annotations
@@ -283,7 +283,7 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
 # chooses by the number of sequences x heads (gluon_walk_pays); True or False force it or the Triton walk (tests,
 # benchmarks/diagnostics/gluon_walk.py)
 GLUON_WALK: Optional[bool] = None
-GLUON_WALK_MIN_PROGRAMS = 64
+GLUON_WALK_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured faster at (gluon_walk_pays)
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,13 +309,14 @@ def gluon_walk_applies(k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> boo
 
 
 def gluon_walk_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
-    """Whether the fused walk runs as the Gluon kernel (one program per sequence and head, the chain, the output
-    and the loads in separate warps). On the H200 (benchmarks/diagnostics/gluon_walk.py, bf16, 2026-11-30; o
-    within 2e-5 of the Triton walk, the final state bitwise equal), Triton walk against Gluon walk, ms:
-    8 x 16 heads 0.146 / 0.106 (0.141 in another call), 4 x 16 0.264 / 0.171, 2 x 32 0.513 / 0.333, 1 x 64
-    (T = 32768) 1.982 / 1.307;
-    but 1 x 16 (T = 32768): 16 programs on 132 SMs, 1.317 against the forward's unfused stages (0.922,
-    fused_output_pays). So from GLUON_WALK_MIN_PROGRAMS sequences x heads."""
+    """Whether the fused walk runs as the Gluon kernel (one or two programs per sequence and head, gluon_walk.
+    split_v; the chain, the output and the loads in separate warps). On the H200 (benchmarks/diagnostics/
+    gluon_walk.py, bf16; o within 2e-5 of the Triton walk, the final state bitwise equal), Triton walk against
+    the Gluon walk at split_v's width, ms: 8 x 16 heads 0.146 / 0.105, 4 x 16 0.264 / 0.107, 2 x 32
+    0.511 / 0.205, 1 x 64 (T = 32768) 1.982 / 1.307 at BV = 128 (session 9; split since); 1 x 16 (T = 32768)
+    1.513 / 0.721, where the forward runs its unfused Triton stages (fused_output_pays): whole forward 1.256
+    against 1.059 ms with the Gluon walk (session 10). So from GLUON_WALK_MIN_PROGRAMS sequences x heads, the
+    fewest measured; below, unmeasured, the Triton stages (the unfused ones, which split V finer)."""
     if not gluon_walk_applies(k, v, chunk_size):
         return False
     return info.num_seqs * k.shape[2] >= GLUON_WALK_MIN_PROGRAMS if GLUON_WALK is None else GLUON_WALK

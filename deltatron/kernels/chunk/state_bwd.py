@@ -28,7 +28,7 @@ import triton.language as tl
 from ..utils import (INTERPRET, PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
                      state_block_v, state_offsets, store_rows)
 from .output_bwd import causal_scores_t
-from .state import GLUON_WALK_MIN_PROGRAMS, _is_sm90
+from .state import _is_sm90
 
 
 @triton.jit
@@ -105,11 +105,10 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
     return BV, warps
 
 
-# Whether the fused pass runs as gluon_reverse.py's warp-specialized kernel where it can (gluon_reverse_applies).
-# Unmeasured (compiled offline only), so off: False. True forces it (tests, benchmarks/diagnostics/
-# gluon_reverse.py); None would choose as the forward's Gluon walk does, from GLUON_WALK_MIN_PROGRAMS sequences
-# x heads, a guess until the probe has timed it
-GLUON_REVERSE: Optional[bool] = False
+# Whether the fused pass runs as gluon_reverse.py's warp-specialized kernel where it can (gluon_reverse_applies):
+# None chooses by the number of sequences x heads (gluon_reverse_pays); True or False force it or the Triton pass
+# (tests, benchmarks/diagnostics/gluon_reverse.py)
+GLUON_REVERSE: Optional[bool] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,10 +134,17 @@ def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do:
 
 def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
                        dv_local: Optional[torch.Tensor], info, chunk_size: int) -> bool:
-    """Whether state_bwd runs the Gluon reverse pass: where it applies and GLUON_REVERSE allows (see there)."""
+    """Whether state_bwd runs the Gluon reverse pass (one program per sequence and head): where it applies and
+    GLUON_REVERSE allows. On the H200 (benchmarks/diagnostics/gluon_reverse.py, bf16, session 10; dh, dv, dh0
+    within 1.5e-3 to 3.4e-3 of the Triton pass, reruns bitwise), Triton pass against Gluon, ms: 8 x 16 heads
+    0.202 / 0.162; but 4 x 16 0.232 / 0.289, 2 x 32 0.453 / 0.561 and 1 x 64 (T = 32768) 1.793 / 2.226, where
+    the Triton pass splits V over two programs a head (reverse_launch: 128 programs) and the Gluon one runs
+    64. So where the Gluon kernel's grid fills more than half the SMs and fits one wave, the span in which
+    the Triton pass runs one program a head too (past one wave, unmeasured: the Triton pass)."""
     if GLUON_REVERSE is False or not gluon_reverse_applies(q, k, w, do, dv_local, chunk_size):
         return False
-    return GLUON_REVERSE or info.num_seqs * k.shape[2] >= GLUON_WALK_MIN_PROGRAMS
+    sms = num_sms(k.device)
+    return GLUON_REVERSE or sms < 2 * info.num_seqs * k.shape[2] <= 2 * sms
 
 
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
