@@ -33,6 +33,7 @@ loads run in separate warps."""
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Optional, Tuple
 
 import torch
@@ -287,10 +288,11 @@ GLUON_WALK_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured fa
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_walk_importable() -> bool:
-    """Whether this triton has the Gluon Hopper API gluon_walk.py is written against (triton 3.6's)."""
+def gluon_importable(module: str) -> bool:
+    """Whether this triton has the Gluon Hopper API that the Gluon kernel module (gluon_walk, gluon_reverse) is
+    written against (triton 3.6's)."""
     try:
-        from . import gluon_walk  # noqa: F401
+        importlib.import_module(f"{__package__}.{module}")
     except (ImportError, AttributeError):
         return False
     return True
@@ -305,7 +307,7 @@ def gluon_walk_applies(k: torch.Tensor, v: torch.Tensor, chunk_size: int) -> boo
     """Where the Gluon walk can run: a Hopper GPU (sm_90: wgmma, TMA, setmaxnreg; not the interpreter), 16-bit,
     K = V = 128, C = 64, and a triton with Gluon's Hopper API."""
     return (k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16) and chunk_size == 64
-            and k.shape[3] == 128 and v.shape[3] == 128 and _is_sm90(k.device.index) and _gluon_walk_importable())
+            and k.shape[3] == 128 and v.shape[3] == 128 and _is_sm90(k.device.index) and gluon_importable("gluon_walk"))
 
 
 def gluon_walk_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:

@@ -18,7 +18,6 @@ Both round A^T to the input dtype alike (output_bwd.causal_scores_t); the fused 
 in fp32, where the unfused one has it rounded to the input dtype by its store."""
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -28,7 +27,7 @@ import triton.language as tl
 from ..utils import (INTERPRET, PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
                      state_block_v, state_offsets, store_rows)
 from .output_bwd import causal_scores_t
-from .state import _is_sm90
+from .state import _is_sm90, gluon_importable
 
 
 @triton.jit
@@ -111,16 +110,6 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
 GLUON_REVERSE: Optional[bool] = None
 
 
-@functools.lru_cache(maxsize=None)
-def _gluon_reverse_importable() -> bool:
-    """Whether this triton has the Gluon Hopper API gluon_reverse.py is written against (triton 3.6's)."""
-    try:
-        from . import gluon_reverse  # noqa: F401
-    except (ImportError, AttributeError):
-        return False
-    return True
-
-
 def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
                           dv_local: Optional[torch.Tensor], chunk_size: int) -> bool:
     """Where the Gluon reverse pass can run: the fused pass (dv_local None) on a Hopper GPU (sm_90, not the
@@ -129,7 +118,7 @@ def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do:
     return (dv_local is None and k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16)
             and all(x.dtype == k.dtype and x.shape[-1] == 128 and x.is_contiguous() and x.data_ptr() % 16 == 0
                     for x in (q, k, w, do))
-            and chunk_size == 64 and _is_sm90(k.device.index) and _gluon_reverse_importable())
+            and chunk_size == 64 and _is_sm90(k.device.index) and gluon_importable("gluon_reverse"))
 
 
 def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
