@@ -18,7 +18,6 @@ and the PTX barriers (gluon_walk.py's report).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -33,7 +32,7 @@ from deltatron.kernels.chunk import state_bwd  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_walk import partition_summary  # noqa: E402
+from gluon_walk import partition_summary, probe_main  # noqa: E402
 from stage_configs import worst_difference as rel_rms  # noqa: E402
 from transposed_walk import walk_inputs  # noqa: E402
 
@@ -129,19 +128,7 @@ def offline(dump) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=CONFIGS)
-    parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
-    parser.add_argument("--dump", help="--offline: write the TTGIR and PTX into this folder")
-    args = parser.parse_args()
-    if args.offline:
-        return offline(args.dump)
-    import triton
-
-    known = {c.name: c for c in bench.CONFIGS}
-    for name in args.configs:
-        compare(known[name], lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100))
-    return 0
+    return probe_main(__doc__, CONFIGS, compare, offline)
 
 
 if __name__ == "__main__":

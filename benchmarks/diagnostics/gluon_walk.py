@@ -167,10 +167,11 @@ def partition_summary(ttgir: str) -> None:
               f"gpu.barrier {count(r'gpu.barrier')}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+",
-                        default=["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b1-t32768-h16-k128"])
+def probe_main(doc: str, default_configs, compare, offline) -> int:
+    """main() of this probe and gluon_reverse.py: compare(config, measure) at each of --configs (bench.CONFIGS
+    names), or with --offline offline(dump) (the sm_90 compile, --dump: where the TTGIR and PTX go)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=default_configs)
     parser.add_argument("--offline", action="store_true", help="compile for sm_90 instead of running")
     parser.add_argument("--dump", help="--offline: write the TTGIR and PTX into this folder")
     args = parser.parse_args()
@@ -182,6 +183,10 @@ def main() -> int:
     for name in args.configs:
         compare(known[name], lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100))
     return 0
+
+
+def main() -> int:
+    return probe_main(__doc__, ["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b1-t32768-h16-k128"], compare, offline)
 
 
 if __name__ == "__main__":

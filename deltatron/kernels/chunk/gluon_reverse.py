@@ -119,8 +119,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..utils import SeqInfo
-from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, chain_layout, loader_partition, register_operand,
-                         tile_layout)
+from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, accumulator_layout, check_inputs, loader_partition,
+                         pass_state_through, register_operand, tile_layout)
 
 STAGES = WALK_CONFIGS[D_WALK].stages  # ring slots, as the unsplit walk's (shared memory leaves no third)
 
@@ -138,8 +138,8 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
     NS: gl.constexpr = w_ring.shape[0]
     dt: gl.constexpr = w_ring.dtype
     # warps stacked along the V rows, as gluon_walk's chain
-    s_layout: gl.constexpr = chain_layout(num_warps, D)
-    vn_layout: gl.constexpr = chain_layout(num_warps, C)
+    s_layout: gl.constexpr = accumulator_layout(num_warps, D)
+    vn_layout: gl.constexpr = accumulator_layout(num_warps, C)
     sd_operand: gl.constexpr = register_operand(vn_layout)
     vn_operand: gl.constexpr = register_operand(s_layout)
 
@@ -193,11 +193,9 @@ def offchain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_em
     dt: gl.constexpr = w_ring.dtype
     WARPS: gl.constexpr = gl.num_warps()
     HALF: gl.constexpr = D // 2
-    p_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, C, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, D, 16])
-    a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    p_layout: gl.constexpr = accumulator_layout(WARPS, C)
+    g_layout: gl.constexpr = accumulator_layout(WARPS, D)
+    a_operand: gl.constexpr = register_operand(g_layout)
     pj = gl.arange(0, C, layout=gl.SliceLayout(1, p_layout))
     pi = gl.arange(0, C, layout=gl.SliceLayout(0, p_layout))
 
@@ -289,18 +287,8 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     positive): dh is empty, dh0 the dht (or zeros)."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_reverse: chunk_size {C_WALK} only, got {chunk_size}")
-    H, D = k.shape[2], k.shape[3]
-    if any(x.dtype != k.dtype for x in (q, w, do)) or k.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gluon_reverse: q, k, w, do must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
-                         f"{w.dtype}, {do.dtype}")
-    if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in (q, w, do)):
-        raise ValueError(f"gluon_reverse: 16-bit K = V = {D_WALK} only, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"w {tuple(w.shape)}, do {tuple(do.shape)}")
-    TT, N = info.total_tokens, info.num_seqs
-    if any(x.numel() != TT * H * D or not x.is_contiguous() for x in (q, k, w, do)):
-        raise ValueError(f"gluon_reverse: q, k, w, do must hold {TT} tokens of {H} heads, contiguous")
-    if any(x.data_ptr() % 16 for x in (q, k, w, do)):
-        raise ValueError("gluon_reverse: q, k, w, do must start 16-byte aligned (TMA)")
+    check_inputs("gluon_reverse", dict(q=q, k=k, w=w, do=do), info)
+    TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
     if dht is not None and tuple(dht.shape) != (N, H, D, D):
         raise ValueError(f"gluon_reverse: dht must be [{N}, {H}, {D}, {D}], got {tuple(dht.shape)}")
     chunks = info.chunks(chunk_size)
@@ -309,10 +297,7 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     dh0 = q.new_empty(N, H, D, D, dtype=torch.float32) if need_dh0 else None
     dht = dht.float().contiguous() if dht is not None else None
     if TT == 0 or N * H == 0:
-        if dh0 is not None and dht is not None:
-            dh0.copy_(dht)
-        elif dh0 is not None:
-            dh0.zero_()
+        pass_state_through(dh0, dht)
         return dh, dv, dh0
     layout = tile_layout(k.dtype, C_WALK, D)
     # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128); rows past TT are TMA's zero fill

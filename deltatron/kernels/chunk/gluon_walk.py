@@ -67,7 +67,7 @@ does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from triton.experimental import gluon
@@ -123,10 +123,10 @@ def tile_layout(dtype: torch.dtype, rows: int, cols: int) -> gl.NVMMASharedLayou
 
 
 @gluon.constexpr_function
-def chain_layout(num_warps, n):
-    """A chain accumulator's layout, [rows, n] fp32: warps stacked along the rows (16 a warp), so that the two
-    chain products' accumulators and the register operand made from one for the other share the row split
-    and no data moves between threads (the walk's chain and gluon_reverse.py's)."""
+def accumulator_layout(num_warps, n):
+    """A wgmma accumulator's layout, [rows, n] fp32: warps stacked along the rows (16 a warp). In the chains
+    (the walk's and gluon_reverse.py's) the two products' accumulators and the register operand made from one
+    for the other share this row split, so no data moves between threads."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
@@ -170,8 +170,8 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
-    s_layout: gl.constexpr = chain_layout(num_warps, D)  # S^T's V rows split over the warps
-    vn_layout: gl.constexpr = chain_layout(num_warps, C)
+    s_layout: gl.constexpr = accumulator_layout(num_warps, D)  # S^T's V rows split over the warps
+    vn_layout: gl.constexpr = accumulator_layout(num_warps, C)
     sd_operand: gl.constexpr = register_operand(vn_layout)
     vn_operand: gl.constexpr = register_operand(s_layout)
 
@@ -219,11 +219,9 @@ def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o
     BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     WARPS: gl.constexpr = gl.num_warps()
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BV, 16])
-    p_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, C, 16])
-    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_layout: gl.constexpr = accumulator_layout(WARPS, BV)
+    p_layout: gl.constexpr = accumulator_layout(WARPS, C)
+    p_operand: gl.constexpr = register_operand(o_layout)
     pi = gl.arange(0, C, layout=gl.SliceLayout(1, p_layout))
     pj = gl.arange(0, C, layout=gl.SliceLayout(0, p_layout))
     ri = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
@@ -296,6 +294,35 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
     ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
 
 
+def check_inputs(kernel: str, tensors: Dict[str, torch.Tensor], info: SeqInfo) -> None:
+    """The checks of both Gluon kernels' wrappers (this walk's and gluon_reverse.py's) before TMA descriptors are
+    built on their inputs: one 16-bit dtype, heads of K = V = 128, the batch's tokens as contiguous rows (the
+    descriptors and the kernels' offsets address row r of head h at r * H * 128 + h * 128), 16-byte aligned
+    bases. tensors: the inputs by name, k among them."""
+    names, xs, k = ", ".join(tensors), list(tensors.values()), tensors["k"]
+    H, D = k.shape[2], k.shape[3]
+    if any(x.dtype != k.dtype for x in xs) or k.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{kernel}: {names} must share one 16-bit dtype, got "
+                         + ", ".join(str(x.dtype) for x in xs))
+    if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in xs):
+        raise ValueError(f"{kernel}: 16-bit K = V = {D_WALK} only, got "
+                         + ", ".join(f"{n} {tuple(x.shape)}" for n, x in tensors.items()))
+    TT = info.total_tokens
+    if any(x.numel() != TT * H * D or not x.is_contiguous() for x in xs):
+        raise ValueError(f"{kernel}: {names} must hold {TT} tokens of {H} heads, contiguous")
+    if any(x.data_ptr() % 16 for x in xs):
+        raise ValueError(f"{kernel}: {names} must start 16-byte aligned (TMA)")
+
+
+def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor]) -> None:
+    """Where nothing launches (no token at all: a TMA descriptor's shape must be positive), the state a walk
+    would store is the one it starts from, or zeros."""
+    if out is not None and state is not None:
+        out.copy_(state)
+    elif out is not None:
+        out.zero_()
+
+
 def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
                       scale: float, initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
                       info: SeqInfo, block_v: int = D_WALK):
@@ -305,30 +332,18 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     head (WALK_CONFIGS' V-block widths). With no tokens at all (TT = 0, where a TMA descriptor cannot be built:
     its shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
     shipped walk's programs without chunks store it."""
-    H, D = k.shape[2], k.shape[3]
-    if any(x.dtype != k.dtype for x in (q, w, u)) or k.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gluon_walk: q, k, w, u must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
-                         f"{w.dtype}, {u.dtype}")
-    if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in (q, w, u)):
-        raise ValueError(f"gluon_walk: 16-bit K = V = {D_WALK} only, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"w {tuple(w.shape)}, u {tuple(u.shape)}")
+    check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u), info)
     if block_v not in WALK_CONFIGS:
         raise ValueError(f"gluon_walk: block_v (the V-block a program walks) must be one of "
                          f"{sorted(WALK_CONFIGS)}, got {block_v}")
-    TT = info.total_tokens
-    if any(x.numel() != TT * H * D for x in (q, k, w, u)) or not o.is_contiguous() or o.shape != u.shape:
-        raise ValueError(f"gluon_walk: q, k, w, u must hold {TT} tokens of {H} heads (o contiguous, u's shape)")
-    if any(x.data_ptr() % 16 for x in (q, k, w, u)):
-        raise ValueError("gluon_walk: q, k, w, u must start 16-byte aligned (TMA)")
-    N = info.num_seqs
+    if not o.is_contiguous() or o.shape != u.shape:
+        raise ValueError(f"gluon_walk: o must be contiguous in u's shape {tuple(u.shape)}, got {tuple(o.shape)}")
+    TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
     if initial_state is not None and (tuple(initial_state.shape) != (N, H, D, D) or not initial_state.is_contiguous()):
         raise ValueError(f"gluon_walk: initial_state must be contiguous [{N}, {H}, {D}, {D}], got "
                          f"{tuple(initial_state.shape)}")
     if TT == 0 or N * H == 0:
-        if final_state is not None and initial_state is not None:
-            final_state.copy_(initial_state)
-        elif final_state is not None:
-            final_state.zero_()
+        pass_state_through(final_state, initial_state)
         return
     # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128), U's
     # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill
