@@ -3,9 +3,9 @@
     python tests/gpu/run_suite.py [--out DIR] [--no-check] [--paths PATH ...] [pytest args...]
 
 --paths runs part of the suite (default: all of tests/gpu), e.g. one half per GPU of a two-GPU machine; the
-session-9 split by worker time (junit, 6 workers on an H200): test_chunk_backward_gpu, test_chunk_forward_gpu,
-test_fused_recurrent_gpu, test_gluon_walk_gpu (~1,100 s) against test_parallel_gpu, test_fused_chunk_gpu,
-test_layers_gpu (~1,150 s).
+session-10 split (6 workers on an H200): test_chunk_backward_gpu, test_chunk_forward_gpu,
+test_fused_recurrent_gpu, test_gluon_reverse_gpu (261 s) against test_parallel_gpu, test_fused_chunk_gpu,
+test_layers_gpu, test_gluon_walk_gpu (297 s).
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
 (default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it.
