@@ -18,9 +18,7 @@ and the PTX barriers (gluon_walk.py's report).
 """
 from __future__ import annotations
 
-import collections
 import os
-import re
 import sys
 
 os.environ["DELTATRON_BACKEND"] = "triton"
@@ -32,7 +30,7 @@ from deltatron.kernels.chunk import state_bwd  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_walk import partition_summary, probe_main  # noqa: E402
+from gluon_walk import compiling_for_sm90, probe_main, report_compiled  # noqa: E402
 from stage_configs import worst_difference as rel_rms  # noqa: E402
 from transposed_walk import walk_inputs  # noqa: E402
 
@@ -73,56 +71,22 @@ def offline(dump) -> int:
     """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads: bf16 with and without dht and
     dh0, fp16 with them."""
     import triton
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import JITFunction, create_function_from_signature
 
     import offline_compile as oc  # it refuses the interpreter: imported only here
     from deltatron.kernels.chunk import gluon_reverse
 
-    backend = oc.make_backend(oc.H200)
-    compiled = []
-
-    def compile_instead(fn, *args, grid, warmup, **kwargs):
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-        compiled.append(oc.triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=oc.H200,
-                                          options=options.__dict__))
-
     B, T, H, D = 8, 256, 16, gluon_reverse.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
     variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
-    run = JITFunction.run
-    JITFunction.run = compile_instead
-    try:
+    with compiling_for_sm90() as compiled:
         for _, dtype, states in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
             gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info)
-    finally:
-        JITFunction.run = run
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
     for (name, _, states), kernel in zip(variants, compiled):
-        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-        usage = oc.ptxas_usage(ptx)
-        print(f"\ngluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK}, dht/dh0 {states}: "
-              f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
-              f"setmaxnreg), {usage['spills']} B of spills; shared {kernel.metadata.shared} B (sm_90 limit "
-              f"{oc.SHARED_LIMIT})")
-        setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
-        print("  setmaxnreg in the PTX, in order:", " ".join(f"{op} {n}" for op, n in setmaxnreg))
-        print("  PTX: wgmma.mma_async", len(re.findall(r"wgmma\.mma_async", ptx)), " wgmma.wait_group",
-              collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
-              " mbarrier.try_wait", len(re.findall(r"mbarrier\.try_wait", ptx)),
-              " bar.sync/barrier.sync",
-              collections.Counter(re.findall(r"(?:bar|barrier)\.sync(?:\.aligned)?\s+([^;]+);", ptx)),
-              " cp.async.bulk.tensor", len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
-        partition_summary(ttgir)
-        if dump:
-            os.makedirs(dump, exist_ok=True)
-            for ext in ("ttgir", "ptx"):
-                with open(os.path.join(dump, f"gluon_reverse_{name}_states{int(states)}.{ext}"), "w") as f:
-                    f.write(kernel.asm[ext])
+        report_compiled(f"gluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK}, dht/dh0 {states}", kernel,
+                        dump, f"gluon_reverse_{name}_states{int(states)}")
     print(f"triton {triton.__version__}, target sm_90")
     return 0
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import re
 import sys
+from typing import Optional
 
 os.environ["DELTATRON_BACKEND"] = "triton"
 
@@ -83,16 +85,14 @@ def compare(cfg: bench.Config, measure) -> None:
         state.GLUON_WALK, gluon_walk.split_v = False, split_v
 
 
-def offline(dump) -> int:
-    """Compiles the kernel for sm_90 (nothing runs) at the benchmark's 8 x 16 heads, per V-block width: bf16
-    with and without the initial and final states, fp16 with them."""
-    import triton
+@contextlib.contextmanager
+def compiling_for_sm90():
+    """Within it, Gluon kernel launches compile for the H200's sm_90 instead of running (offline_compile's
+    backend; nothing needs a GPU); yields the list the compiled kernels are appended to, in launch order."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     import offline_compile as oc  # it refuses the interpreter: imported only here
-    from deltatron.kernels.chunk import gluon_walk
-    from deltatron.kernels.utils import seq_info
 
     backend = oc.make_backend(oc.H200)
     compiled = []
@@ -104,45 +104,66 @@ def offline(dump) -> int:
         compiled.append(oc.triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=oc.H200,
                                           options=options.__dict__))
 
+    run = JITFunction.run
+    JITFunction.run = compile_instead
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = run
+
+
+def report_compiled(title: str, kernel, dump: Optional[str], stem: str) -> None:
+    """Prints a compiled Gluon kernel's warps, registers, spills and shared memory, its setmaxnreg sequence,
+    PTX counts and per-partition TTGIR summary; with dump, writes its TTGIR and PTX there as stem.ttgir/.ptx."""
+    import offline_compile as oc
+
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    usage = oc.ptxas_usage(ptx)
+    print(f"\n{title}: {kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, "
+          f"before setmaxnreg), {usage['spills']} B of spills; shared {kernel.metadata.shared} B (sm_90 limit "
+          f"{oc.SHARED_LIMIT})")
+    setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    print("  setmaxnreg in the PTX, in order:", " ".join(f"{op} {n}" for op, n in setmaxnreg))
+    print("  PTX: wgmma.mma_async", len(re.findall(r"wgmma\.mma_async", ptx)), " wgmma.wait_group",
+          collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
+          " mbarrier.try_wait", len(re.findall(r"mbarrier\.try_wait", ptx)),
+          " bar.sync/barrier.sync",
+          collections.Counter(re.findall(r"(?:bar|barrier)\.sync(?:\.aligned)?\s+([^;]+);", ptx)),
+          " cp.async.bulk.tensor", len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+    partition_summary(ttgir)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"{stem}.{ext}"), "w") as f:
+                f.write(kernel.asm[ext])
+
+
+def offline(dump) -> int:
+    """Compiles the kernel for sm_90 (nothing runs) at the benchmark's 8 x 16 heads, per V-block width: bf16
+    with and without the initial and final states, fp16 with them."""
+    import triton
+
+    import offline_compile as oc  # it refuses the interpreter: imported only here
+    from deltatron.kernels.chunk import gluon_walk
+    from deltatron.kernels.utils import seq_info
+
     B, T, H, D = 8, 256, 16, gluon_walk.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
     # per V-block width: bf16 with and without the states; fp16 (the GPU test runs it too) with them
     variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_walk.WALK_CONFIGS, reverse=True)
                 for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
                                             ("fp16", torch.float16, True)]]
-    run = JITFunction.run
-    JITFunction.run = compile_instead
-    try:
+    with compiling_for_sm90() as compiled:
         for _, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
             gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info,
                                               block_v=block_v)
-    finally:
-        JITFunction.run = run
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
     for (name, _, states, block_v), kernel in zip(variants, compiled):
-        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-        usage = oc.ptxas_usage(ptx)
-        print(f"\ngluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} "
-              f"({gluon_walk.WALK_CONFIGS[block_v]}), initial/final state {states}: "
-              f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
-              f"setmaxnreg), {usage['spills']} B of spills; shared "
-              f"{kernel.metadata.shared} B (sm_90 limit {oc.SHARED_LIMIT})")
-        setmaxnreg = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
-        print("  setmaxnreg in the PTX, in order:", " ".join(f"{op} {n}" for op, n in setmaxnreg))
-        print("  PTX: wgmma.mma_async", len(re.findall(r"wgmma\.mma_async", ptx)), " wgmma.wait_group",
-              collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)),
-              " mbarrier.try_wait", len(re.findall(r"mbarrier\.try_wait", ptx)),
-              " bar.sync/barrier.sync", collections.Counter(re.findall(r"(?:bar|barrier)\.sync(?:\.aligned)?\s+([^;]+);", ptx)),
-              " cp.async.bulk.tensor", len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
-        partition_summary(ttgir)
-        if dump:
-            os.makedirs(dump, exist_ok=True)
-            for ext in ("ttgir", "ptx"):
-                path = os.path.join(dump, f"gluon_walk_bv{block_v}_{name}_states{int(states)}.{ext}")
-                with open(path, "w") as f:
-                    f.write(kernel.asm[ext])
+        report_compiled(f"gluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} "
+                        f"({gluon_walk.WALK_CONFIGS[block_v]}), initial/final state {states}", kernel, dump,
+                        f"gluon_walk_bv{block_v}_{name}_states{int(states)}")
     print(f"triton {triton.__version__}, target sm_90")
     return 0
 
