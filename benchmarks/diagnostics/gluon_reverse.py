@@ -71,8 +71,8 @@ def compare(cfg: bench.Config, measure) -> None:
 
 
 def offline(dump) -> int:
-    """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads: bf16 with and without dht and
-    dh0, fp16 with them."""
+    """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads, per V-block width: bf16 with and
+    without dht and dh0, fp16 with them."""
     import triton
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -92,21 +92,25 @@ def offline(dump) -> int:
 
     B, T, H, D = 8, 256, 16, gluon_reverse.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
+    variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_reverse.REVERSE_CONFIGS, reverse=True)
+                for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
+                                            ("fp16", torch.float16, True)]]
     run = JITFunction.run
     JITFunction.run = compile_instead
     try:
-        for _, dtype, states in variants:
+        for _, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
-            gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info)
+            gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info,
+                                          block_v=block_v)
     finally:
         JITFunction.run = run
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
-    for (name, _, states), kernel in zip(variants, compiled):
+    for (name, _, states, block_v), kernel in zip(variants, compiled):
         ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
         usage = oc.ptxas_usage(ptx)
-        print(f"\ngluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK}, dht/dh0 {states}: "
+        print(f"\ngluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK} BV={block_v} "
+              f"({gluon_reverse.REVERSE_CONFIGS[block_v]}), dht/dh0 {states}: "
               f"{kernel.metadata.num_warps} warps in all; ptxas {usage['regs']} registers (the launch's, before "
               f"setmaxnreg), {usage['spills']} B of spills; shared {kernel.metadata.shared} B (sm_90 limit "
               f"{oc.SHARED_LIMIT})")
@@ -122,7 +126,8 @@ def offline(dump) -> int:
         if dump:
             os.makedirs(dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(dump, f"gluon_reverse_{name}_states{int(states)}.{ext}"), "w") as f:
+                path = os.path.join(dump, f"gluon_reverse_bv{block_v}_{name}_states{int(states)}.{ext}")
+                with open(path, "w") as f:
                     f.write(kernel.asm[ext])
     print(f"triton {triton.__version__}, target sm_90")
     return 0

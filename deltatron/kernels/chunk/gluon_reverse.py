@@ -110,7 +110,7 @@ Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazil
 Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from triton.experimental import gluon
@@ -118,24 +118,38 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..utils import SeqInfo
-from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, WALK_CONFIGS, chain_layout, loader_partition, register_operand,
+from ..utils import SeqInfo, num_sms
+from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, chain_layout, loader_partition, register_operand, split_v,
                          tile_layout)
 
-STAGES = WALK_CONFIGS[D_WALK].stages  # ring slots, as the unsplit walk's (shared memory leaves no third)
+OFFCHAIN_WARPS = 4
 
-CHAIN_WARPS, OFFCHAIN_WARPS = 8, 4
-OFFCHAIN_REGS = 128  # the chain gets (65536 - 128 (24 + 128)) / 256 = 176 a thread, as gluon_walk's chain
+
+class ReverseConfig(NamedTuple):
+    chain_warps: int  # BV / 16: the chain's dS^T rows are split 16 a warp
+    offchain_regs: int  # the off-chain partition's setmaxnreg; the chain gets what is left
+    stages: int  # ring slots of W, dO, K, Q tiles
+
+
+# per V-block width BV (the dS^T rows a program walks), as gluon_walk.WALK_CONFIGS (offline, ptxas, sm_90a):
+# BV = 128: 16 warps, loader 24, off-chain 128, the chain (65536 - 128 (24 + 128)) / 256 = 176 a thread; 2 ring
+#     slots (64 KiB a slot; with the 96 KiB fp32 hand-off no third fits).
+# BV = 64: 12 warps (4 + 4 + 1 padded to 4), loader 24, off-chain 128, the chain setmaxnreg's maximum, 256; 3 ring
+#     slots (56 KiB a slot at 16 bits: W, K, Q [64, 128], dO [64, 64]; the hand-off 48 KiB).
+REVERSE_CONFIGS = {128: ReverseConfig(chain_warps=8, offchain_regs=128, stages=2),
+                   64: ReverseConfig(chain_warps=4, offchain_regs=128, stages=3)}
 
 
 @gluon.jit
-def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h, bos,
-                    eos, first_chunk, num_chunks, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr,
+def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h, i_v,
+                    bos, eos, first_chunk, num_chunks, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr,
                     USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, num_warps: gl.constexpr):
-    """The serial chain on dS^T [D, D] fp32 (rows V, columns K), backwards over the chunks, both products with
-    the rounded dS_next^T or dV'^T as the register operand; stores dh (dS_next) and dv (dV') of each chunk."""
+    """The serial chain on the V-block i_v of dS^T, [BV, D] fp32 (rows V, columns K), backwards over the chunks,
+    both products with the rounded dS_next^T or dV'^T as the register operand; stores dh (dS_next) and dv (dV')
+    of each chunk, the V-block's columns."""
     w_ring, do_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = do_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     # warps stacked along the V rows, as gluon_walk's chain
     s_layout: gl.constexpr = chain_layout(num_warps, D)
@@ -143,14 +157,14 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
     sd_operand: gl.constexpr = register_operand(vn_layout)
     vn_operand: gl.constexpr = register_operand(s_layout)
 
-    rv = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+    rv = gl.arange(0, BV, layout=gl.SliceLayout(1, s_layout))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, s_layout))
-    o_st = ck[None, :] * D + rv[:, None]  # dS^T's [V, K] view of a state [K, V]
+    o_st = ck[None, :] * D + (i_v * BV + rv)[:, None]  # dS^T's [V, K] view of a state [K, V], rows of block i_v
     if USE_DHT:
         b_dst = gl.load(dht + i_nh.to(gl.int64) * D * D + o_st).to(gl.float32)
     else:
-        b_dst = gl.zeros([D, D], gl.float32, layout=s_layout)
-    vv = gl.arange(0, D, layout=gl.SliceLayout(1, vn_layout))
+        b_dst = gl.zeros([BV, D], gl.float32, layout=s_layout)
+    vv = gl.arange(0, BV, layout=gl.SliceLayout(1, vn_layout))
     tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
 
     for i in range(num_chunks):
@@ -172,7 +186,7 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
         # dS^T -= dV'^T W: the negation of the rounded dV' is exact
         b_dst = warpgroup_mma(gl.convert_layout(-b_dvd, vn_operand), w_ring.index(s), b_dst, is_async=True)
         # while that runs: the stores (here rather than beside the first product, where they spill)
-        o_dv = (bos + t * C + tokens[None, :]).to(gl.int64) * (H * D) + i_h * D + vv[:, None]
+        o_dv = (bos + t * C + tokens[None, :]).to(gl.int64) * (H * D) + i_h * D + i_v * BV + vv[:, None]
         gl.store(dv + o_dv, b_dvd, mask=tokens[None, :] < n)
         o_dh = ((first_chunk + t) * H + i_h).to(gl.int64) * D * D
         gl.store(dh + o_dh + o_st, b_dsd)
@@ -186,18 +200,25 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
 @gluon.jit
 def offchain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, scale, bos, eos, num_chunks,
                        C: gl.constexpr, D: gl.constexpr):
-    """Per chunk, from the ring's Q, K, dO: dV'_local = scale (K Q^T ⊙ M^T) dO [C, V] and scale dO^T Q [V, K]
-    (fp32), handed to the chain through dvl_buf and qdo_buf."""
+    """Per chunk, from the ring's Q, K and dO's V-block [C, BV]: dV'_local = scale (K Q^T ⊙ M^T) dO [C, BV] and
+    scale dO^T Q [BV, K] (fp32), handed to the chain through dvl_buf and qdo_buf (K Q^T is the same for every
+    V-block: each program of a head computes it)."""
     w_ring, do_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
+    BV: gl.constexpr = do_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
     WARPS: gl.constexpr = gl.num_warps()
-    HALF: gl.constexpr = D // 2
+    # rows of scale dO^T Q a product: [G, D] fp32 is 64 registers a thread of the warp group (a [128, 128]
+    # accumulator would not fit its 128), so BV / G products a chunk: 2 at BV = 128, 1 at 64
+    G: gl.constexpr = 16 * WARPS
     p_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, C, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BV, 16])
     g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, D, 16])
-    a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    at_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+    dot_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     pj = gl.arange(0, C, layout=gl.SliceLayout(1, p_layout))
     pi = gl.arange(0, C, layout=gl.SliceLayout(0, p_layout))
 
@@ -213,20 +234,19 @@ def offchain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_em
                              use_acc=False, is_async=True)
         b_at = warpgroup_mma_wait(num_outstanding=0, deps=(b_at, ))
         b_at = gl.where((pj[:, None] <= pi[None, :]) & (pi[None, :] < n), b_at * scale, 0.0).to(dt)
-        b_dvl = warpgroup_mma(gl.convert_layout(b_at, a_operand), do_s, gl.zeros([C, D], gl.float32, layout=g_layout),
-                              use_acc=False, is_async=True)
+        b_dvl = warpgroup_mma(gl.convert_layout(b_at, at_operand), do_s,
+                              gl.zeros([C, BV], gl.float32, layout=l_layout), use_acc=False, is_async=True)
         b_dvl = warpgroup_mma_wait(num_outstanding=0, deps=(b_dvl, ))
         mbarrier.wait(hand_empty, (i & 1) ^ 1)  # the chain has read the previous chunk's tiles
         dvl_buf.store(b_dvl)
-        # scale dO^T Q in two halves of V rows (a [128, 128] fp32 accumulator would not fit 4 warps'
-        # registers); dO^T's columns i >= n zeroed, the register operand
-        for h in gl.static_range(2):
-            b_dot = do_s.slice(h * HALF, HALF, dim=1).permute((1, 0)).load(p_layout)
-            b_dot = gl.convert_layout(gl.where(pi[None, :] < n, b_dot, gl.zeros_like(b_dot)), a_operand)
-            b_g = warpgroup_mma(b_dot, q_s, gl.zeros([HALF, D], gl.float32, layout=g_layout), use_acc=False,
+        # scale dO^T Q, G rows of V at a time; dO^T's columns i >= n zeroed, the register operand
+        for h in gl.static_range(BV // G):
+            b_dot = do_s.slice(h * G, G, dim=1).permute((1, 0)).load(p_layout)
+            b_dot = gl.convert_layout(gl.where(pi[None, :] < n, b_dot, gl.zeros_like(b_dot)), dot_operand)
+            b_g = warpgroup_mma(b_dot, q_s, gl.zeros([G, D], gl.float32, layout=g_layout), use_acc=False,
                                 is_async=True)
             b_g = warpgroup_mma_wait(num_outstanding=0, deps=(b_g, ))
-            qdo_buf.slice(h * HALF, HALF, dim=0).store(b_g * scale)
+            qdo_buf.slice(h * G, G, dim=0).store(b_g * scale)
         mbarrier.arrive(empty.index(s), count=1)
         mbarrier.arrive(hand_ready, count=1)
 
@@ -238,9 +258,14 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
                          num_warps: gl.constexpr):
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
+    BV: gl.constexpr = do_desc.block_type.shape[1]  # the V-block of dS^T this program walks
+    NV: gl.constexpr = D // BV
+    gl.static_assert(NV * BV == D and num_warps * 16 == BV, "the chain's warps hold 16 rows of dS^T each")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
-    i_nh = gl.program_id(0)
+    # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
+    pid = gl.program_id(0)
+    i_nh, i_v = pid // NV, pid % NV
     i_n, i_h = i_nh // H, i_nh % H
     bos = gl.load(cu_seqlens + i_n)
     eos = gl.load(cu_seqlens + i_n + 1)
@@ -248,7 +273,8 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
     num_chunks = gl.cdiv(eos - bos, C)
 
     tile: gl.constexpr = w_desc.layout
-    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile),
+    ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile),
+            gl.allocate_shared_memory(dt, [NS, C, BV], do_desc.layout),
             gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
     # one chunk's fp32 hand-off (single: the ring and a double buffer would not fit sm_90's shared memory),
     # written in one accumulator layout and read in another. A warp's 8-byte accesses of the accumulator
@@ -257,8 +283,8 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
     # times the shared-memory passes); dvl's transposed 4-byte loads (8 rows x 4 columns j = 2(lane % 4) + c)
     # take 2 passes instead of 1
     handoff: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    dvl_buf = gl.allocate_shared_memory(gl.float32, [C, D], handoff)
-    qdo_buf = gl.allocate_shared_memory(gl.float32, [D, D], handoff)
+    dvl_buf = gl.allocate_shared_memory(gl.float32, [C, BV], handoff)
+    qdo_buf = gl.allocate_shared_memory(gl.float32, [BV, D], handoff)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     hand_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -271,24 +297,28 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
 
     gl.warp_specialize([
         (chain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h,
-                           bos, eos, first_chunk, num_chunks, H, C, D, USE_DHT, STORE_DH0, num_warps)),
+                           i_v, bos, eos, first_chunk, num_chunks, H, C, D, USE_DHT, STORE_DH0, num_warps)),
         (offchain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, scale, bos, eos,
                               num_chunks, C, D)),
-        (loader_partition, ((w_desc, do_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, 0, C,
-                            D, True)),
+        (loader_partition, ((w_desc, do_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, i_v,
+                            C, D, True)),
     ], [OFFCHAIN_WARPS, 1], [OFFCHAIN_REGS, LOADER_REGS])
 
 
 def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-                    scale: float, need_dh0: bool, info: SeqInfo,
-                    chunk_size: int = C_WALK) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                    scale: float, need_dh0: bool, info: SeqInfo, chunk_size: int = C_WALK,
+                    block_v: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """state_bwd.state_bwd's contract with dv_local=None (the fused pass): (dh [NT, H, 128, 128] in q's dtype,
     dv in do's shape and dtype, dh0 [N, H, 128, 128] fp32 or None), on q, k, w, do [B, T, H, 128] or packed
     [1, TT, H, 128], one 16-bit dtype, contiguous rows (the descriptors and the stores address row r of head h
-    at r * H * 128 + h * 128). With no tokens at all nothing is launched (a TMA descriptor's shape must be
-    positive): dh is empty, dh0 the dht (or zeros)."""
+    at r * H * 128 + h * 128). 128 / block_v programs a sequence and head (REVERSE_CONFIGS' V-block widths);
+    block_v as gluon_walk.split_v chooses unless given (see the module docstring). With no tokens at all
+    nothing is launched (a TMA descriptor's shape must be positive): dh is empty, dh0 the dht (or zeros)."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_reverse: chunk_size {C_WALK} only, got {chunk_size}")
+    if block_v is not None and block_v not in REVERSE_CONFIGS:
+        raise ValueError(f"gluon_reverse: block_v (the V-block of dS^T a program walks) must be one of "
+                         f"{sorted(REVERSE_CONFIGS)}, got {block_v}")
     H, D = k.shape[2], k.shape[3]
     if any(x.dtype != k.dtype for x in (q, w, do)) or k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon_reverse: q, k, w, do must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
@@ -314,10 +344,14 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
         elif dh0 is not None:
             dh0.zero_()
         return dh, dv, dh0
-    layout = tile_layout(k.dtype, C_WALK, D)
-    # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128); rows past TT are TMA's zero fill
-    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, D], layout) for x in (w, do, k, q)]
-    gluon_reverse_kernel[(N * H, )](*descs, dh, dv, dht, dh0, scale, info.cu_seqlens, chunks.chunk_offsets, H,
-                                    dht is not None, need_dh0, LOADER_REGS, OFFCHAIN_WARPS, OFFCHAIN_REGS, STAGES,
-                                    num_warps=CHAIN_WARPS)
+    block_v = split_v(N * H, num_sms(k.device)) if block_v is None else block_v
+    # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128), dO's [C, block_v] at (row, head * 128 +
+    # V-block * block_v); rows past TT are TMA's zero fill
+    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, width], tile_layout(k.dtype, C_WALK, width))
+             for x, width in ((w, D), (do, block_v), (k, D), (q, D))]
+    cfg = REVERSE_CONFIGS[block_v]
+    gluon_reverse_kernel[(N * H * (D // block_v), )](*descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
+                                                     chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS,
+                                                     OFFCHAIN_WARPS, cfg.offchain_regs, cfg.stages,
+                                                     num_warps=cfg.chain_warps)
     return dh, dv, dh0
