@@ -1,27 +1,29 @@
 """The backward's reverse state pass (state_bwd.state_bwd with dv_local=None, the fused pass) as a
 warp-specialized Gluon kernel for Hopper (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64), the mirror of
 gluon_walk.py. state_bwd runs it where state_bwd.gluon_reverse_pays (one wave of programs, more than half the
-SMs; the measurements are there).
+SMs, one program a head there; the measurements are there), and where GLUON_REVERSE forces it.
 
-One program per (sequence, head) walks its chunks backwards from dS = dht (or 0), as state_bwd_kernel does,
-with dS^T [V, K] fp32 in registers, split over three partitions that run side by side:
-    loader (1 warp): gluon_walk.loader_partition (REVERSE): TMA of each chunk's W, dO, K, Q tiles [C, 128]
-        into a ring of STAGES slots, last chunk first, each slot guarded by a `ready` mbarrier (TMA bytes)
-        and an `empty` one (both consumers done);
-    off-chain (4 warps = 1 warp group): per chunk, from Q, K, dO,
+One program per (sequence, head, V-block of BV rows of dS^T) walks its chunks backwards from dS = dht (or 0), as
+state_bwd_kernel does, with its dS^T rows [BV, K] fp32 in registers, split over three partitions that run side
+by side:
+    loader (1 warp): gluon_walk.loader_partition (REVERSE): TMA of each chunk's W, K, Q tiles [C, 128] and
+        dO's V-block [C, BV] into a ring of STAGES slots, last chunk first, each slot guarded by a `ready`
+        mbarrier (TMA bytes) and an `empty` one (both consumers done);
+    off-chain (4 warps = 1 warp group): per chunk, from Q, K and dO's V-block,
         A^T = K Q^T, kept for j <= i < n, scaled and rounded (output_bwd.causal_scores_t's rounding),
-        dV'_local = A^T dO                                 [C, V] fp32,
-        scale dO^T Q (dO's rows from n on zeroed)          [V, K] fp32, in two halves of V rows (a [128, 128]
-            fp32 accumulator does not fit one warp group's 128 registers a thread),
+        dV'_local = A^T dO                                 [C, BV] fp32,
+        scale dO^T Q (dO's rows from n on zeroed)          [BV, K] fp32, 64 V rows a product (a [128, 128]
+            fp32 accumulator does not fit one warp group's 128 registers a thread: two products at BV = 128),
         handed to the chain through one pair of shared-memory tiles (mbarriers hand_ready / hand_empty);
-    chain (the default partition, 8 warps = 2 warp groups, dS^T rows split over them):
+    chain (the default partition, BV / 16 warps, dS^T rows split over them: 2 warp groups at BV = 128):
         dV'^T = dV'_local^T + dS_next^T K^T     (dS_next^T rounded, from registers; dV'_local^T loaded from
                                                  the hand-off tile as the accumulator's start)
         dS^T += scale dO^T Q                    (the hand-off tile, added while the product above runs)
         dS^T -= dV'^T W                         (dV'^T, its columns from n on zeroed, rounded and negated
                                                  (exact), from registers)
-        storing dh[chunk] = dS_next (rounded) and dv = dV' (rounded, rows before the end) straight from
-        registers while the second product runs, and dh0 = dS (fp32) after the last chunk.
+        storing dh[chunk] = dS_next (rounded) and dv = dV' (rounded, rows before the end), the V-block's
+        columns, straight from registers while the second product runs, and dh0 = dS (fp32) after the last
+        chunk.
 So the serial chain dS -> K dS -> dV' -> W^T dV' -> dS runs only its two products, while the three
 off-chain products and the loads of the next chunks run in the other warps.
 
@@ -45,66 +47,123 @@ rows from n on are not stored. The host wrapper takes [B, T, H, 128] or packed [
 token at all, launches nothing (a TMA descriptor's shape must be positive): dh is empty, dh0 is dht (or
 zeros). Empty sequences launch programs without chunks: dh0 = dht (or zeros).
 
-Shared memory: the ring (2 slots of four [64, 128] tiles, 131,072 B) and the fp32 hand-off tiles (dV'_local
-32,768 B, scale dO^T Q 65,536 B) fill sm_90's 232,448 B: the hand-off is single-buffered, so the off-chain
-partition computes chunk i's A^T and dV'_local while the chain is on chunk i - 1, then waits for the chain
-to have read chunk i - 1's tiles (early in its step, while its first product runs) before storing them and
-computing scale dO^T Q into them.
+Shared memory at BV = 128: the ring (2 slots of four [64, 128] tiles, 131,072 B) and the fp32 hand-off tiles
+(dV'_local 32,768 B, scale dO^T Q 65,536 B) fill sm_90's 232,448 B: the hand-off is single-buffered, so the
+off-chain partition computes chunk i's A^T and dV'_local while the chain is on chunk i - 1, then waits for the
+chain to have read chunk i - 1's tiles (early in its step, while its first product runs) before storing them
+and computing scale dO^T Q into them. (At BV = 64 the same protocol, on half the hand-off and a third ring slot.)
 
-Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline): 16 warps (8
-+ 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 56 B with them
-(all but 8 B before and after the loop; 8 B, two registers, stored and reloaded once a chunk). With dh stored
+The V-block width BV (dO's descriptor's block width; REVERSE_CONFIGS; gluon_state_bwd's block_v):
+    BV = 128, one program a head: the kernel measured on the H200 (below);
+    BV = 64, two programs a head, each owning 64 rows of dS^T (the V-block i_v = program % 2), for few
+        sequences x heads, where BV = 128 runs one program a head on at most half the SMs and the Triton pass
+        splits V (measured slower there, below). The pass separates by V columns: the chain's dV'^T =
+        dV'_local^T + dS_next^T K^T and dS^T -= dV'^T W touch only the program's BV rows of dS^T and dV'^T;
+        off the chain dV'_local = A^T dO and scale dO^T Q are the V-block's (one [64, 128] product for the
+        latter instead of two), and only A^T = K Q^T (8 of the program's 28 wgmma instructions, off the
+        chain) is computed by both programs of a head. The loader loads dO's V-block [C, 64] beside whole
+        W, K, Q (56 KiB a slot), the chain loads dht's and stores dh's, dv's and dh0's V-block; the chain is one
+        warp group, its per-thread registers those of one of BV = 128's two chain warp groups (dS^T 64 fp32 a
+        thread). The two programs of a head are neighbours in the grid: they run at once and share W, K, Q in
+        L2 (HBM reads as at BV = 128). Narrower blocks and two programs an SM do not fit, as in gluon_walk.py.
+    gluon_state_bwd chooses as gluon_walk.split_v (64 while 2 x sequences x heads fit one wave of the SMs),
+    for the walk's reason: two programs an SM do not fit (221,504 B of shared memory a program), so past one
+    wave the doubled grid runs in two and A^T is computed twice for nothing (the walk measured no gain at 8 x 16
+    heads). state_bwd's default (gluon_reverse_pays: one program a head filling more than half the SMs) never
+    reaches the split, where 2 x sequences x heads exceed the SMs; the split runs only where GLUON_REVERSE =
+    True forces the Gluon pass (at most SMs / 2 sequences x heads) or block_v = 64 is given, until the GPU has
+    measured it (predictions below).
+
+Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline), BV = 128: 16
+warps (8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 56 B with
+them (all but 8 B before and after the loop; 8 B, two registers, stored and reloaded once a chunk). With dh stored
 beside the first product instead the chain spilled 124 B; adding the off-chain term after that product instead of
 beside it also avoids the spills, but puts its 64 KiB read on the chain. Shared memory 229,664 B. In the PTX each
-partition's loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the
-off-chain; none in the loader) and on mbarriers; the CTA-wide barrier 1 only where the partitions start and end;
-each wgmma.wait_group 0 waits on its own warp group's products (2 in the chain, 4 off it). The chain's products
-lower to 8 HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group with register A operands; dO^T's halves are read
-with ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more than gluon_walk's, before its second product:
-the barrier the compiler puts ahead of the first shared-memory access after an mbarrier arrive, here hand_empty's
-(with that arrive after the second product's issue it is gone, but the off-chain partition would wait for the
-whole first product before storing its next tiles).
+partition's loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain; 2, 128 in the off-chain;
+none in the loader) and on mbarriers; the CTA-wide barrier 1 only where the partitions start and end; each
+wgmma.wait_group 0 waits on its own warp group's products (2 in the chain, 4 off it). The chain's products lower to 8
+HGMMA.64x64x16 and 4 HGMMA.64x128x16 per warp group with register A operands; dO^T's halves are read with
+ldmatrix.trans. The chain's loop has one bar.sync 0, 256 more than gluon_walk's, before its second product: the
+barrier the compiler puts ahead of the first shared-memory access after an mbarrier arrive, here hand_empty's (with
+that arrive after the second product's issue it is gone, but the off-chain partition would wait for the whole first
+product before storing its next tiles). The V-block changes nothing in BV = 128's PTX (the same instructions as
+before BV was a parameter, debug information apart: i_v folds to 0).
 
-Reviewed (session 9, without a GPU): the SASS's barrier addresses and init counts (ready 1, empty 2, hand_ready and
-hand_empty 1) match each partition's waits and arrives; every mbarrier.arrive of the chain and the off-chain
-partition lowers to one thread's arrive (tid % 256 or % 128 == 0) right after its partition's bar.sync, so the
-chain's hand_empty arrive follows all its warps' hand-off loads; the loader's expect is 4 x 16,384 B, the full boxes
-that TMA counts even where it zero-fills. A random-interleaving model of the protocol (the review's, not kept;
+BV = 64 (same compile, both dtypes): 12 warps (4 + 4 + 1 padded to 4), 168 registers a thread at launch, setmaxnreg
+256 / 128 / 24 (the chain setmaxnreg's maximum, as gluon_walk.py's BV = 64); no spills without dht / dh0 or with
+either alone; 52 B with both, all in the chain: 48 B of values used only after the loop (byte offsets of dh0's
+stores), stored once before it and reloaded once after it, and 4 B, one register (the high half of such an offset),
+stored and reloaded once a chunk, which none of the loop's instructions reads (ptxas's choice at 252 of the chain's
+256 registers; BV = 128's chain spills 56 B alike). Shared memory 221,504 B: 3 ring slots of 57,344 B (W, K, Q
+[64, 128], dO [64, 64]; the loader's expect 57,344 B, 7 TMA boxes a slot), the hand-off 16,384 + 32,768 B. wgmma
+instructions 28 (BV = 128: 32): in the chain 8 m64n64k16 (dS_next^T K^T) and 4 m64n128k16 (dV'^T W), one warp group's
+share of BV = 128's; off it 8 m64n64k16 (K Q^T), 4 m64n64k16 (A^T dO, n64 instead of n128) and 4 m64n128k16 (one
+dO^T Q product instead of two); dO^T read with 4 ldmatrix.trans (the [64, 64] tile and layout of gluon_walk's BV = 64
+U^T load). In the PTX each partition's loop synchronizes only on its own named barrier (bar.sync 0, 128 four times in
+the chain; 2, 128 three times off it, one fewer with one dO^T Q product; none in the loader) and on mbarriers (the
+chain 2 waits and 2 arrives, the off-chain partition 2 and 2, the loader 1 and its expect); the CTA-wide barrier 1
+only where the partitions start and end; wgmma.wait_group 0 twice in the chain and three times off it, each on its
+own warp group's products. The barriers and their phases are BV = 128's: ready / empty indexed and phased by the
+ring's slot count (3 here, as the walk's BV = 64), hand_ready / hand_empty single and phased by the chunk's parity,
+init counts 1 / 2 / 1 / 1 (checked in the PTX).
+
+Reviewed at BV = 128 (session 9, without a GPU): the SASS's barrier addresses and init counts (ready 1, empty 2,
+hand_ready and hand_empty 1) match each partition's waits and arrives; every mbarrier.arrive of the chain and the
+off-chain partition lowers to one thread's arrive (tid % 256 or % 128 == 0) right after its partition's bar.sync, so
+the chain's hand_empty arrive follows all its warps' hand-off loads; the loader's expect is 4 x 16,384 B, the full
+boxes that TMA counts even where it zero-fills. A random-interleaving model of the protocol (the review's, not kept;
 hardware parity semantics, TMA completing at random; 0 to 8 chunks) neither hangs nor reads a stale or overwritten
 slot or hand-off tile, and fails on each of four broken variants (hand_empty not waited, empty counting 1, a wrong
-hand_ready parity, a short expect). Proxies: the only async-proxy accesses are TMA writes and wgmma reads of the
-ring (ordered by ready / empty, the loader's fence before TMA overwrites the generic ldmatrix reads of dO); the
-hand-off is generic on both sides, so it needs no fence. The TTGIR maps each capture to the right ring (do / k / q)
-and descriptor; operands: register A with kWidth 2 from an accumulator of the same row split, smem B K-major (the K
-and Q tiles permuted) or MN-major (tnspB: W, dO, Q). The new shared-memory paths, evaluated per thread from the PTX:
-the ldmatrix.trans addresses of dO^T's two halves are those of gluon_walk's U^T load (warps 0-3 and 4-7), which
-passed on the H200; the fp32 hand-off's store and load addresses are, thread by thread, the accumulator layouts'
-elements under the swizzle's formula (dV'_local read transposed). Math and masks against state_bwd_kernel (fused):
-the same rounding points, dh at (chunk_offsets[seq] + t) * H + h in [K, V], dv rows and dV' columns from n on masked,
-A^T and dO^T columns from n on zeroed (so the next sequence's rows reach nothing). The forward's gluon_walk.py
-compiles to the same PTX as before the loader's REVERSE (outside debug info). Not checkable here: what the hardware
-makes of it (a hang shows only in the GPU test's smoke child), the register order within those layouts (Triton's, as
-in the walk), the bank conflicts (counted from those addresses, not measured) and every time below.
+hand_ready parity, a short expect). Proxies: the only async-proxy accesses are TMA writes and wgmma reads of the ring
+(ordered by ready / empty, the loader's fence before TMA overwrites the generic ldmatrix reads of dO); the hand-off
+is generic on both sides, so it needs no fence. The TTGIR maps each capture to the right ring (do / k / q) and
+descriptor; operands: register A with kWidth 2 from an accumulator of the same row split, smem B K-major (the K and Q
+tiles permuted) or MN-major (tnspB: W, dO, Q). The new shared-memory paths, evaluated per thread from the PTX: the
+ldmatrix.trans addresses of dO^T's two halves are those of gluon_walk's U^T load (warps 0-3 and 4-7), which passed on
+the H200; the fp32 hand-off's store and load addresses are, thread by thread, the accumulator layouts' elements under
+the swizzle's formula (dV'_local read transposed). Math and masks against state_bwd_kernel (fused): the same rounding
+points, dh at (chunk_offsets[seq] + t) * H + h in [K, V], dv rows and dV' columns from n on masked, A^T and dO^T
+columns from n on zeroed (so the next sequence's rows reach nothing). The forward's gluon_walk.py compiles to the
+same PTX as before the loader's REVERSE (outside debug info). Not checkable here: what the hardware makes of it (a
+hang shows only in the GPU test's smoke child), the register order within those layouts (Triton's, as in the walk),
+the bank conflicts (counted from those addresses, not measured) and every time below.
 
-Expected on the H200 (unmeasured): the forward's Gluon walk, with the same ring (64 KiB of tiles a chunk),
-settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for the Triton
-walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). Here the
-chain is about 1,200 cycles a chunk (two products of 1 MFLOP a warp group with their K / W reads, the
-roundings, the 64 KiB hand-off read beside the first product); the off-chain partition, after the chain has
-read the hand-off tiles, needs about 1,300 more (dV'_local's store, two products and 64 KiB of stores) before
-the chain can go on, so the programs' step is about 2,100 cycles, 1.2 us. The floor is shared memory: about
-416 KiB a chunk (the TMA writes, the products' operand reads, the 96 KiB hand-off written and read) at 128 B a
-cycle is 3,300 cycles, 1.8 us (the forward's Gluon walk moves about 290 KiB, 1.2 us), still under the 2.6 us
-the forward settles at, and the pass also writes dh and dv (48 KiB a chunk to HBM, stores no one waits for).
-So about 2.7 to 3.2 us a chunk: b4-t4096-h16 0.17-0.20 ms (Triton 0.234), b2-t8192-h32 0.35-0.41 (0.463),
-b1-t32768-h64 1.4-1.65 (1.830); b8-t2048-h16 (128 programs, 470 MB through HBM, where the forward's Gluon walk
-gained 3 %) 0.18-0.21 (0.183), no gain.
+Expected on the H200 for BV = 128 (session 9, unmeasured then): the forward's Gluon walk, with the same ring (64 KiB
+of tiles a chunk), settles at about 2.6 us a chunk with 64 programs (4 x 16, 2 x 32, 1 x 64 heads), against 4.1 for
+the Triton walk; the Triton reverse pass takes about 3.6 us a chunk there (0.234 ms over 64 chunks at 4 x 16). Here
+the chain is about 1,200 cycles a chunk (two products of 1 MFLOP a warp group with their K / W reads, the roundings,
+the 64 KiB hand-off read beside the first product); the off-chain partition, after the chain has read the hand-off
+tiles, needs about 1,300 more (dV'_local's store, two products and 64 KiB of stores) before the chain can go on, so
+the programs' step is about 2,100 cycles, 1.2 us. The floor is shared memory: about 416 KiB a chunk (the TMA writes,
+the products' operand reads, the 96 KiB hand-off written and read) at 128 B a cycle is 3,300 cycles, 1.8 us (the
+forward's Gluon walk moves about 290 KiB, 1.2 us), still under the 2.6 us the forward settles at, and the pass also
+writes dh and dv (48 KiB a chunk to HBM, stores no one waits for). So about 2.7 to 3.2 us a chunk: b4-t4096-h16
+0.17-0.20 ms (Triton 0.234), b2-t8192-h32 0.35-0.41 (0.463), b1-t32768-h64 1.4-1.65 (1.830); b8-t2048-h16 (128
+programs, 470 MB through HBM, where the forward's Gluon walk gained 3 %) 0.18-0.21 (0.183), no gain.
 
 Measured on the H200 (session 10, benchmarks/diagnostics/gluon_reverse.py, bf16), Triton pass against this one,
 ms: b8-t2048-h16 0.202 / 0.162, b4-t4096-h16 0.232 / 0.289, b2-t8192-h32 0.453 / 0.561, b1-t32768-h64
 1.793 / 2.226. The prediction was wrong both ways: about 4.5 us a chunk with 64 programs (not 2.7-3.2), and
 5.1 with 128 programs, where the Triton pass, at one program a head too, takes 6.3. With 64 programs the
-Triton pass splits V over two programs a head (128 programs, 3.6 us a chunk), which this kernel does not.
+Triton pass splits V over two programs a head (128 programs, 3.6 us a chunk), which BV = 128 does not.
+
+Predicted for BV = 64 (UNMEASURED; bf16, dht and dh0, the probe's configs): the walk's split is the anchor. Its
+programs, halved the same way (one chain warp group instead of two, per-thread work unchanged, the SM's tensor
+cores and shared memory shared with half as much work), went from 2.6 to 1.4-1.7 us a chunk, x0.55 at 32
+programs (1 x 16 heads) to x0.63 at 128 (4 x 16, 2 x 32). This pass at BV = 128 takes 4.4-4.5 us a chunk with
+64 programs, 1.8 more than the walk, which the walk does not have: the fp32 hand-off (96 KiB written and read a
+chunk, single-buffered) and the off-chain tail the chain waits for (dV'_local's store, two dO^T Q products, 64
+KiB of stores); at BV = 64 all of these halve (48 KiB, one product, 32 KiB), and A^T, repeated, stays off the
+chain before the hand-off wait. So x0.55-0.65 as the walk: 2.5-2.9 us a chunk with 128 programs. HBM stays
+under its ceiling there: a head moves 112 KiB a chunk (W, K, Q, dO read once if its two programs run together,
+dh and dv written), 64 heads at 2.7 us are 2.7 TB/s of 4.3. Triton pass / BV = 128 / BV = 64 (predicted), ms:
+    b4-t4096-h16 (64 chunks):   0.232 / 0.289 / 0.16-0.19 (about 0.175): faster than the Triton pass;
+    b2-t8192-h32 (128 chunks):  0.453 / 0.561 / 0.31-0.36 (about 0.34);
+    b1-t32768-h64 (512 chunks): 1.793 / 2.226 / 1.22-1.45 (about 1.35);
+    b1-t32768-h16 (512 chunks, 32 programs): unmeasured / about 2.15 (4.2 us a chunk, as the walk's 16 programs
+        ran 4 % faster a chunk than 64) / 1.1-1.4 (about 1.2, the walk's x0.55); the Triton pass (BV = 16,
+        128 programs, each repeating K Q^T) unmeasured, so no prediction of the winner there.
+If these hold, gluon_reverse_pays should run the split from 1 to SMs / 2 sequences x heads (the walk's range).
 
 Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
 Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
