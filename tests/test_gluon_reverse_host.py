@@ -1,6 +1,10 @@
 """The Gluon reverse pass's host wrapper (kernels/chunk/gluon_reverse.py) where it launches nothing, so on the
 CPU: the batch without tokens (a TMA descriptor cannot be built on zero rows: dh is empty, dh0 is dht, or
-zeros) and the misuse it refuses. The kernel itself is checked on the GPU (tests/gpu/test_gluon_reverse_gpu.py)."""
+zeros), the misuse it refuses, and the launch it makes (the kernel replaced by a recorder): the V-block width
+(gluon_walk.split_v's unless given) with its grid, dO's descriptor block and REVERSE_CONFIGS' warps, registers
+and ring slots. The kernel itself is checked on the GPU (tests/gpu/test_gluon_reverse_gpu.py)."""
+import functools
+
 import pytest
 import torch
 
@@ -15,20 +19,51 @@ from deltatron.kernels.chunk import gluon_reverse  # noqa: E402
 D = gluon_reverse.D_WALK
 
 
+@pytest.mark.parametrize("block_v", [None, 64, 128])
 @pytest.mark.parametrize("lengths", [[0, 0, 0], []])
-def test_no_tokens_passes_dht_through(poison, lengths):
+def test_no_tokens_passes_dht_through(poison, lengths, block_v):
     H, N = 2, len(lengths)
     x = make_inputs(1, 0, H, D, D, torch.bfloat16, initial_state=True, N=N, seed=0)
     cu = random_cu_seqlens(lengths)
     info = seq_info(1, 0, torch.device("cpu"), cu, cu)
     q, k, v, dht = x["q"], x["k"], x["v"], x["initial_state"]
-    dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, k, v, dht, 0.1, True, info)
+    reverse = functools.partial(gluon_reverse.gluon_state_bwd, block_v=block_v)
+    dh, dv, dh0 = reverse(q, k, k, v, dht, 0.1, True, info)
     assert dh.shape == (0, H, D, D) and dh.dtype == q.dtype and dv.shape == v.shape
     assert dh0.dtype == torch.float32 and torch.equal(dh0, dht)
-    _, _, dh0 = gluon_reverse.gluon_state_bwd(q, k, k, v, None, 0.1, True, info)
+    _, _, dh0 = reverse(q, k, k, v, None, 0.1, True, info)
     assert dh0.shape == (N, H, D, D) and not dh0.any()
-    _, _, dh0 = gluon_reverse.gluon_state_bwd(q, k, k, v, dht, 0.1, False, info)
+    _, _, dh0 = reverse(q, k, k, v, dht, 0.1, False, info)
     assert dh0 is None
+
+
+class LaunchRecorder:
+    """Stands in for gluon_reverse_kernel: kernel[grid](*args, **kwargs) records the launch instead."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize("B, H, block_v, expected", [(1, 16, None, 64), (3, 22, None, 64), (3, 23, None, 128),
+                                                     (4, 16, None, 64), (8, 16, None, 128), (8, 16, 64, 64),
+                                                     (1, 16, 128, 128)])
+def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
+    # split_v's width on the tensors' device's SMs (here as the H200's 132: 64 while 2 x sequences x heads fit
+    # one wave) unless one is given; 128 / block_v programs a head, on that width's config
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
+    monkeypatch.setattr(gluon_reverse, "num_sms", lambda device: 132)
+    x = make_inputs(B, 3, H, D, D, torch.bfloat16)
+    gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], None, 0.1, False,
+                                  seq_info(B, 3, torch.device("cpu"), None, None), block_v=block_v)
+    (grid, args, kwargs), = kernel.launches
+    cfg = gluon_reverse.REVERSE_CONFIGS[expected]
+    assert grid == (B * H * D // expected, )
+    assert [desc.block_shape for desc in args[:4]] == [[64, D], [64, expected], [64, D], [64, D]]  # w, do, k, q
+    assert kwargs == {"num_warps": expected // 16} and args[-2:] == (cfg.offchain_regs, cfg.stages)
 
 
 def test_refuses_misuse():
@@ -51,3 +86,6 @@ def test_refuses_misuse():
         gluon_reverse.gluon_state_bwd(q, k, misaligned(k), v, None, 0.1, False, info)
     with pytest.raises(ValueError, match="chunk_size"):
         gluon_reverse.gluon_state_bwd(q, k, k, v, None, 0.1, False, info, chunk_size=32)
+    for block_v in (32, 96, 256):  # wgmma's M is 64 a warp group: no narrower V-block; others do not tile 128
+        with pytest.raises(ValueError, match="block_v"):
+            gluon_reverse.gluon_state_bwd(q, k, k, v, None, 0.1, False, info, block_v=block_v)

@@ -2,22 +2,24 @@
 pass (state_bwd.state_bwd with dv_local=None, the backward's fused pass) at K = V = 128: agreement and times
 on the GPU, or what triton 3.6 makes of it offline.
 
-On the GPU, per config (transposed_walk.py's q, k, W, its random fp32 initial state as dht, a random dO):
-dh, dv, dh0 of the Gluon pass against the Triton pass's (relative RMS; both round dS_next, dV' and A^T to
-the input dtype at the same points, so they differ by fp32 summation order), a second Gluon run bitwise equal
-to the first (no atomics: a race between the partitions would show), then both timed as the backward runs
-them (dht and dh0 as with a final and an initial state).
+On the GPU, per config (transposed_walk.py's q, k, W, its random fp32 initial state as dht, a random dO),
+for each V-block width of the Gluon pass (block_v 128: a program a sequence and head; 64: two): dh, dv, dh0
+against the Triton pass's (relative RMS; both round dS_next, dV' and A^T to the input dtype at the same
+points, so they differ by fp32 summation order), a second Gluon run bitwise equal to the first (no atomics: a
+race between the partitions would show), the two widths against each other; then the Triton pass and both
+widths timed as the backward runs them (dht and dh0 as with a final and an initial state), twice, interleaved.
 
---offline compiles the kernel for sm_90 (bf16 with and without dht / dh0, fp16 with them) on a machine
-without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory,
-the setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits,
-and the PTX barriers (gluon_walk.py's report).
+--offline compiles the kernel for sm_90 (per V-block width: bf16 with and without dht / dh0, fp16 with them) on
+a machine without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared
+memory, the setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and
+waits, and the PTX barriers (gluon_walk.py's report).
 
     python benchmarks/diagnostics/gluon_reverse.py [--configs b8-t2048-h16-k128 b4-t4096-h16-k128]
     python benchmarks/diagnostics/gluon_reverse.py --offline [--dump DIR]
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -27,14 +29,15 @@ import torch  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import state_bwd  # noqa: E402
-from deltatron.kernels.utils import seq_info  # noqa: E402
+from deltatron.kernels.utils import num_sms, seq_info  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_walk import compiling_for_sm90, probe_main, report_compiled  # noqa: E402
 from stage_configs import worst_difference as rel_rms  # noqa: E402
 from transposed_walk import walk_inputs  # noqa: E402
 
-CONFIGS = ["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b2-t8192-h32-k128", "b1-t32768-h64-k128"]
+CONFIGS = ["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b2-t8192-h32-k128", "b1-t32768-h64-k128",
+           "b1-t32768-h16-k128"]
 
 
 def reverse_inputs(cfg: bench.Config, device):
@@ -46,30 +49,50 @@ def reverse_inputs(cfg: bench.Config, device):
 
 
 def compare(cfg: bench.Config, measure) -> None:
-    from deltatron.kernels.chunk.gluon_reverse import gluon_state_bwd
+    from deltatron.kernels.chunk import gluon_reverse, gluon_walk
 
     state_bwd.GLUON_REVERSE = False  # state_bwd as the Triton pass, the reference
     q, k, w, do, dht, scale, info = reverse_inputs(cfg, torch.device("cuda"))
     ref = state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)
-    out = gluon_state_bwd(q, k, w, do, dht, scale, True, info)
-    again = gluon_state_bwd(q, k, w, do, dht, scale, True, info)
-    same = all(torch.equal(a, b) for a, b in zip(out, again))
-    errs = {n: rel_rms(a, b) for n, a, b in zip(("dh", "dv", "dh0"), out, ref)}
-    finite = all(bool(torch.isfinite(a).all()) for a in out)
-    ok = finite and same and max(errs.values()) < 1e-2
-    print(f"\n{cfg.name}: gluon reverse against the Triton pass: "
-          + ", ".join(f"{n} rel RMS {e:.1e}" for n, e in errs.items())
-          + f", rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
-    runs = {"Triton reverse (state_bwd)": lambda: state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64),
-            "gluon warp-specialized": lambda: gluon_state_bwd(q, k, w, do, dht, scale, True, info)}
+    widths = sorted(gluon_reverse.REVERSE_CONFIGS, reverse=True)
+    print(f"\n{cfg.name}: split_v chooses block_v {gluon_walk.split_v(info.num_seqs * cfg.H, num_sms(q.device))}; "
+          f"state_bwd runs {'Gluon' if gluon_reverse_default(q, k, w, do, info) else 'Triton'} by default")
+    results = {}
+    for block_v in widths:
+        out = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, scale, True, info, block_v=block_v)
+        again = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, scale, True, info, block_v=block_v)
+        same = all(torch.equal(a, b) for a, b in zip(out, again))
+        errs = {n: rel_rms(a, b) for n, a, b in zip(("dh", "dv", "dh0"), out, ref)}
+        finite = all(bool(torch.isfinite(a).all()) for a in out)
+        ok = finite and same and max(errs.values()) < 1e-2
+        print(f"  gluon reverse block_v {block_v} against the Triton pass: "
+              + ", ".join(f"{n} rel RMS {e:.1e}" for n, e in errs.items())
+              + f", rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+        results[block_v] = out
+    a, b = results[widths[0]], results[widths[-1]]
+    print(f"  block_v {widths[-1]} against {widths[0]}: "
+          + ", ".join(f"{n} bitwise {torch.equal(x, y)}" for n, x, y in zip(("dh", "dv", "dh0"), a, b)))
+    runs = {"Triton reverse (state_bwd)": lambda: state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)}
+    for block_v in widths:
+        runs[f"gluon reverse, block_v {block_v}"] = functools.partial(
+            gluon_reverse.gluon_state_bwd, q, k, w, do, dht, scale, True, info, block_v=block_v)
     for _ in range(2):  # interleaved, against drift
         for name, fn in runs.items():
-            print(f"  {name:<28} {measure(fn):8.3f} ms", flush=True)
+            print(f"  {name:<32} {measure(fn):8.3f} ms", flush=True)
+
+
+def gluon_reverse_default(q, k, w, do, info) -> bool:
+    """Whether state_bwd would run the Gluon pass here with GLUON_REVERSE at its default (None)."""
+    chosen, state_bwd.GLUON_REVERSE = state_bwd.GLUON_REVERSE, None
+    try:
+        return state_bwd.gluon_reverse_pays(q, k, w, do, None, info, 64)
+    finally:
+        state_bwd.GLUON_REVERSE = chosen
 
 
 def offline(dump) -> int:
-    """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads: bf16 with and without dht and
-    dh0, fp16 with them."""
+    """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads, per V-block width: bf16 with and
+    without dht and dh0, fp16 with them."""
     import triton
 
     import offline_compile as oc  # it refuses the interpreter: imported only here
@@ -77,16 +100,20 @@ def offline(dump) -> int:
 
     B, T, H, D = 8, 256, 16, gluon_reverse.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    variants = [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True), ("fp16", torch.float16, True)]
+    variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_reverse.REVERSE_CONFIGS, reverse=True)
+                for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
+                                            ("fp16", torch.float16, True)]]
     with compiling_for_sm90() as compiled:
-        for _, dtype, states in variants:
+        for _, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
-            gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info)
+            gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info,
+                                          block_v=block_v)
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
-    for (name, _, states), kernel in zip(variants, compiled):
-        report_compiled(f"gluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK}, dht/dh0 {states}", kernel,
-                        dump, f"gluon_reverse_{name}_states{int(states)}")
+    for (name, _, states, block_v), kernel in zip(variants, compiled):
+        report_compiled(f"gluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK} BV={block_v} "
+                        f"({gluon_reverse.REVERSE_CONFIGS[block_v]}), dht/dh0 {states}", kernel, dump,
+                        f"gluon_reverse_bv{block_v}_{name}_states{int(states)}")
     print(f"triton {triton.__version__}, target sm_90")
     return 0
 

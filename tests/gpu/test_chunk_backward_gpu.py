@@ -90,10 +90,11 @@ def test_backward_growing_transition(triton_backend, poison, dtype):
 @pytest.fixture(scope="module")
 def gluon_reverse_runs():
     # the Gluon reverse pass's smoke call (test_gluon_reverse_gpu.py's) in a child process before this process
-    # launches it: a hang there must not take the suite with it
+    # launches it: a hang there must not take the suite with it. Its V-block width 128: the one state_bwd runs
+    # at 8 x 16 heads (gluon_walk.split_v)
     from .test_gluon_reverse_gpu import SMOKE
 
-    failure = gluon_smoke(SMOKE)
+    failure = gluon_smoke(SMOKE, "128")
     if failure:
         pytest.fail("the Gluon reverse pass's smoke call " + failure, pytrace=False)
 

@@ -1,12 +1,14 @@
 """The warp-specialized Gluon reverse state pass (kernels/chunk/gluon_reverse.py) against the Triton reverse pass
 (state_bwd.state_bwd with dv_local=None, the backward's fused pass) on the same q, k, W, dO: sm_90 only, 16-bit,
-K = V = 128, C = 64. Both round dS_next, dV' and A^T to the input dtype at the same points, so they differ by
-the order of fp32 sums, and through it by a rounding of the dtype here and there.
+K = V = 128, C = 64, each check for both V-block widths (block_v 128: one program a sequence and head; 64: two,
+each walking half of dS^T's rows). Both passes round dS_next, dV' and A^T to the input dtype at the same points,
+so they differ by the order of fp32 sums, and through it by a rounding of the dtype here and there.
 
 The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
 failing a test, and would take the whole GPU suite with it. So the first use of the fixture runs one small
-call in a child process under a time limit (gluon_smoke); if it hangs or crashes, the child is killed
-and every test here fails with its output, without a launch in this process."""
+call of each V-block width, each in a child process under a time limit (gluon_smoke); if one hangs or
+crashes, its child is killed and every test of that width (and those of none) fails with its output, without
+a launch in this process."""
 import pytest
 import torch
 
@@ -19,18 +21,21 @@ from . import gluon_smoke
 pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
+BLOCK_V = [128, 64]  # gluon_reverse.REVERSE_CONFIGS' V-block widths, each forced
 SMOKE = """
+import sys
 import torch
 from deltatron.kernels.chunk import gluon_reverse
 from deltatron.kernels.utils import seq_info
-B, T, H = 2, 200, 2
+B, T, H, block_v = 2, 200, 2, int(sys.argv[1])
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, w, do = (torch.randn(B, T, H, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
 dht = torch.randn(B, H, 128, 128, generator=g, device="cuda")
 info = seq_info(B, T, torch.device("cuda"), None, None)
-dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, 128 ** -0.5, True, info)
+dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, 128 ** -0.5, True, info, block_v=block_v)
 torch.cuda.synchronize()
-print("gluon reverse smoke call done, finite:", all(bool(torch.isfinite(x).all()) for x in (dh, dv, dh0)))
+print(f"gluon reverse smoke call (block_v {block_v}) done, finite:",
+      all(bool(torch.isfinite(x).all()) for x in (dh, dv, dh0)))
 """
 
 
@@ -41,10 +46,19 @@ def triton_pass_as_reference(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gluon_reverse():
-    failure = gluon_smoke(SMOKE)
-    if failure:
-        pytest.fail("the Gluon reverse pass's smoke call " + failure, pytrace=False)
+def smoke_failures():
+    """{block_v: why its smoke call failed, or None}."""
+    return {block_v: gluon_smoke(SMOKE, str(block_v)) for block_v in BLOCK_V}
+
+
+@pytest.fixture
+def gluon_reverse(smoke_failures, request):
+    # a test of one V-block width runs unless that width's smoke call failed; a test of none needs all
+    callspec = getattr(request.node, "callspec", None)
+    widths = [callspec.params["block_v"]] if callspec is not None and "block_v" in callspec.params else BLOCK_V
+    failed = [f"block_v {block_v}: {smoke_failures[block_v]}" for block_v in widths if smoke_failures[block_v]]
+    if failed:
+        pytest.fail("the Gluon reverse pass's smoke call " + "\n".join(failed), pytrace=False)
     from deltatron.kernels.chunk import gluon_reverse
 
     return gluon_reverse
@@ -69,11 +83,11 @@ def close(x, ref, bound):
     return rel_rms(x, ref) < bound
 
 
-def check(gluon_reverse, inputs, info, with_dht: bool, need_dh0: bool):
+def check(gluon_reverse, inputs, info, with_dht: bool, need_dh0: bool, block_v: int = 128):
     q, k, w, do, dht = inputs
     dht = dht if with_dht else None
     ref = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, need_dh0, info, C)
-    got = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, need_dh0, info)
+    got = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, need_dh0, info, block_v=block_v)
     bound = BOUNDS[q.dtype]
     for name, x, r in zip(("dh", "dv", "dh0"), got, ref):
         if r is None:
@@ -85,47 +99,51 @@ def check(gluon_reverse, inputs, info, with_dht: bool, need_dh0: bool):
     # no atomics, no cross-program work: a second run must give the same bits. A race between the partitions
     # (a ring slot or a hand-off tile read before it is written or after it is overwritten) would show here
     # even where it moves the error by less than the bound
-    again = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, need_dh0, info)
+    again = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, need_dh0, info, block_v=block_v)
     for x, y in zip(got, again):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
+@pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B, T, H", [(8, 2048, 16), (2, 1000, 4), (3, 64, 2), (1, 1, 3)])
 @pytest.mark.parametrize("with_dht, need_dh0", [(False, False), (True, True), (True, False), (False, True)])
-def test_gluon_reverse_matches_triton_pass(poison, gluon_reverse, dtype, B, T, H, with_dht, need_dh0):
+def test_gluon_reverse_matches_triton_pass(poison, gluon_reverse, dtype, B, T, H, with_dht, need_dh0, block_v):
     # T = 1000: a partial last chunk whose TMA tiles read the next sequence's rows (which must not reach dS,
     # dh or dv); T = 1: every chunk partial; T = 64: exactly one chunk
     inputs, info = reverse_inputs(B, T, H, dtype, "cuda", seed=T + H)
-    check(gluon_reverse, inputs, info, with_dht, need_dh0)
+    check(gluon_reverse, inputs, info, with_dht, need_dh0, block_v)
 
 
+@pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_dht", [False, True])
-def test_gluon_reverse_varlen(poison, gluon_reverse, dtype, with_dht):
+def test_gluon_reverse_varlen(poison, gluon_reverse, dtype, with_dht, block_v):
     g = torch.Generator().manual_seed(7)
     lengths = [0, 1, C - 1, C, C + 1] + torch.randint(1, 1500, (11,), generator=g).tolist()
     lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
     cu = random_cu_seqlens(lengths, "cuda")
     inputs, info = reverse_inputs(1, sum(lengths), 8, dtype, "cuda", N=len(lengths), seed=3, cu_seqlens=cu)
-    check(gluon_reverse, inputs, info, with_dht, True)
+    check(gluon_reverse, inputs, info, with_dht, True, block_v)
 
 
-def test_gluon_reverse_unpacked_batch(poison, gluon_reverse):
+@pytest.mark.parametrize("block_v", BLOCK_V)
+def test_gluon_reverse_unpacked_batch(poison, gluon_reverse, block_v):
     # [B, T, H, 128] without packing (B > 1): the descriptors span all B * T rows, the same bits as packed
     B, T, H = 3, 200, 2
     (q, k, w, do, dht), info = reverse_inputs(B, T, H, torch.bfloat16, "cuda", seed=5)
-    packed = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info)
+    packed = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info, block_v=block_v)
     unpacked = gluon_reverse.gluon_state_bwd(*(x.reshape(B, T, H, D) for x in (q, k, w, do)), dht, D ** -0.5, True,
-                                             info)
+                                             info, block_v=block_v)
     assert unpacked[1].shape == (B, T, H, D)
     assert torch.equal(packed[0], unpacked[0]) and torch.equal(packed[1], unpacked[1].reshape(packed[1].shape))
     assert torch.equal(packed[2], unpacked[2])
 
 
 def test_state_bwd_runs_gluon_reverse_where_forced(gluon_reverse, monkeypatch):
+    # 2 x 4 heads: forced, state_bwd runs the split (gluon_walk.split_v: 16 programs fit one wave)
     (q, k, w, do, dht), info = reverse_inputs(2, 300, 4, torch.bfloat16, "cuda", seed=11)
-    direct = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info)
+    direct = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info, block_v=64)
     monkeypatch.setattr(state_bwd, "GLUON_REVERSE", True)
     dispatched = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, True, info, C)
     assert all(torch.equal(x, y) for x, y in zip(direct, dispatched))
@@ -140,14 +158,16 @@ def test_gluon_reverse_refuses_other_shapes(gluon_reverse):
         gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], None, 0.125, False, info)
 
 
+@pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("lengths", [[0, 0], []])
-def test_gluon_reverse_no_tokens(poison, gluon_reverse, lengths):
+def test_gluon_reverse_no_tokens(poison, gluon_reverse, lengths, block_v):
     # no token at all: nothing launches (a TMA descriptor's shape must be positive); dh0 is dht (or zeros)
     H, N = 2, len(lengths)
     x = make_inputs(1, 0, H, D, D, torch.bfloat16, device="cuda", initial_state=True, N=N, seed=1)
     cu = random_cu_seqlens(lengths, "cuda")
     info = seq_info(1, 0, torch.device("cuda"), cu, cu.cpu())
-    dh, dv, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], x["initial_state"], 0.1, True, info)
+    dh, dv, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], x["initial_state"], 0.1, True, info,
+                                                block_v=block_v)
     assert dh.shape == (0, H, D, D) and dv.shape == x["v"].shape and torch.equal(dh0, x["initial_state"])
-    _, _, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], None, 0.1, True, info)
+    _, _, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], None, 0.1, True, info, block_v=block_v)
     assert dh0.shape == (N, H, D, D) and not dh0.any()

@@ -141,7 +141,7 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl
                      REVERSE: gl.constexpr = False):
     """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once both consumers
     released it (REVERSE, for gluon_reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
-    sequence walked backwards, and dO's whole tile takes U's place)."""
+    sequence walked backwards, and dO's V-block [C, BV] takes U's place)."""
     w_desc, u_desc, k_desc, q_desc = descs
     w_ring, u_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]

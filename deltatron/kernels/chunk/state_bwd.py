@@ -129,7 +129,11 @@ def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: to
     0.202 / 0.162; but 4 x 16 0.232 / 0.289, 2 x 32 0.453 / 0.561 and 1 x 64 (T = 32768) 1.793 / 2.226, where
     the Triton pass splits V over two programs a head (reverse_launch: 128 programs) and the Gluon one runs
     64. So where the Gluon kernel's grid fills more than half the SMs and fits one wave, the span in which
-    the Triton pass runs one program a head too (past one wave, unmeasured: the Triton pass)."""
+    the Triton pass runs one program a head too (past one wave, unmeasured: the Triton pass). There
+    gluon_state_bwd runs one program a head (gluon_walk.split_v gives 128 where 2 x sequences x heads exceed
+    the SMs). Its V split (block_v 64, two programs a head, for at most SMs / 2 sequences x heads) runs only
+    where GLUON_REVERSE = True forces the Gluon pass: unmeasured, predicted faster than the Triton pass at 4 x
+    16, 2 x 32 and 1 x 64 heads (gluon_reverse.py's docstring); this rule takes it in once the GPU confirms."""
     if GLUON_REVERSE is False or not gluon_reverse_applies(q, k, w, do, dv_local, chunk_size):
         return False
     sms = num_sms(k.device)
