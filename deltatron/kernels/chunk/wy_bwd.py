@@ -26,6 +26,44 @@ from .kkt import chunk_span
 
 
 @triton.jit
+def load_tinv_t(tinv, start, n, i_h, H: tl.constexpr, C: tl.constexpr):
+    """T~^T [C, C] (fp32) of the chunk. T~ is unit lower triangular: only its support is read, so padding
+    rows and columns are exact zeros."""
+    r = tl.arange(0, C)
+    valid = r < n
+    t_offs = ((start + r)[:, None] * H + i_h) * C + r[None, :]
+    return tl.trans(tl.load(tinv + t_offs, mask=valid[:, None] & (r[None, :] <= r[:, None]), other=0.0))
+
+
+@triton.jit
+def wy_dv_tile(b_dt, b_tt_in, b_du, b_v, b_beta, PRECISION: tl.constexpr):
+    """One V tile of the WY backward: (dT~ + dU (beta V)^T, dV = beta T~^T dU, rowsum(dVb ⊙ V) for dbeta).
+    b_du in the input dtype, b_v as loaded."""
+    b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(b_du.dtype)
+    b_dt += mm(b_du, tl.trans(b_vb), PRECISION)
+    b_dvb = mm(b_tt_in, b_du, PRECISION)
+    return b_dt, b_dvb * b_beta[:, None], tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
+
+
+@triton.jit
+def wy_da(b_tt, b_dt, C: tl.constexpr, PRECISION: tl.constexpr):
+    """dA = strictly_lower(-T~^T dT~ T~^T): d(L^{-1}) = -L^{-T} d(.) L^{-T}, and A only lives strictly below
+    the diagonal."""
+    r = tl.arange(0, C)
+    b_da = -mm(mm(b_tt, b_dt, PRECISION), b_tt, PRECISION)
+    return tl.where(r[:, None] > r[None, :], b_da, 0.0)
+
+
+@triton.jit
+def wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION: tl.constexpr):
+    """One K tile of the WY terms of dK, beta (dKb + dA K) + dA^T (beta K) (fp32; dK = dK_direct + these),
+    and rowsum((dKb + dA K) ⊙ K) for dbeta. b_dw in the input dtype, b_k fp32."""
+    # dKb + dA K: both multiply beta_i k_i in A and W
+    b_dkb = mm(b_tt_in, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
+    return b_beta[:, None] * b_dkb + mm(b_dat, b_k * b_beta[:, None], PRECISION), tl.sum(b_dkb * b_k, axis=1)
+
+
+@triton.jit
 def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indices, cu_seqlens,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
@@ -35,10 +73,7 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     rows = start + r
     valid = r < n
     b_beta = tl.load(beta + rows * H + i_h, mask=valid, other=0.0).to(tl.float32)
-    # T~ is unit lower triangular: read only its support, so padding rows/columns are exact zeros
-    t_offs = (rows[:, None] * H + i_h) * C + r[None, :]
-    b_t = tl.load(tinv + t_offs, mask=valid[:, None] & (r[None, :] <= r[:, None]), other=0.0)
-    b_tt = tl.trans(b_t)
+    b_tt = load_tinv_t(tinv, start, n, i_h, H, C)
     dt = k.dtype.element_ty
     b_tt_in = b_tt.to(dt)  # (fp32 inputs: unchanged)
 
@@ -52,25 +87,19 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     for i_v in range(tl.cdiv(V, BV)):
         b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV)
         b_du = load_rows(du, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
-        b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
-        b_dt += mm(b_du, tl.trans(b_vb), PRECISION)
-        b_dvb = mm(b_tt_in, b_du, PRECISION)
-        store_rows(dv, b_dvb * b_beta[:, None], start, n, i_h, i_v * BV, H, V, C, BV)
-        b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
+        b_dt, b_dv, b_dbeta_v = wy_dv_tile(b_dt, b_tt_in, b_du, b_v, b_beta, PRECISION)
+        store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_dbeta += b_dbeta_v
 
-    # d(L^{-1}) = -L^{-T} d(.) L^{-T}; A only lives strictly below the diagonal
-    b_da = -mm(mm(b_tt, b_dt, PRECISION), b_tt, PRECISION)
-    b_da = tl.where(r[:, None] > r[None, :], b_da, 0.0)
+    b_da = wy_da(b_tt, b_dt, C, PRECISION)
     b_dat = tl.trans(b_da)
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
-        # dKb + dA K: both multiply beta_i k_i in A and W
-        b_dkb = mm(b_tt_in, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
-        b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
-        b_dk += b_beta[:, None] * b_dkb + mm(b_dat, b_k * b_beta[:, None], PRECISION)
+        b_dk_wy, b_dbeta_k = wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION)
+        b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32) + b_dk_wy
         store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
-        b_dbeta += tl.sum(b_dkb * b_k, axis=1)
+        b_dbeta += b_dbeta_k
     tl.store(dbeta + rows * H + i_h, b_dbeta, mask=valid)
 
 
