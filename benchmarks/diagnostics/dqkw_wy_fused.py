@@ -6,6 +6,7 @@ The stages' inputs are made as the backward makes them: wy_fwd (T~, W, U), the p
 reverse state pass with the local dV' fused in (dh, dV' = dU).
 
     python benchmarks/diagnostics/dqkw_wy_fused.py [--configs b8-t2048-h16-k128 ...] [--out FILE.json]
+                                                   [--launch BK BV STAGES]   # instead of dqkw_wy_launch's
     python benchmarks/diagnostics/dqkw_wy_fused.py --smoke     # CPU, interpreter, tiny sizes: does it run
 
 Times: triton.testing.do_bench in ms (its default: the mean, L2 flushed before each call; smoke: one
@@ -61,7 +62,7 @@ def compare(cfg: bench.Config, device, measure) -> dict:
     out = {f"rel RMS {name} (fused vs pair)": float((a.double() - b.double()).norm() / b.double().norm())
            for name, a, b in zip(("dq", "dk", "dv", "dbeta"), fused(), pair())}
     out["fused agrees (every rel RMS <= 4e-3)"] = all(e <= 4e-3 for e in out.values())  # NaN: False
-    out["launch (BK, BV)"] = list(dqkw_wy_bwd.dqkw_wy_launch(cfg.K, cfg.V))
+    out["launch (BK, BV, stages)"] = list(dqkw_wy_bwd.dqkw_wy_launch(cfg.K, cfg.V))
     out["pair: dQ, dK, dW"] = measure(lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, du, scale, info, C))
     out["pair: WY backward"] = measure(lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, du, dk_direct, info, C))
     out["pair (both launches)"] = measure(pair)
@@ -83,7 +84,11 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--launch", type=int, nargs=3, metavar=("BK", "BV", "STAGES"),
+                        help="the fused kernel's tiles and pipeline depth at every config")
     args = parser.parse_args()
+    if args.launch:
+        dqkw_wy_bwd.dqkw_wy_launch = lambda K, V: tuple(args.launch)
     if args.smoke:
         device, configs = torch.device("cpu"), [c for c in bench.SMOKE_CONFIGS if not c.decode]
     else:

@@ -90,22 +90,25 @@ def test_backward_growing_transition(triton_backend, poison, dtype):
 @pytest.fixture(scope="module")
 def gluon_reverse_runs():
     # the Gluon reverse pass's smoke call (test_gluon_reverse_gpu.py's) in a child process before this process
-    # launches it: a hang there must not take the suite with it. Its V-block width 128: the one state_bwd runs
-    # at 8 x 16 heads (gluon_walk.split_v)
+    # launches it: a hang there must not take the suite with it. Both V-block widths: state_bwd runs 128 at 8 x 16
+    # heads, 64 at 4 x 16 (gluon_walk.split_v)
     from .test_gluon_reverse_gpu import SMOKE
 
-    failure = gluon_smoke(SMOKE, "128")
-    if failure:
-        pytest.fail("the Gluon reverse pass's smoke call " + failure, pytrace=False)
+    for block_v in ("128", "64"):
+        failure = gluon_smoke(SMOKE, block_v)
+        if failure:
+            pytest.fail(f"the Gluon reverse pass's smoke call (block_v {block_v}) " + failure, pytrace=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("reverse", ["triton", "gluon"])
-def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse):
+@pytest.mark.parametrize("reverse, B", [("triton", 8), ("gluon", 8), ("gluon", 4)])
+def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse,
+                                                    B):
     # 8 x 16 heads at K = V = 128: the reverse pass runs one program per head, either Triton's of 128 columns
     # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or, by default on sm_90, the Gluon kernel
-    # (state_bwd.gluon_reverse_pays; its launches counted); T = 300 ends in a partial chunk
-    x = make_inputs(8, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
+    # (state_bwd.gluon_reverse_pays; its launches counted); at 4 x 16 heads the Gluon kernel by default splits V
+    # (two programs a head, block_v 64); T = 300 ends in a partial chunk
+    x = make_inputs(B, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
     launches = []
     if reverse == "gluon":
         if not state_bwd.gluon_reverse_applies(x["q"], x["k"], x["k"], x["v"], None, 64):

@@ -97,7 +97,7 @@ def dqkw_wy_bwd_kernel(q, k, v, beta, tinv, v_new, h, dh, dout, du, dq, dk, dv, 
 
 
 def dqkw_wy_launch(K: int, V: int):
-    """(K tile, V tile) of the fused kernel, on 4 warps. Offline sm_90 (triton 3.6, bf16, 2 stages): 32-wide K
+    """(K tile, V tile, pipeline stages) of the fused kernel, on 4 warps. Offline sm_90 (triton 3.6, bf16, 2 stages): 32-wide K
     tiles keep it within registers (K = V = 128: 234 registers, no spills, 64 KiB of shared memory, 2 blocks
     an SM; 64-wide K tiles take 255 and spill 132 B, on 8 warps 255 with no spills but 1 block an SM), with
     64-wide V tiles at heads of 64 and 128 (K = 64 the same: 234, none) and 32-wide ones elsewhere (K = 256:
@@ -105,7 +105,7 @@ def dqkw_wy_launch(K: int, V: int):
     BK, BV = min(32, head_tile(K)), head_tile(V)
     if K != head_block(K) or V != head_block(V) or max(K, V) > 128:
         BV = min(32, BV)
-    return BK, BV
+    return BK, BV, PIPELINE_STAGES
 
 
 def dqkw_wy_bwd(q, k, v, beta, tinv, v_new, h, dh, do, du, scale: float, info, chunk_size: int):
@@ -120,10 +120,10 @@ def dqkw_wy_bwd(q, k, v, beta, tinv, v_new, h, dh, do, du, scale: float, info, c
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta, dtype=torch.float32)
-    BK, BV = dqkw_wy_launch(K, V)
+    BK, BV, stages = dqkw_wy_launch(K, V)
     if chunks.num_chunks:
         dqkw_wy_bwd_kernel[(chunks.num_chunks, H)](
             q, k, v, beta, tinv, v_new, h, dh, do, du, dq, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
-            scale, H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=PIPELINE_STAGES, num_warps=4,
+            scale, H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=stages, num_warps=4,
         )
     return dq, dk, dv, dbeta

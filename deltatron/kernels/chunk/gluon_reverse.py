@@ -1,7 +1,7 @@
 """The backward's reverse state pass (state_bwd.state_bwd with dv_local=None, the fused pass) as a
 warp-specialized Gluon kernel for Hopper (triton 3.6, sm_90, 16-bit, K = V = 128, C = 64), the mirror of
-gluon_walk.py. state_bwd runs it where state_bwd.gluon_reverse_pays (one wave of programs, more than half the
-SMs, one program a head there; the measurements are there), and where GLUON_REVERSE forces it.
+gluon_walk.py. state_bwd runs it where state_bwd.gluon_reverse_pays (16 sequences x heads up to one program a
+head per SM; the measurements are there), and where GLUON_REVERSE forces it.
 
 One program per (sequence, head, V-block of BV rows of dS^T) walks its chunks backwards from dS = dht (or 0), as
 state_bwd_kernel does, with its dS^T rows [BV, K] fp32 in registers, split over three partitions that run side
@@ -69,10 +69,8 @@ The V-block width BV (dO's descriptor's block width; REVERSE_CONFIGS; gluon_stat
     gluon_state_bwd chooses as gluon_walk.split_v (64 while 2 x sequences x heads fit one wave of the SMs),
     for the walk's reason: two programs an SM do not fit (221,504 B of shared memory a program), so past one
     wave the doubled grid runs in two and A^T is computed twice for nothing (the walk measured no gain at 8 x 16
-    heads). state_bwd's default (gluon_reverse_pays: one program a head filling more than half the SMs) never
-    reaches the split, where 2 x sequences x heads exceed the SMs; the split runs only where GLUON_REVERSE =
-    True forces the Gluon pass (at most SMs / 2 sequences x heads) or block_v = 64 is given, until the GPU has
-    measured it (predictions below).
+    heads). Measured faster than the Triton pass and than BV = 128 at 16 to 64 sequences x heads (below), so
+    state_bwd's default (gluon_reverse_pays) takes the split wherever split_v gives it.
 
 Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_reverse.py --offline), BV = 128: 16
 warps (8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24 (gluon_walk.py's), no spills without dht / dh0, 56 B with
@@ -163,7 +161,11 @@ dh and dv written), 64 heads at 2.7 us are 2.7 TB/s of 4.3. Triton pass / BV = 1
     b1-t32768-h16 (512 chunks, 32 programs): unmeasured / about 2.15 (4.2 us a chunk, as the walk's 16 programs
         ran 4 % faster a chunk than 64) / 1.1-1.4 (about 1.2, the walk's x0.55); the Triton pass (BV = 16,
         128 programs, each repeating K Q^T) unmeasured, so no prediction of the winner there.
-If these hold, gluon_reverse_pays should run the split from 1 to SMs / 2 sequences x heads (the walk's range).
+Measured (H200, session 11, the same probe; dh, dv, dh0 bitwise equal to BV = 128's), Triton pass / BV = 128 /
+BV = 64, ms: b4-t4096-h16 0.230 / 0.291 / 0.167; b2-t8192-h32 0.449 / 0.567 / 0.320-0.337; b1-t32768-h64
+1.757 / 2.233 / 1.295-1.316; b1-t32768-h16 1.304 / 2.378 / 1.214; b8-t2048-h16 (split_v: 128) 0.201 / 0.163 /
+0.173. Within the predicted ranges at b4, b2 and b1-h64, at the low end of b1-h16's; so gluon_reverse_pays
+runs the Gluon pass from 16 sequences x heads (the fewest measured) to one wave, split as split_v chooses.
 
 Imported only where it can run (state_bwd.gluon_reverse_applies imports it lazily, on a CUDA sm_90 device):
 Gluon does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""

@@ -108,6 +108,7 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
 # None chooses by the number of sequences x heads (gluon_reverse_pays); True or False force it or the Triton pass
 # (tests, benchmarks/diagnostics/gluon_reverse.py)
 GLUON_REVERSE: Optional[bool] = None
+GLUON_REVERSE_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured faster at (gluon_reverse_pays)
 
 
 def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
@@ -123,21 +124,23 @@ def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do:
 
 def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
                        dv_local: Optional[torch.Tensor], info, chunk_size: int) -> bool:
-    """Whether state_bwd runs the Gluon reverse pass (one program per sequence and head): where it applies and
-    GLUON_REVERSE allows. On the H200 (benchmarks/diagnostics/gluon_reverse.py, bf16, session 10; dh, dv, dh0
-    within 1.5e-3 to 3.4e-3 of the Triton pass, reruns bitwise), Triton pass against Gluon, ms: 8 x 16 heads
-    0.202 / 0.162; but 4 x 16 0.232 / 0.289, 2 x 32 0.453 / 0.561 and 1 x 64 (T = 32768) 1.793 / 2.226, where
-    the Triton pass splits V over two programs a head (reverse_launch: 128 programs) and the Gluon one runs
-    64. So where the Gluon kernel's grid fills more than half the SMs and fits one wave, the span in which
-    the Triton pass runs one program a head too (past one wave, unmeasured: the Triton pass). There
-    gluon_state_bwd runs one program a head (gluon_walk.split_v gives 128 where 2 x sequences x heads exceed
-    the SMs). Its V split (block_v 64, two programs a head, for at most SMs / 2 sequences x heads) runs only
-    where GLUON_REVERSE = True forces the Gluon pass: unmeasured, predicted faster than the Triton pass at 4 x
-    16, 2 x 32 and 1 x 64 heads (gluon_reverse.py's docstring); this rule takes it in once the GPU confirms."""
+    """Whether state_bwd runs the Gluon reverse pass: where it applies and GLUON_REVERSE allows; with None, from
+    GLUON_REVERSE_MIN_PROGRAMS sequences x heads up to one program a head per SM. gluon_state_bwd splits V over
+    two programs a head (block_v 64, gluon_walk.split_v) while that still fits one wave.
+
+    Measured on the H200 (benchmarks/diagnostics/gluon_reverse.py, bf16, session 11; dh, dv, dh0 within 1.5e-3 to
+    3.4e-3 of the Triton pass, reruns bitwise, block_v 64 bitwise equal to 128), Triton pass / Gluon block_v 128 /
+    Gluon block_v 64, ms:
+        8 x 16 heads, T = 2048:   0.201 / 0.163 / 0.173  (128 sequences x heads: split_v gives 128)
+        4 x 16 heads, T = 4096:   0.230 / 0.291 / 0.167
+        2 x 32 heads, T = 8192:   0.449 / 0.567 / 0.320-0.337
+        1 x 64 heads, T = 32768:  1.757 / 2.233 / 1.295-1.316
+        1 x 16 heads, T = 32768:  1.304 / 2.378 / 1.214
+    Past one wave (varlen20 x 16 heads: 320) session 10 measured the Triton pass faster (0.471 / 0.521); below
+    16 sequences x heads nothing was measured."""
     if GLUON_REVERSE is False or not gluon_reverse_applies(q, k, w, do, dv_local, chunk_size):
         return False
-    sms = num_sms(k.device)
-    return GLUON_REVERSE or sms < 2 * info.num_seqs * k.shape[2] <= 2 * sms
+    return GLUON_REVERSE or GLUON_REVERSE_MIN_PROGRAMS <= info.num_seqs * k.shape[2] <= num_sms(k.device)
 
 
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
