@@ -105,9 +105,9 @@ def gluon_reverse_runs():
 def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse,
                                                     B):
     # 8 x 16 heads at K = V = 128: the reverse pass runs one program per head, either Triton's of 128 columns
-    # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or, by default on sm_90, the Gluon kernel
-    # (state_bwd.gluon_reverse_pays; its launches counted); at 4 x 16 heads the Gluon kernel by default splits V
-    # (two programs a head, block_v 64); T = 300 ends in a partial chunk
+    # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or the Gluon kernel on sm_90 (forced: by
+    # default only on long sequences, state_bwd.gluon_reverse_pays; its launches counted); at 4 x 16 heads the
+    # Gluon kernel splits V (two programs a head, block_v 64); T = 300 ends in a partial chunk
     x = make_inputs(B, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
     launches = []
     if reverse == "gluon":
@@ -119,6 +119,7 @@ def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monk
         state_bwd_gluon = gluon_reverse.gluon_state_bwd
         monkeypatch.setattr(gluon_reverse, "gluon_state_bwd",
                             lambda *a, **kw: launches.append(1) or state_bwd_gluon(*a, **kw))
+        monkeypatch.setattr(state_bwd, "GLUON_REVERSE", True)
     else:
         monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
     check(x, 128 ** -0.5, 64)

@@ -360,17 +360,19 @@ def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch, dtype,
     assert set(refs) == watched
 
 
-@pytest.mark.parametrize("N, H, forced, expected", [(8, 16, None, True), (1, 132, None, True), (4, 16, None, True),
-                                                     (1, 16, None, True), (16, 1, None, True), (1, 15, None, False),
-                                                     (1, 133, None, False), (20, 16, None, False),
-                                                     (1, 8, True, True), (8, 16, False, False)])
-def test_gluon_reverse_pays_from_16_to_one_wave(monkeypatch, N, H, forced, expected):
+@pytest.mark.parametrize("N, T, H, forced, expected", [
+    (2, 8192, 32, None, True), (1, 32768, 16, None, True), (1, 8192, 132, None, True), (16, 8192, 1, None, True),
+    (1, 8192, 15, None, False), (1, 8192, 133, None, False), (20, 8192, 16, None, False),
+    (4, 4096, 16, None, False), (8, 2048, 16, None, False), (2, 8191, 16, None, False),
+    (4, 4096, 16, True, True), (2, 8192, 32, False, False)])
+def test_gluon_reverse_pays_from_16_to_one_wave_on_long_sequences(monkeypatch, N, T, H, forced, expected):
     # where the Gluon reverse pass applies (a Hopper GPU; faked here as the H200's 132 SMs), the backward takes
     # it from 16 sequences x heads (the fewest measured) while one program a sequence and head fits one wave
-    # (past it, the Triton pass was measured faster), unless state_bwd.GLUON_REVERSE forces it either way
+    # (past it, the Triton pass was measured faster), on sequences of 8,192 tokens or more on average (shorter,
+    # the whole backward was measured slower with it), unless state_bwd.GLUON_REVERSE forces it either way
     monkeypatch.setattr(state_bwd, "gluon_reverse_applies", lambda *args: True)
     monkeypatch.setattr(state_bwd, "num_sms", lambda device: 132)
     monkeypatch.setattr(state_bwd, "GLUON_REVERSE", forced)
-    k = torch.empty(N, 1, H, 128, dtype=torch.bfloat16)
-    info = seq_info(N, 1, torch.device("cpu"), None, None)
+    k = torch.empty(1, 1, H, 128, dtype=torch.bfloat16)
+    info = seq_info(N, T, torch.device("cpu"), None, None)
     assert state_bwd.gluon_reverse_pays(k, k, k, k, None, info, 64) == expected

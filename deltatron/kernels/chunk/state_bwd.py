@@ -105,10 +105,11 @@ def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bo
 
 
 # Whether the fused pass runs as gluon_reverse.py's warp-specialized kernel where it can (gluon_reverse_applies):
-# None chooses by the number of sequences x heads (gluon_reverse_pays); True or False force it or the Triton pass
-# (tests, benchmarks/diagnostics/gluon_reverse.py)
+# None chooses by the number of sequences x heads and their length (gluon_reverse_pays); True or False force it or
+# the Triton pass (tests, benchmarks/diagnostics/gluon_reverse.py)
 GLUON_REVERSE: Optional[bool] = None
 GLUON_REVERSE_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured faster at (gluon_reverse_pays)
+GLUON_REVERSE_MIN_TOKENS = 8192  # mean tokens a sequence: the shortest the whole backward was measured faster at
 
 
 def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
@@ -125,8 +126,9 @@ def gluon_reverse_applies(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do:
 def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
                        dv_local: Optional[torch.Tensor], info, chunk_size: int) -> bool:
     """Whether state_bwd runs the Gluon reverse pass: where it applies and GLUON_REVERSE allows; with None, from
-    GLUON_REVERSE_MIN_PROGRAMS sequences x heads up to one program a head per SM. gluon_state_bwd splits V over
-    two programs a head (block_v 64, gluon_walk.split_v) while that still fits one wave.
+    GLUON_REVERSE_MIN_PROGRAMS sequences x heads up to one program a head per SM, on sequences of
+    GLUON_REVERSE_MIN_TOKENS tokens or more on average. gluon_state_bwd splits V over two programs a head
+    (block_v 64, gluon_walk.split_v) while that still fits one wave.
 
     Measured on the H200 (benchmarks/diagnostics/gluon_reverse.py, bf16, session 11; dh, dv, dh0 within 1.5e-3 to
     3.4e-3 of the Triton pass, reruns bitwise, block_v 64 bitwise equal to 128), Triton pass / Gluon block_v 128 /
@@ -137,10 +139,23 @@ def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: to
         1 x 64 heads, T = 32768:  1.757 / 2.233 / 1.295-1.316
         1 x 16 heads, T = 32768:  1.304 / 2.378 / 1.214
     Past one wave (varlen20 x 16 heads: 320) session 10 measured the Triton pass faster (0.471 / 0.521); below
-    16 sequences x heads nothing was measured."""
+    16 sequences x heads nothing was measured.
+
+    The pass alone is not the whole story: its launch costs the host about 0.14 ms against the Triton pass's
+    0.05 (4 x 16 heads, session 11), and the whole forward+backward through the API, which at these sizes
+    keeps the host about as busy as the GPU (0.8-1.2 ms of host time a call), was slower with it where the
+    backward is short. Forward+backward, do_bench, three interleaved readings each, Triton pass / Gluon, ms:
+        8 x 16 heads, T = 2048:   1.214-1.219 / 1.235-1.407
+        4 x 16 heads, T = 4096:   1.368-1.381 / 1.541-1.589
+        2 x 32 heads, T = 8192:   2.717-2.723 / 2.555-2.563
+        1 x 64 heads, T = 32768:  10.84-10.88 / 10.22-10.26
+        1 x 16 heads, T = 32768:  4.303-4.306 / 4.171-4.179
+    Hence the length threshold, between the 4,096 tokens where it lost and the 8,192 where it won."""
     if GLUON_REVERSE is False or not gluon_reverse_applies(q, k, w, do, dv_local, chunk_size):
         return False
-    return GLUON_REVERSE or GLUON_REVERSE_MIN_PROGRAMS <= info.num_seqs * k.shape[2] <= num_sms(k.device)
+    num_states = info.num_seqs * k.shape[2]
+    return GLUON_REVERSE or (GLUON_REVERSE_MIN_PROGRAMS <= num_states <= num_sms(k.device)
+                             and info.total_tokens >= GLUON_REVERSE_MIN_TOKENS * info.num_seqs)
 
 
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
