@@ -8,12 +8,10 @@ the same specialization a GPU launch would get, by whatever triton is importable
 (nothing runs), so a host step that reads them is not meaningful; the kernels are what is looked at.
 
     python benchmarks/diagnostics/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
-                                                     [--fused-dqkw-wy]   # the chunk backward's fused variant
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import subprocess
@@ -150,10 +148,7 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", help="compile only these kernels (e.g. state_bwd_kernel)")
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
-    parser.add_argument("--fused-dqkw-wy", action="store_true",
-                        help="the chunk backward with chunk.backward.FUSED_DQKW_WY on (dqkw_wy_bwd_kernel)")
     args = parser.parse_args()
-    importlib.import_module("deltatron.kernels.chunk.backward").FUSED_DQKW_WY = args.fused_dqkw_wy
     for module in (fused_recurrent, chunk.state_bwd):  # their V-blocks depend on the SM count
         module.num_sms = lambda device: H200_SMS
     B, H = args.batch_heads

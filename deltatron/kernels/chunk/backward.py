@@ -5,15 +5,10 @@ output_bwd.dv_local is the same quantity as a stage of its own), dQ/dK/dW, WY ba
 The recompute is one launch where state.wy_on_chip (16-bit, K up to 64 or K = 128, 64-wide V-blocks):
 the walk computes W, U from T~ on chip and writes W alone (state.state_wy_fwd). Elsewhere (fp32, and the
 heads where that walk spills) two: wy.recompute_w_u writes W and U, state.state_fwd reads them; the same W,
-h and v_new bit for bit.
-
-FUSED_DQKW_WY switches dQ/dK/dW and the WY backward to one launch (dqkw_wy_bwd: dW and the direct dK stay on
-chip); off by default until measured on the GPU (benchmarks/diagnostics/dqkw_wy_fused.py)."""
+h and v_new bit for bit."""
 from __future__ import annotations
 
-from . import dqkw_wy_bwd, output_bwd, state, state_bwd, wy, wy_bwd
-
-FUSED_DQKW_WY = False
+from . import output_bwd, state, state_bwd, wy, wy_bwd
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
@@ -31,9 +26,6 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         del u
     dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, None, dht, scale, initial_state is not None, info, chunk_size)
     del w
-    if FUSED_DQKW_WY:
-        dq, dk, dv, dbeta = dqkw_wy_bwd.dqkw_wy_bwd(q, k, v, beta, tinv, v_new, h, dh, do, dv, scale, info, chunk_size)
-        return dq, dk, dv, dbeta, dh0
     dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
