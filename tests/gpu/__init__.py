@@ -39,3 +39,13 @@ def gluon_smoke(code: str, *args: str) -> Optional[str]:
                 f"{e.stdout!r} {e.stderr!r}")
     print(proc.stdout.strip())
     return f"failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}" if proc.returncode else None
+
+
+def require_smoke_passed(smoke_failures: dict, request, widths, kernel: str) -> None:
+    """Fails the calling test unless the smoke calls (smoke_failures: {block_v: gluon_smoke's result}) of the
+    V-block widths it runs passed: its block_v parameter, or every width for a test without one."""
+    callspec = getattr(request.node, "callspec", None)
+    runs = [callspec.params["block_v"]] if callspec is not None and "block_v" in callspec.params else widths
+    failed = [f"block_v {block_v}: {smoke_failures[block_v]}" for block_v in runs if smoke_failures[block_v]]
+    if failed:
+        pytest.fail(f"{kernel}'s smoke call " + "\n".join(failed), pytrace=False)

@@ -17,7 +17,7 @@ from deltatron.kernels.chunk import state, wy
 from deltatron.kernels.utils import seq_info
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
-from . import gluon_smoke
+from . import gluon_smoke, require_smoke_passed
 
 pytestmark = pytest.mark.gpu
 
@@ -56,12 +56,7 @@ def smoke_failures():
 
 @pytest.fixture
 def gluon_walk(smoke_failures, request):
-    # a test of one V-block width runs unless that width's smoke call failed; a test of none needs all
-    callspec = getattr(request.node, "callspec", None)
-    widths = [callspec.params["block_v"]] if callspec is not None and "block_v" in callspec.params else BLOCK_V
-    failed = [f"block_v {block_v}: {smoke_failures[block_v]}" for block_v in widths if smoke_failures[block_v]]
-    if failed:
-        pytest.fail("the Gluon walk's smoke call " + "\n".join(failed), pytrace=False)
+    require_smoke_passed(smoke_failures, request, BLOCK_V, "the Gluon walk")
     from deltatron.kernels.chunk import gluon_walk
 
     return gluon_walk
