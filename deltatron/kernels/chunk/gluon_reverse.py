@@ -145,9 +145,9 @@ ms: b8-t2048-h16 0.202 / 0.162, b4-t4096-h16 0.232 / 0.289, b2-t8192-h32 0.453 /
 5.1 with 128 programs, where the Triton pass, at one program a head too, takes 6.3. With 64 programs the
 Triton pass splits V over two programs a head (128 programs, 3.6 us a chunk), which BV = 128 does not.
 
-Predicted for BV = 64 (UNMEASURED; bf16, dht and dh0, the probe's configs): the walk's split is the anchor. Its
-programs, halved the same way (one chain warp group instead of two, per-thread work unchanged, the SM's tensor
-cores and shared memory shared with half as much work), went from 2.6 to 1.4-1.7 us a chunk, x0.55 at 32
+Predicted for BV = 64 (session 10, before it ran; bf16, dht and dh0, the probe's configs): the walk's split is
+the anchor. Its programs, halved the same way (one chain warp group instead of two, per-thread work unchanged, the
+SM's tensor cores and shared memory shared with half as much work), went from 2.6 to 1.4-1.7 us a chunk, x0.55 at 32
 programs (1 x 16 heads) to x0.63 at 128 (4 x 16, 2 x 32). This pass at BV = 128 takes 4.4-4.5 us a chunk with
 64 programs, 1.8 more than the walk, which the walk does not have: the fp32 hand-off (96 KiB written and read a
 chunk, single-buffered) and the off-chain tail the chain waits for (dV'_local's store, two dO^T Q products, 64
