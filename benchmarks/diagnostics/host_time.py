@@ -197,8 +197,9 @@ def config_report(cfg: bench.Config, device, args) -> dict:
         print(f"  {name:<58} {format_row(rows[name])}", flush=True)
     sums = {column: stage_sums({n: r[column] for n, r in rows.items()}, walk) for column in rows[FWD]}
     rows.update({name: {column: sums[column][name] for column in sums} for name in sums["host_ms"]})
-    skipped = {}
-    for (module, switch, names), reason in zip(GLUON_SWITCHES, gluon_applies(x).values()):
+    skipped, why_not = {}, gluon_applies(x)
+    for module, switch, names in GLUON_SWITCHES:
+        reason = why_not[switch]
         if reason:
             skipped[switch] = reason
             print(f"  {switch} rows skipped: {reason}")
