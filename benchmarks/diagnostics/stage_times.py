@@ -6,9 +6,10 @@ output), of which the sums count the one the forward chooses (state.fused_output
 (the state pass again, with W, U computed on chip where state.wy_on_chip, else recompute W, U and the state
 pass reading them; the reverse state pass with the local dV' fused in; dQ/dK/dW; the WY backward) and, as
 "unfused:" and not in the sums, the alternatives the backward does not run (the other recompute; the local
-dV' and the reverse state pass reading it, which the fused reverse pass replaced). Each stage runs on inputs prepared by the stages before it, beside the whole forward
-and forward+backward through the public API. The sum of the stages against the whole call is the host and
-allocation overhead.
+dV' and the reverse state pass reading it, which the fused reverse pass replaced). Each stage runs on inputs
+prepared by the stages before it, beside the whole forward (under no_grad, and with autograd's node) and
+forward+backward through the public API. The sum of the stages against the whole call is the host and
+allocation overhead (host_time.py times the host apart).
 
 Decode (B=64, H=16, K=V=128, one token, in-place fp32 state): the public API call, the form's forward
 without the API's validation and dispatch, and the API call replayed from a CUDA graph (launch cost gone).
@@ -96,21 +97,40 @@ def stage_calls(cfg: bench.Config, device):
     return stages, walk, x
 
 
-def chunk_stages(cfg: bench.Config, device, measure) -> dict:
-    stages, walk, x = stage_calls(cfg, device)
-    times = {name: measure(fn) for name, fn in stages.items()}
+def api_calls(x: dict) -> dict:
+    """{name: a call of the public API on the benchmark's inputs x (bench.make_inputs)}: the whole forward under
+    no_grad (inference), the forward with autograd's node (training's forward: Tinv kept for the backward) and
+    the whole forward+backward through torch.autograd.grad."""
     q, k, v, beta, do = (x[n].detach() for n in ("q", "k", "v", "beta", "do"))
     cu, cu_cpu = x.get("cu_seqlens"), x.get("cu_seqlens_cpu")
     kwargs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu) if cu is not None else {}
     grads_of = [x[n] for n in bench.GRAD_INPUTS]
-    with torch.no_grad():
-        times["whole forward (API, no_grad)"] = measure(lambda: deltatron.chunk_delta_rule(q, k, v, beta,
-                                                                                           **kwargs))
-    times["whole forward+backward (API)"] = measure(lambda: torch.autograd.grad(
-        deltatron.chunk_delta_rule(*grads_of, **kwargs)[0], grads_of, do))
-    forward = ("fwd:", f"fwd, {walk} walk")  # the stages the forward runs
-    times["sum of forward stages"] = sum(t for n, t in times.items() if n.startswith(forward))
-    times["sum of all stages"] = sum(t for n, t in times.items() if n.startswith((*forward, "bwd:")))
+
+    def forward():
+        with torch.no_grad():
+            return deltatron.chunk_delta_rule(q, k, v, beta, **kwargs)
+
+    return {
+        "whole forward (API, no_grad)": forward,
+        "whole forward (API, autograd node)": lambda: deltatron.chunk_delta_rule(*grads_of, **kwargs),
+        "whole forward+backward (API)": lambda: torch.autograd.grad(
+            deltatron.chunk_delta_rule(*grads_of, **kwargs)[0], grads_of, do),
+    }
+
+
+def stage_sums(times: dict, walk: str) -> dict:
+    """The sums of a {stage name: time} dict over the stages the forward runs (its walk: stage_calls' second
+    result) and over those the forward and backward run (not the "unfused:" ones)."""
+    forward = ("fwd:", f"fwd, {walk} walk")
+    return {"sum of forward stages": sum(t for n, t in times.items() if n.startswith(forward)),
+            "sum of all stages": sum(t for n, t in times.items() if n.startswith((*forward, "bwd:")))}
+
+
+def chunk_stages(cfg: bench.Config, device, measure) -> dict:
+    stages, walk, x = stage_calls(cfg, device)
+    times = {name: measure(fn) for name, fn in stages.items()}
+    times.update({name: measure(fn) for name, fn in api_calls(x).items()})
+    times.update(stage_sums(times, walk))
     return times
 
 

@@ -1,0 +1,277 @@
+"""Where chunk_delta_rule's host time goes: each stage's time on the host against its time on the GPU.
+
+At the benchmark's shapes the calls are nearly host-bound (H200, 8 x 16 heads, T = 2048: a forward costs the host
+about 0.22 ms against 0.27 ms on the GPU, a forward+backward 0.8-1.2 ms against 1.2-1.4), so a GPU-side saving
+shows only once the host keeps ahead. Per configuration, for each stage of stage_times.py's breakdown
+(stage_calls: every launch of the chunk forward and backward on inputs prepared by the stages before it, the
+"unfused:" alternatives the backward does not run among them) and the public API calls (stage_times.api_calls:
+the forward under no_grad, the forward with autograd's node, the forward+backward through torch.autograd.grad):
+
+    host    the wall time of N back-to-back calls with no synchronization among them, over N: what one call costs
+            the CPU (Python, allocations, launches). After warm-up calls and a synchronize; N (20) calls queue a
+            few hundred launches at most, far from filling the launch queue, so the host never waits on the GPU.
+            The median of --repeats such runs.
+    gpu     triton.testing.do_bench (L2 cleared before each call). Its events bracket each call on the stream, so
+            where the host is the slower side they are as far apart as the host's launches: about max(host, GPU).
+    gpu_q   the GPU's own time: N calls queued behind a GPU sleep (torch.cuda._sleep) long enough that the host has
+            enqueued them all before the first starts, timed by events around them (so no host gap between
+            launches; no L2 clearing either). The sleep is lengthened until the start event is still pending when
+            the host has queued the last call.
+    ratios  host / gpu and host / gpu_q: at 1 or more the call is host-bound.
+
+The sums of the stages the forward and the backward run (stage_times.stage_sums) against the whole API call give
+what the API, autograd and the dispatch add on the host.
+
+Gluon against Triton, where the Gluon kernels apply (state.gluon_walk_applies, state_bwd.gluon_reverse_applies:
+sm_90, 16-bit, K = V = 128, C = 64): the forward's fused walk and the whole forward (no_grad) with
+state.GLUON_WALK forced True and False, the backward's reverse pass and the whole forward+backward with
+state_bwd.GLUON_REVERSE forced True and False (each switch restored after). The Gluon launch builds four TMA
+descriptors on the host (gluon_reverse.gluon_state_bwd, gluon_walk.gluon_walk_launch), which is what these rows
+weigh against the GPU time it saves.
+
+Kernels per call: the device kernels (ours and torch's own copies and fills) of one forward and one
+forward+backward, counted by torch.profiler's CUDA activity.
+
+--profile: cProfile over N forward+backward calls through the API (after a warm-up call), the 25 functions of the
+most own time (tottime), per call: which Python functions (ours, triton's JIT launch path, torch's autograd)
+the host time goes to. cProfile's own cost per Python call inflates the Python-heavy entries (C functions such as
+the launcher's are timed as one call each), so read it for the ranking, and host for the absolute time.
+
+    python benchmarks/diagnostics/host_time.py [--configs b8-t2048-h16-k128 ...] [--calls 20] [--profile]
+                                               [--out FILE.json]
+    python benchmarks/diagnostics/host_time.py --smoke     # CPU, interpreter, tiny sizes: does it run
+
+Times in µs per call (smoke: everything runs synchronously in Triton's interpreter, so host is the whole call,
+gpu one wall-clock call, no gpu_q, no kernel count, and no Gluon rows: Gluon does not run in the interpreter).
+host_time.md beside this file counts the launches of a call and reads triton 3.6's launch path for what each
+costs the host, with proposals to cut it."""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from deltatron import bench  # noqa: E402
+from deltatron.kernels.chunk import state, state_bwd  # noqa: E402
+from deltatron.kernels.utils import INTERPRET  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stage_times import api_calls, stage_calls, stage_sums, timer  # noqa: E402
+
+C = 64
+DEFAULT_CONFIGS = ["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b2-t8192-h32-k128"]
+TOP_FUNCTIONS = 25
+# torch.cuda._sleep counts SM clock cycles; at the H200's top clock (1,980 MHz) or below, this many a second
+# sleeps at least as long as asked
+SLEEP_CYCLES_PER_S = 2e9
+
+FWD = "whole forward (API, no_grad)"
+FWDBWD = "whole forward+backward (API)"
+WALK_STAGE = "fwd, fused walk: state pass + output"
+REVERSE_STAGE = "bwd: reverse state pass + local dV' (fused)"
+# (module, switch, the rows timed with it forced on and off)
+GLUON_SWITCHES = ((state, "GLUON_WALK", (WALK_STAGE, FWD)), (state_bwd, "GLUON_REVERSE", (REVERSE_STAGE, FWDBWD)))
+
+
+def host_ms(fn, warmup: int, calls: int, repeats: int, sync) -> float:
+    """The host's time of one call of fn, ms: the wall time of `calls` back-to-back calls over `calls`, the
+    median of `repeats` runs, each started with nothing pending on the GPU."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) * 1e3 / calls)
+    sync()
+    return statistics.median(runs)
+
+
+def queued_gpu_ms(fn, calls: int, host_per_call_ms: float) -> float:
+    """The GPU's time of one call of fn, ms, with the host out of the way: `calls` calls enqueued while the GPU
+    sleeps, timed between an event after the sleep and one after the last call."""
+    cycles = int(2 * calls * host_per_call_ms * 1e-3 * SLEEP_CYCLES_PER_S)
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        ahead = not start.query()  # the GPU still asleep when the last call was queued: no gap between calls
+        torch.cuda.synchronize()
+        if ahead:
+            return start.elapsed_time(end) / calls
+        cycles *= 4
+    raise RuntimeError("the host did not get ahead of the GPU even behind a sleep of "
+                       f"{cycles / 4 / SLEEP_CYCLES_PER_S * 1e3:.0f} ms")
+
+
+def measure_row(fn, args, gpu_ms, sync) -> dict:
+    row = dict(host_ms=host_ms(fn, args.warmup, args.calls, args.repeats, sync), gpu_ms=gpu_ms(fn))
+    if not args.smoke:
+        row["gpu_queued_ms"] = queued_gpu_ms(fn, args.calls, row["host_ms"])
+    return row
+
+
+@contextlib.contextmanager
+def forced(module, switch: str, value: bool):
+    before = getattr(module, switch)
+    setattr(module, switch, value)
+    try:
+        yield
+    finally:
+        setattr(module, switch, before)
+
+
+def gluon_applies(x: dict) -> dict:
+    """{switch: None where its Gluon kernel applies to the benchmark's inputs x, else why not}."""
+    if INTERPRET:
+        reason = "Gluon does not run in Triton's interpreter (TRITON_INTERPRET=1)"
+        return {switch: reason for _, switch, _ in GLUON_SWITCHES}
+    q, k, v, do = (x[n].detach() for n in ("q", "k", "v", "do"))
+    # W has K's shape, dtype and layout (wy.wy_fwd: torch.empty_like(k))
+    return {"GLUON_WALK": None if state.gluon_walk_applies(k, v, C) else
+            "does not apply (state.gluon_walk_applies: sm_90, 16-bit, K = V = 128, C = 64)",
+            "GLUON_REVERSE": None if state_bwd.gluon_reverse_applies(q, k, k, do, None, C) else
+            "does not apply (state_bwd.gluon_reverse_applies: sm_90, 16-bit, K = V = 128, C = 64)"}
+
+
+def device_kernels(fn) -> dict:
+    """{device activity name: how many times it ran} in one call of fn (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return dict(collections.Counter(e.name for e in prof.events()
+                                    if e.device_type == torch.autograd.DeviceType.CUDA))
+
+
+def profile_calls(fn, calls: int, sync) -> list:
+    """cProfile's TOP_FUNCTIONS functions of most own time over `calls` calls of fn (after a warm-up call), each
+    as {function, calls, tottime_us, cumtime_us}, per call of fn."""
+    fn()
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    sync()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    top = []
+    for path, line, name in stats.fcn_list[:TOP_FUNCTIONS]:
+        _, ncalls, tottime, cumtime, _ = stats.stats[(path, line, name)]
+        where = f" ({'/'.join(Path(path).parts[-3:])}:{line})" if line else ""  # none for C functions
+        top.append(dict(function=name + where, calls=ncalls / calls, tottime_us=tottime / calls * 1e6,
+                        cumtime_us=cumtime / calls * 1e6))
+    return top
+
+
+def config_report(cfg: bench.Config, device, args) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gpu_ms = timer(args.smoke)
+    stages, walk, x = stage_calls(cfg, device)
+    calls = {**stages, **api_calls(x)}
+    rows = {}
+    for name, fn in calls.items():
+        rows[name] = measure_row(fn, args, gpu_ms, sync)
+        print(f"  {name:<58} {format_row(rows[name])}", flush=True)
+    sums = {column: stage_sums({n: r[column] for n, r in rows.items()}, walk) for column in rows[FWD]}
+    rows.update({name: {column: sums[column][name] for column in sums} for name in sums["host_ms"]})
+    skipped, why_not = {}, gluon_applies(x)
+    for module, switch, names in GLUON_SWITCHES:
+        reason = why_not[switch]
+        if reason:
+            skipped[switch] = reason
+            print(f"  {switch} rows skipped: {reason}")
+            continue
+        for value in (True, False):
+            with forced(module, switch, value):
+                for name in names:
+                    row = f"{name} [{switch}={value}]"
+                    rows[row] = measure_row(calls[name], args, gpu_ms, sync)
+                    print(f"  {row:<58} {format_row(rows[row])}", flush=True)
+    report = dict(walk=walk, rows=rows, gluon_skipped=skipped)
+    if not args.smoke:
+        report["kernels"] = {name: device_kernels(calls[name]) for name in (FWD, FWDBWD)}
+        for name, kernels in report["kernels"].items():
+            print(f"  device kernels in one {name}: {sum(kernels.values())}")
+            for kernel, count in sorted(kernels.items()):
+                print(f"    {count:3d} x {kernel}")
+    if args.profile:
+        report["profile"] = profile_calls(calls[FWDBWD], args.calls, sync)
+        print(f"  cProfile, {FWDBWD}, {args.calls} calls: the {TOP_FUNCTIONS} functions of most own time, per call")
+        print(f"    {'calls':>9} {'own us':>9} {'cum us':>9}  function")
+        for e in report["profile"]:
+            print(f"    {e['calls']:9.1f} {e['tottime_us']:9.1f} {e['cumtime_us']:9.1f}  {e['function']}")
+    return report
+
+
+def format_row(row: dict) -> str:
+    """host, gpu, gpu_q in µs and the two ratios ("-" where not measured)."""
+    us = [row.get(k) for k in ("host_ms", "gpu_ms", "gpu_queued_ms")]
+    host, gpu, gpu_q = (f"{t * 1e3:9.1f}" if t is not None else f"{'-':>9}" for t in us)
+    ratios = (f"{us[0] / t:9.2f}" if us[0] is not None and t else f"{'-':>9}" for t in us[1:])
+    return f"{host} {gpu} {gpu_q} " + " ".join(ratios)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    chunk_configs = [c.name for c in bench.CONFIGS if not c.decode]
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=chunk_configs)
+    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls a host timing (N)")
+    parser.add_argument("--repeats", type=int, default=5, help="host timings a row, of which the median")
+    parser.add_argument("--warmup", type=int, default=3, help="calls before a row's host timings")
+    parser.add_argument("--profile", action="store_true", help="cProfile over N forward+backward calls")
+    parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes")
+    parser.add_argument("--out", help="JSON of the times")
+    args = parser.parse_args()
+    if args.smoke:
+        # every call runs for a while in the interpreter: as few as show that the flow works
+        device, configs = torch.device("cpu"), [c for c in bench.SMOKE_CONFIGS if not c.decode]
+        args.calls, args.repeats, args.warmup = 1, 1, 1
+    else:
+        device = torch.device("cuda")
+        known = {c.name: c for c in bench.CONFIGS}
+        configs = [known[n] for n in args.configs]
+    header = f"  {'':<58} {'host':>9} {'gpu':>9} {'gpu_q':>9} {'host/gpu':>9} {'host/gpu_q':>9}"
+    results = dict(meta=dict(torch=torch.__version__, triton=triton.__version__, calls=args.calls,
+                             repeats=args.repeats, mode="smoke" if args.smoke else "gpu",
+                             device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
+    for cfg in configs:
+        print(f"\n{cfg.name} (µs a call)\n{header}", flush=True)
+        results[cfg.name] = config_report(cfg, device, args)
+    print(f"\nHost time against GPU time, µs a call ({args.calls} back-to-back calls; gpu: do_bench, gpu_q: "
+          f"queued behind a sleep)")
+    for cfg in configs:
+        rows = results[cfg.name]["rows"]
+        print(f"{cfg.name}\n{header}")
+        for name, row in rows.items():
+            if not name.startswith(("fwd", "bwd", "unfused")) or "[" in name:  # the calls, sums and Gluon rows
+                print(f"  {name:<58} {format_row(row)}")
+    if args.out:
+        bench.write_json(Path(args.out), results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

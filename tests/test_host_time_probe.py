@@ -1,0 +1,42 @@
+"""benchmarks/diagnostics/host_time.py (host time against GPU time per stage, for the GPU) runs its smoke mode:
+every stage of stage_times' breakdown and the three API calls timed on the host and by the GPU timer, the sums
+over the stages the calls run, the Gluon rows skipped with their reason, cProfile's top functions per call and the
+short table last, all in the JSON. Modelled on tests/test_benchmarks_smoke.py::test_stage_times_diagnostic_runs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from deltatron import bench
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "host_time.py"
+API_CALLS = {"whole forward (API, no_grad)", "whole forward (API, autograd node)", "whole forward+backward (API)"}
+SUMS = {"sum of forward stages", "sum of all stages"}
+
+
+def test_host_time_smoke(tmp_path):
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--profile", "--out", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["meta"]["mode"] == "smoke"
+    chunk_configs = [c.name for c in bench.SMOKE_CONFIGS if not c.decode]
+    assert set(results) == {"meta", *chunk_configs}
+    for name in chunk_configs:
+        report = results[name]
+        rows = report["rows"]
+        assert API_CALLS | SUMS <= set(rows)
+        # stage_times' stages: wy_fwd, the fused walk, the plain pair, 3 recompute launches, 3 more backward,
+        # 2 unfused (stage_configs' count)
+        assert len(set(rows) - API_CALLS - SUMS) == 12
+        for row in rows.values():
+            assert row["host_ms"] > 0 and row["gpu_ms"] > 0 and "gpu_queued_ms" not in row
+        assert rows["sum of all stages"]["host_ms"] > rows["sum of forward stages"]["host_ms"]
+        assert set(report["gluon_skipped"]) == {"GLUON_WALK", "GLUON_REVERSE"}
+        assert all("interpreter" in reason for reason in report["gluon_skipped"].values())
+        assert not any("[GLUON" in row for row in rows)
+        assert len(report["profile"]) == 25 and all(e["tottime_us"] >= 0 for e in report["profile"])
+    assert "GLUON_REVERSE rows skipped: Gluon does not run in Triton's interpreter" in proc.stdout
+    table = proc.stdout.split("Host time against GPU time")[-1]
+    assert all(name in table for name in chunk_configs) and "whole forward+backward (API)" in table
