@@ -107,11 +107,12 @@ def wy_bwd_launch(K: int, V: int, element_size: int):
     """(K tile, V tile, register cap) of the WY backward. The C x C fp32 matrices it holds (T~, dT~, dA and
     their transposes) leave little room for the head tiles: 16-bit at K = V = 128 with 64-wide tiles takes
     255 registers and 64 B of spills, 2 blocks of 4 warps an SM (offline sm_90, triton 3.6). So for 16-bit
-    heads up to 128, a 168-register cap (3 blocks), with 32-wide tiles once a head is wider than 64 (168
-    registers, 16 B of spills; 64-wide tiles under the cap spill 380-828 B). On the H200 (stage_configs.py,
-    bf16, outputs within 1e-7 of the shipped launch's): K = V = 128, 8 x 16 heads, 0.344 -> 0.305 ms; K = V =
-    64, 16 x 8 heads, 0.201 -> 0.185 ms with 64-wide tiles (0.188 with 32-wide ones). Wider heads and fp32
-    stay uncapped on 64-wide tiles (not measured)."""
+    heads up to 128, a 168-register cap (3 blocks), with 32-wide tiles once a head is wider than 64 (158
+    registers, no spills since the tile steps became helpers in session 11, 16 B before; K = V = 64: 168 and
+    32 B; 64-wide tiles under the cap spill 380-828 B). On the H200 (stage_configs.py, bf16, outputs within
+    1e-7 of the shipped launch's): K = V = 128, 8 x 16 heads, 0.344 -> 0.305 ms (0.298 with the helpers,
+    session 11); K = V = 64, 16 x 8 heads, 0.201 -> 0.185 ms with 64-wide tiles (0.188
+    with 32-wide ones). Wider heads and fp32 stay uncapped on 64-wide tiles (not measured)."""
     BK, BV = head_tile(K), head_tile(V)
     if element_size != 2 or max(K, V) > 128:
         return BK, BV, {}
