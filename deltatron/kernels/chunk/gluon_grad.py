@@ -56,7 +56,22 @@ buffer fits), with their phases, for an overlap of one tile's loads with the pre
 other SMs' tiles give the HBM in any case (the tiles of different SMs are out of step). The cost is a launch per
 tile (its prologue: the loads of the first group before any product) and no overlap inside an SM.
 
-Offline sm_90 compile (triton 3.6; benchmarks/diagnostics/gluon_grad.py --offline): see OFFLINE below.
+Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_grad.py --offline): 12 warps (4 + 4
++ 1 padded to 4), 168 registers a thread at launch, setmaxnreg 256 (the WY chain: what is left of 65,536 after the
+dQ/dK partition's 232 and the loader's 24, capped) / 232 / 24. Shared memory 222,272 B of sm_90's 232,448: the
+inputs 196,608 (q, k, v (then X), dO, dV' [64, 128] 16-bit, S and dS' [128, 128], T~ [64, 64] fp32), the
+hand-off 49,152 (V', -dX [64, 128], the pair [2, 64, 64] that holds dT~, then M1, then R) and dPm 8,192, less
+what the compiler overlaps, plus barriers and scratch: one program an SM. Spills: 164 B at bf16, 140 at fp16,
+in the WY chain (at 256 registers; the dQ/dK partition's budget does not change them between 200 and 232, and
+they grow to 408 B when the chain gets 232). They were 332 B with T~ and T~^T loaded beside K S and K K^T
+issued beside dT (their fp32 tiles live across the dX stage); moved, 164. 116 wgmma instructions (68 m64n128k16,
+48 m64n64k16), from 12 products in the WY chain (K S; T X twice; T~^T dV'; dV' X^T; M1 and G three each; K K^T)
+and 10 in the dQ/dK partition (dO S^T, dO V'^T, dPm K, dPm^T Q, V' dS'^T, -dX S^T, (R^T + R) K four); 16 TMA
+boxes (8 loads, each two 128-byte-swizzled halves). In the PTX the partitions synchronize only on their own
+named barriers (bar.sync 0, 128 in the WY chain; 2, 128 in the dQ/dK partition) and on the six mbarriers (the
+WY chain waits 2 and arrives 3, the dQ/dK partition waits 6, the loader waits none); the CTA-wide barrier 1 only
+where the partitions start and end, as in gluon_reverse.py. Each publish (a shared-memory store that a wgmma
+reads) is the store, fence.proxy.async and the partition's bar.sync.
 
 Predicted on the H200 (unmeasured; R1's 0.27-0.35 ms at b8 refined by this kernel's shape): per tile 208 KiB
 read (q, k, v, dO, dV' 80 KiB, S and dS' 64 KiB, T~ 16 KiB) and 48 KiB written: b8-t2048-h16 moves 1.07 GB, 0.25
@@ -115,6 +130,13 @@ def loader_partition(descs, bufs, ready, start, i_t, i_h, H: gl.constexpr, C: gl
 
 
 @gluon.jit
+def tile_rows(x, start, i_h, H: gl.constexpr, D: gl.constexpr):
+    """The address of token start, head i_h, of a [TT, H, D] tensor: the 64-bit part of a tile's offsets (the
+    [C, D] rest, under C * H * D, is 32-bit)."""
+    return x + start.to(gl.int64) * (H * D) + i_h * D
+
+
+@gluon.jit
 def publish(buf, x):
     """Stores x into buf for wgmma (the async proxy) to read, this partition's or another's: every thread's
     store, then the proxy fence, then the partition's barrier."""
@@ -162,19 +184,20 @@ def wy_partition(bufs, vn_s, dx_s, pair_s, ready, vn_ready, dx_ready, r_ready, b
     cj = gl.arange(0, C, layout=gl.SliceLayout(0, acc_c))
     rd = gl.arange(0, C, layout=gl.SliceLayout(1, acc_d))
     cd = gl.arange(0, D, layout=gl.SliceLayout(0, acc_d))
-    live = (ri[:, None] < n) & (cj[None, :] < n)
 
     mbarrier.wait(ready.index(0), 0)
     b_ks = warpgroup_mma(k_s, s_s, gl.zeros([C, D], gl.float32, layout=acc_d), use_acc=False, is_async=True)
-    # while K S runs: T~ and T~^T on their support inside the chunk (the rest is the next sequence's), beta
-    b_t = gl.where(live & (cj[None, :] <= ri[:, None]), t_s.load(acc_c), 0.0)
-    b_tt = gl.where(live & (ri[:, None] <= cj[None, :]), t_s.permute((1, 0)).load(acc_c), 0.0)
+    # while K S runs: beta (0 from n on)
     beta_c = gl.load(beta + (start + cj) * H + i_h, mask=cj < n, other=0.0).to(gl.float32)
     beta_d = gl.load(beta + (start + rd) * H + i_h, mask=rd < n, other=0.0).to(gl.float32)
     b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_ks, ))
     b_x = gl.where(rd[:, None] < n, x_s.load(acc_d).to(gl.float32) - b_ks, 0.0).to(dt)
     gl.thread_barrier()  # every thread has read V before X overwrites it
     publish(x_s, b_x)
+    # T~ and T~^T on their support inside the chunk (the rest is the next sequence's); loaded after X, not beside
+    # K S, where the two [C, C] fp32 tiles beside K S's and X's [C, D] made the partition spill
+    b_t = gl.where((cj[None, :] <= ri[:, None]) & (ri[:, None] < n), t_s.load(acc_c), 0.0)
+    b_tt = gl.where((ri[:, None] <= cj[None, :]) & (cj[None, :] < n), t_s.permute((1, 0)).load(acc_c), 0.0)
 
     # V' = T X, T = T~ diag(beta) as a pair (X exact in the dtype)
     b_tb = b_t * beta_c[None, :]
@@ -188,27 +211,27 @@ def wy_partition(bufs, vn_s, dx_s, pair_s, ready, vn_ready, dx_ready, r_ready, b
     mbarrier.arrive(vn_ready, count=1)
 
     mbarrier.wait(ready.index(2), 0)
-    # dX = beta T~^T dV' (T~ rounded, as wy_bwd), and beside it dT = dV' X^T and K K^T
+    # dX = beta T~^T dV' (T~ rounded, as wy_bwd), and beside it dT = dV' X^T
     b_dx = warpgroup_mma(gl.convert_layout(b_tt.to(dt), op_d), dvp_s, gl.zeros([C, D], gl.float32, layout=acc_d),
                          use_acc=False, is_async=True)
     b_dt = warpgroup_mma(dvp_s, x_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=acc_c), use_acc=False,
                          is_async=True)
-    b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=acc_c), use_acc=False,
-                         is_async=True)
-    b_dx = warpgroup_mma_wait(num_outstanding=2, deps=(b_dx, ))
+    b_dx = warpgroup_mma_wait(num_outstanding=1, deps=(b_dx, ))
     b_dx = (b_dx * beta_d[:, None]).to(dt)
-    o_d = (start + rd[:, None]).to(gl.int64) * (H * D) + i_h * D + cd[None, :]
-    gl.store(dv + o_d, b_dx, mask=rd[:, None] < n)
+    gl.store(tile_rows(dv, start, i_h, H, D) + rd[:, None] * (H * D) + cd[None, :], b_dx, mask=rd[:, None] < n)
     publish(dx_s, -b_dx)  # negated (exactly): the dQ/dK partition accumulates - dX S^T as a sum
     mbarrier.arrive(dx_ready, count=1)
 
-    b_dt = warpgroup_mma_wait(num_outstanding=1, deps=(b_dt, ))
-    b_dt = gl.where(live, b_dt, 0.0)
+    b_dt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dt, ))
+    b_dt = gl.where((ri[:, None] < n) & (cj[None, :] < n), b_dt, 0.0)
     b_dbeta = gl.sum(b_dt * b_t, axis=0)
     # M1 = T~^T dT~, dT~ = dT diag(beta) in shared memory as a pair; then G = dA^T = -T~ M1^T, strictly upper
     publish_pair(pair_s, b_dt * beta_c[None, :])
     b_m1 = pair_product(b_tt, pair_s.index(0), pair_s.index(1), acc_c)
     publish_pair(pair_s, b_m1)
+    # K K^T for dbeta runs with G's products (issued earlier, its accumulator spilled)
+    b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=acc_c), use_acc=False,
+                         is_async=True)
     b_g = pair_product(b_t, pair_s.index(0).permute((1, 0)), pair_s.index(1).permute((1, 0)), acc_c)
     b_g = gl.where(ri[:, None] < cj[None, :], -b_g, 0.0)
     b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_kk, ))
@@ -251,8 +274,8 @@ def dqdk_partition(bufs, vn_s, dx_s, pair_s, dpm_s, ready, vn_ready, dx_ready, r
                          is_async=True)
     b_dk = warpgroup_mma(vn_s, dh_s.permute((1, 0)), b_dk, is_async=True)
     b_dq = warpgroup_mma_wait(num_outstanding=2, deps=(b_dq, ))
-    o_d = (start + rd[:, None]).to(gl.int64) * (H * D) + i_h * D + cd[None, :]
-    gl.store(dq + o_d, b_dq.to(dt), mask=rd[:, None] < n)
+    o_d = rd[:, None] * (H * D) + cd[None, :]
+    gl.store(tile_rows(dq, start, i_h, H, D) + o_d, b_dq.to(dt), mask=rd[:, None] < n)
     mbarrier.wait(dx_ready, 0)
     b_dk = warpgroup_mma(dx_s, s_s.permute((1, 0)), b_dk, is_async=True)
     mbarrier.wait(r_ready, 0)
@@ -262,7 +285,7 @@ def dqdk_partition(bufs, vn_s, dx_s, pair_s, dpm_s, ready, vn_ready, dx_ready, r
     b_dk = warpgroup_mma(r_hi, k_s, b_dk, is_async=True)
     b_dk = warpgroup_mma(r_lo, k_s, b_dk, is_async=True)
     b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dk, ))
-    gl.store(dk + o_d, b_dk.to(dt), mask=rd[:, None] < n)
+    gl.store(tile_rows(dk, start, i_h, H, D) + o_d, b_dk.to(dt), mask=rd[:, None] < n)
 
 
 @gluon.jit
