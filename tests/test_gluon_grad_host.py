@@ -56,8 +56,8 @@ def test_launches_a_program_per_chunk_and_head(monkeypatch, dtype, lengths):
     assert grid == (chunks.num_chunks, H)
     # q, k, v, dO, dV' [C, 128] tiles; h, dh [128, 128]; T~ fp32 [C, C]
     assert [d.block_shape for d in args[:8]] == [[C, D]] * 5 + [[D, D]] * 2 + [[C, C]]
-    assert [tuple(d.shape) for d in args[:8]] == [(info.total_tokens, H * D)] * 5 + [(chunks.num_chunks * H * D, D)] * 2 \
-        + [(info.total_tokens, H * C)]
+    TT, NT = info.total_tokens, chunks.num_chunks
+    assert [tuple(d.shape) for d in args[:8]] == [(TT, H * D)] * 5 + [(NT * H * D, D)] * 2 + [(TT, H * C)]
     assert args[8] is x["beta"] and args[9:13] == (dq, dk, dv, dbeta)
     assert args[13] is chunks.chunk_indices and args[14] is info.cu_seqlens
     assert args[16:] == (H, gluon_grad.LOADER_REGS, gluon_grad.DQDK_WARPS, gluon_grad.DQDK_REGS)

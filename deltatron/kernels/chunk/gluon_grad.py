@@ -59,9 +59,9 @@ tile (its prologue: the loads of the first group before any product) and no over
 Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_grad.py --offline): 12 warps (4 + 4
 + 1 padded to 4), 168 registers a thread at launch, setmaxnreg 256 (the WY chain: what is left of 65,536 after the
 dQ/dK partition's 232 and the loader's 24, capped) / 232 / 24. Shared memory 222,272 B of sm_90's 232,448: the
-inputs 196,608 (q, k, v (then X), dO, dV' [64, 128] 16-bit, S and dS' [128, 128], T~ [64, 64] fp32), the
-hand-off 49,152 (V', -dX [64, 128], the pair [2, 64, 64] that holds dT~, then M1, then R) and dPm 8,192, less
-what the compiler overlaps, plus barriers and scratch: one program an SM. Spills: 164 B at bf16, 140 at fp16,
+inputs 163,840 (q, k, v (then X), dO, dV' [64, 128] 16-bit, S and dS' [128, 128], T~ [64, 64] fp32), the
+hand-off 49,152 (V', -dX [64, 128], the pair [2, 64, 64] that holds dT~, then M1, then R), dPm 8,192, and 1,088
+of barriers and the compiler's scratch: one program an SM. Spills: 164 B at bf16, 140 at fp16,
 in the WY chain (at 256 registers; the dQ/dK partition's budget does not change them between 200 and 232, and
 they grow to 408 B when the chain gets 232). They were 332 B with T~ and T~^T loaded beside K S and K K^T
 issued beside dT (their fp32 tiles live across the dX stage); moved, 164. 116 wgmma instructions (68 m64n128k16,
