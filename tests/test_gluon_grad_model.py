@@ -57,10 +57,13 @@ def grad_tile(q, k, v, do, dvp, s, dsn, tinv, beta, n, scale, dt, bug=None):
     tt = torch.where(keep_t, tinv, 0.0)
     b = torch.where(valid, beta.to(f), 0.0)
     q, k, v, do, dvp, s, dsn = (x.to(f) for x in (q, k, v, do, dvp, s, dsn))
-    # WY chain: X = V - K S (rows from n on zeroed), V' = T X with T = T~ diag(beta) as a 16-bit pair
-    x = torch.where(valid[:, None], v - k @ s, 0.0).to(dt).to(f)
+    # WY chain: X = V - K S (rows from n on zeroed), V' = T X with T = T~ diag(beta) and X as 16-bit pairs;
+    # X's high half alone in dT
+    xf = torch.where(valid[:, None], v - k @ s, 0.0)
+    x = xf.to(dt).to(f)
     t = tt * b[None, :]
-    vn = (t.to(dt).to(f) @ x if bug == "T rounded" else pair_mm(t, x, dt, exact_b=True)).to(dt).to(f)
+    vn = (t.to(dt).to(f) @ x if bug == "T rounded" else pair_mm(t, x, dt, exact_b=True) if bug == "X rounded"
+          else pair_mm(t, xf, dt)).to(dt).to(f)
     # dv = dX = beta T~^T dV' (T~ rounded, as wy_bwd)
     dx = ((tt.T.to(dt).to(f) @ dvp) * b[:, None]).to(dt).to(f)
     # dT = dV' X^T; dbeta_j = sum_i dT_ij T~_ij; dT~ = dT diag(beta)

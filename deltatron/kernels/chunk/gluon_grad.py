@@ -20,16 +20,20 @@ and X = V - K S; tests/test_gluon_grad_model.py checks it against the float64 or
     dA  = strictly_lower(-T~^T dT~ T~^T), computed as its transpose G = dA^T = -T~ (T~^T dT~)^T (strictly upper),
           so that both products take T~ or T~^T from registers and dT~, M1 = T~^T dT~ from shared memory.
 
-Precision. 16-bit operands where the pair has them: K S (S rounded as h is stored), X rounded, T~^T dV' with T~
-rounded (wy_bwd's T~^T dU), dV' X^T (wy_bwd's dW Kb^T + dU Vb^T on rounded operands), dO V'^T and the dQ, dK
-products (dqkw's). Where wy_bwd keeps fp32 (tf32) operands, because nearly parallel keys cancel there, this
-kernel multiplies 16-bit hi + lo pairs (x = hi + lo, lo = x - hi rounded; products hi hi + hi lo + lo hi, or
-hi b + lo b where b is exact in the dtype): 16 significant bits at bf16 against tf32's 11, 22 at fp16. triton
-3.6 lowers no tf32 wgmma from Gluon (offline: fp32 operands, A in registers or in shared memory, fail in
-ConvertNVGPUToLLVM), hence the pairs. They are used for dA^T's two products (3 wgmma each), (R^T + R) K (2 + 2)
-and V' = T X (2: T as a pair, as the forward's wy.tinv_beta_pair applies T~ diag(beta) to V). At fp16 the low
-half of a pair may underflow (|x| below 2^-14 / 2^-11) or the high half overflow (|x| > 65504) where tf32 would
-not: dT~ and dA are gradients of the same scale as dk, which is stored in fp16 anyway.
+Precision. 16-bit operands where the pair has them: K S (S rounded as h is stored), X's high half in dV' X^T, T~^T
+dV' with T~ rounded (wy_bwd's T~^T dU), dV' X^T (wy_bwd's dW Kb^T + dU Vb^T on rounded operands), dO V'^T and the
+dQ, dK products (dqkw's). Where wy_bwd keeps fp32 (tf32) operands, because nearly parallel keys cancel there, this
+kernel multiplies 16-bit hi + lo pairs (x = hi + lo, lo = x - hi rounded; products hi hi + hi lo + lo hi, or hi b +
+lo b where b is exact in the dtype): 16 significant bits at bf16 against tf32's 11, 22 at fp16. triton 3.6 lowers
+no tf32 wgmma from Gluon (offline: fp32 operands, A in registers or in shared memory, fail in ConvertNVGPUToLLVM),
+hence the pairs. They are used for dA^T's two products (3 wgmma each), (R^T + R) K (2 + 2) and V' = T X (3: T and X
+as pairs; the pair's v_new is rounded once, where the state pass makes it). X rounded alone there (the first
+version) left V' 5x further from T X than the pair's v_new on nearly parallel keys (bf16: 1.1e-2 against 2.2e-3 rel
+RMS; tests/test_gluon_grad_model.py's inputs), where T X cancels, and with it dk 3x further from the exact stage
+than the pair's (9.7e-3 against 3.2e-3); with X's low half, 2.8e-3. At fp16 the low half of a pair may underflow
+(|x| below 2^-14 / 2^-11) or the high half overflow (|x| > 65504) where tf32 would not: dT~ and dA are gradients of
+the same scale as dk, which is stored in fp16 anyway (on the GPU test's nearly parallel keys, unit dO, |R| reaches
+1.7e3: overflow takes dO about 40 times larger there).
 
 Partial chunks: the descriptors span all B*T rows, so a sequence's partial last chunk reads the next sequence's
 rows (and T~'s) where the Triton pair reads zeros. Every product is kept clean of them: T~ is masked to its
@@ -40,10 +44,10 @@ zeroed; dq, dk, dv, dbeta rows from n on are not stored. K, Q, dO, dV' rows past
 Roles (three partitions; a program per (chunk, head)):
     loader (1 warp): TMA of the tile's inputs in three groups, each on its own mbarrier: S, K, V, T~ (what
         the WY chain starts with), dO (the dQ/dK partition's first product), dV', Q, dS';
-    WY chain (the default partition, 1 warp group): K S; X = V - K S, stored over V's tile; V' = T X (handed
-        over: vn_ready); dX = beta T~^T dV' (dv stored; -dX handed over: dx_ready) beside dT = dV' X^T; dbeta's
-        column sums; M1 = T~^T dT~, G = dA^T, K K^T and dbeta's second part; R handed over (r_ready) as a
-        16-bit pair in the tile that held dT~ and M1;
+    WY chain (the default partition, 1 warp group): K S; X = V - K S as a pair, its high half stored over V's
+        tile, its low half in V''s until V' = T X replaces it (handed over: vn_ready); dX = beta T~^T dV' (dv
+        stored; -dX handed over: dx_ready) beside dT = dV' X^T; dbeta's column sums; M1 = T~^T dT~, G = dA^T,
+        K K^T and dbeta's second part; R handed over (r_ready) as a 16-bit pair in the tile that held dT~ and M1;
     dQ/dK (1 warp group): dO S^T at once, then dP = dO V'^T and dPm once V' is there, dQ = scale dO S^T + dPm K
         (stored), dK accumulated as dPm^T Q + V' dS'^T, then - dX S^T and (R^T + R) K as they arrive (stored).
 Every mbarrier completes one phase in a program's life (no ring, no reuse across tiles), so every wait is on
@@ -57,15 +61,15 @@ other SMs' tiles give the HBM in any case (the tiles of different SMs are out of
 tile (its prologue: the loads of the first group before any product) and no overlap inside an SM.
 
 Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_grad.py --offline): 12 warps (4 + 4
-+ 1 padded to 4), 168 registers a thread at launch, setmaxnreg 256 (the WY chain: what is left of 65,536 after the
-dQ/dK partition's 232 and the loader's 24, capped) / 232 / 24. Shared memory 222,272 B of sm_90's 232,448: the
++ 1 padded to 4), 168 registers a thread at launch, setmaxnreg 248 (the WY chain: what is left of the CTA's 64,512,
+168 x 384, after the dQ/dK partition's 232 and the loader's 24; 256 only outside the partitions) / 232 / 24. Shared memory 222,272 B of sm_90's 232,448: the
 inputs 163,840 (q, k, v (then X), dO, dV' [64, 128] 16-bit, S and dS' [128, 128], T~ [64, 64] fp32), the
 hand-off 49,152 (V', -dX [64, 128], the pair [2, 64, 64] that holds dT~, then M1, then R), dPm 8,192, and 1,088
 of barriers and the compiler's scratch: one program an SM. Spills: 164 B at bf16, 140 at fp16,
-in the WY chain (at 256 registers; the dQ/dK partition's budget does not change them between 200 and 232, and
+in the WY chain (at 248 registers; the dQ/dK partition's budget does not change them between 200 and 232, and
 they grow to 408 B when the chain gets 232). They were 332 B with T~ and T~^T loaded beside K S and K K^T
-issued beside dT (their fp32 tiles live across the dX stage); moved, 164. 116 wgmma instructions (68 m64n128k16,
-48 m64n64k16), from 12 products in the WY chain (K S; T X twice; T~^T dV'; dV' X^T; M1 and G three each; K K^T)
+issued beside dT (their fp32 tiles live across the dX stage); moved, 164. 120 wgmma instructions (72 m64n128k16,
+48 m64n64k16), from 13 products in the WY chain (K S; T X three times; T~^T dV'; dV' X^T; M1 and G three each; K K^T)
 and 10 in the dQ/dK partition (dO S^T, dO V'^T, dPm K, dPm^T Q, V' dS'^T, -dX S^T, (R^T + R) K four); 16 TMA
 boxes (8 loads, each two 128-byte-swizzled halves). In the PTX the partitions synchronize only on their own
 named barriers (bar.sync 0, 128 in the WY chain; 2, 128 in the dQ/dK partition) and on the six mbarriers (the
@@ -75,7 +79,7 @@ reads) is the store, fence.proxy.async and the partition's bar.sync.
 
 Predicted on the H200 (unmeasured; R1's 0.27-0.35 ms at b8 refined by this kernel's shape): per tile 208 KiB
 read (q, k, v, dO, dV' 80 KiB, S and dS' 64 KiB, T~ 16 KiB) and 48 KiB written: b8-t2048-h16 moves 1.07 GB, 0.25
-ms at 4.27 TB/s. 43 wgmma a tile (25 MFLOP: 10.5 in the WY chain, 14.2 in the dQ/dK partition), the WY chain's
+ms at 4.27 TB/s. 44 wgmma a tile (26 MFLOP: 11.5 in the WY chain, 14.2 in the dQ/dK partition), the WY chain's
 dependent path K S -> T X -> dT -> M1 -> dA^T -> R -> (R^T + R) K about 8 dependent products of 0.3-0.6 us
 (with their roundings and shared-memory round trips) after the first load group's 3-4 us: about 7-9 us a tile.
 One program an SM: b8 has 4,096 tiles, 31 an SM, so 0.22-0.28 ms of tile latency against the 0.25 ms of bytes;
@@ -191,22 +195,27 @@ def wy_partition(bufs, vn_s, dx_s, pair_s, ready, vn_ready, dx_ready, r_ready, b
     beta_c = gl.load(beta + (start + cj) * H + i_h, mask=cj < n, other=0.0).to(gl.float32)
     beta_d = gl.load(beta + (start + rd) * H + i_h, mask=rd < n, other=0.0).to(gl.float32)
     b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_ks, ))
-    b_x = gl.where(rd[:, None] < n, x_s.load(acc_d).to(gl.float32) - b_ks, 0.0).to(dt)
+    b_x = gl.where(rd[:, None] < n, x_s.load(acc_d).to(gl.float32) - b_ks, 0.0)
+    x_hi = b_x.to(dt)
     gl.thread_barrier()  # every thread has read V before X overwrites it
-    publish(x_s, b_x)
+    x_s.store(x_hi)
+    # X's low half, for V' = T X alone, in V''s tile until V' replaces it (publish fences both stores)
+    publish(vn_s, (b_x - x_hi.to(gl.float32)).to(dt))
     # T~ and T~^T on their support inside the chunk (the rest is the next sequence's); loaded after X, not beside
     # K S, where the two [C, C] fp32 tiles beside K S's and X's [C, D] made the partition spill
     b_t = gl.where((cj[None, :] <= ri[:, None]) & (ri[:, None] < n), t_s.load(acc_c), 0.0)
     b_tt = gl.where((ri[:, None] <= cj[None, :]) & (cj[None, :] < n), t_s.permute((1, 0)).load(acc_c), 0.0)
 
-    # V' = T X, T = T~ diag(beta) as a pair (X exact in the dtype)
+    # V' = T X on pairs, T = T~ diag(beta) and X (hi in x_s, lo in vn_s): T_hi X_hi + T_lo X_hi + T_hi X_lo
     b_tb = b_t * beta_c[None, :]
     t_hi = b_tb.to(dt)
     t_lo = gl.convert_layout((b_tb - t_hi.to(gl.float32)).to(dt), op_d)
-    b_vn = warpgroup_mma(gl.convert_layout(t_hi, op_d), x_s, gl.zeros([C, D], gl.float32, layout=acc_d),
-                         use_acc=False, is_async=True)
+    t_hi = gl.convert_layout(t_hi, op_d)
+    b_vn = warpgroup_mma(t_hi, x_s, gl.zeros([C, D], gl.float32, layout=acc_d), use_acc=False, is_async=True)
     b_vn = warpgroup_mma(t_lo, x_s, b_vn, is_async=True)
+    b_vn = warpgroup_mma(t_hi, vn_s, b_vn, is_async=True)
     b_vn = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, ))
+    gl.thread_barrier()  # every warp's products have read X's low half before V' overwrites it
     publish(vn_s, b_vn.to(dt))
     mbarrier.arrive(vn_ready, count=1)
 
