@@ -7,7 +7,7 @@ import torch
 
 from deltatron.kernels.utils import seq_info
 
-from .helpers import make_inputs, misaligned, random_cu_seqlens
+from .helpers import INTERPRET, make_inputs, misaligned, random_cu_seqlens
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -104,3 +104,37 @@ def test_backward_keeps_the_pair_by_default():
     x, _ = stage_inputs([100], 2)
     assert backward.GLUON_GRAD is False
     assert not backward.gluon_grad_applies(x["q"], x["k"], x["v"], x["do"], C)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the backward's Triton stages on CPU tensors need the interpreter")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_hands_the_wrapper_what_it_checks(monkeypatch, dtype):
+    # the backward's own h, dh, dV', T~, beta through the wrapper's checks and descriptors (the model test
+    # replaces the wrapper whole): a refusal here would otherwise first show on the GPU
+    import importlib
+
+    from deltatron.kernels import chunk
+
+    from .test_gluon_grad_model import kernel_model
+
+    backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_grad, "gluon_grad_kernel", kernel)
+
+    def wrapper_then_model(*args):
+        gluon_grad.gluon_grad(*args)
+        return kernel_model(*args)
+
+    monkeypatch.setattr(backward, "GLUON_GRAD", True)
+    monkeypatch.setattr(backward, "gluon_grad_applies", lambda *a: True)
+    monkeypatch.setattr(backward, "gluon_grad_kernel", lambda: wrapper_then_model)
+    lengths = [0, 1, 63, 64, 65, 130, 7]
+    cu = random_cu_seqlens(lengths)
+    info = seq_info(1, sum(lengths), torch.device("cpu"), cu, cu)
+    x = make_inputs(1, sum(lengths), 2, D, D, dtype, initial_state=True, N=len(lengths), seed=1)
+    q, k, v, beta, h0 = (x[n] for n in ("q", "k", "v", "beta", "initial_state"))
+    _, _, saved, _ = chunk.forward(q, k, v, beta, D ** -0.5, h0, True, info)
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    grads = chunk.backward(q, k, v, beta, D ** -0.5, h0, saved, do, None, info, C)
+    (grid, _, _), = kernel.launches
+    assert grid == (info.chunks(C).num_chunks, 2) and all(torch.isfinite(g).all() for g in grads[:4])
