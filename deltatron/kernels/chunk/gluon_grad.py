@@ -51,8 +51,9 @@ Roles (three partitions; a program per (chunk, head)):
     dQ/dK (1 warp group): dO S^T at once, then dP = dO V'^T and dPm once V' is there, dQ = scale dO S^T + dPm K
         (stored), dK accumulated as dPm^T Q + V' dS'^T, then - dX S^T and (R^T + R) K as they arrive (stored).
 Every mbarrier completes one phase in a program's life (no ring, no reuse across tiles), so every wait is on
-phase 0: there is no parity to get wrong. Hand-off tiles are written once and never reused, so no `empty`
-barriers either.
+phase 0: there is no parity to get wrong. Each hand-off tile is written for the other partition once and never
+reused after (V''s tile and the pair hold the WY chain's own operands before: X's low half; dT~, M1), so no
+`empty` barriers either.
 
 Grid: one program per (chunk, head), (NT, H). Not persistent: consecutive tiles share nothing to reuse, and a
 persistent loop would need per-buffer release barriers on a single-buffered 216 KiB working set (no second
@@ -62,20 +63,20 @@ tile (its prologue: the loads of the first group before any product) and no over
 
 Offline sm_90 compile (triton 3.6, bf16 and fp16; benchmarks/diagnostics/gluon_grad.py --offline): 12 warps (4 + 4
 + 1 padded to 4), 168 registers a thread at launch, setmaxnreg 248 (the WY chain: what is left of the CTA's 64,512,
-168 x 384, after the dQ/dK partition's 232 and the loader's 24; 256 only outside the partitions) / 232 / 24. Shared memory 222,272 B of sm_90's 232,448: the
-inputs 163,840 (q, k, v (then X), dO, dV' [64, 128] 16-bit, S and dS' [128, 128], T~ [64, 64] fp32), the
-hand-off 49,152 (V', -dX [64, 128], the pair [2, 64, 64] that holds dT~, then M1, then R), dPm 8,192, and 1,088
-of barriers and the compiler's scratch: one program an SM. Spills: 164 B at bf16, 140 at fp16,
-in the WY chain (at 248 registers; the dQ/dK partition's budget does not change them between 200 and 232, and
-they grow to 408 B when the chain gets 232). They were 332 B with T~ and T~^T loaded beside K S and K K^T
-issued beside dT (their fp32 tiles live across the dX stage); moved, 164. 120 wgmma instructions (72 m64n128k16,
-48 m64n64k16), from 13 products in the WY chain (K S; T X three times; T~^T dV'; dV' X^T; M1 and G three each; K K^T)
-and 10 in the dQ/dK partition (dO S^T, dO V'^T, dPm K, dPm^T Q, V' dS'^T, -dX S^T, (R^T + R) K four); 16 TMA
-boxes (8 loads, each two 128-byte-swizzled halves). In the PTX the partitions synchronize only on their own
-named barriers (bar.sync 0, 128 in the WY chain; 2, 128 in the dQ/dK partition) and on the six mbarriers (the
-WY chain waits 2 and arrives 3, the dQ/dK partition waits 6, the loader waits none); the CTA-wide barrier 1 only
-where the partitions start and end, as in gluon_reverse.py. Each publish (a shared-memory store that a wgmma
-reads) is the store, fence.proxy.async and the partition's bar.sync.
+168 x 384, after the dQ/dK partition's 232 and the loader's 24; 256 only outside the partitions) / 232 / 24. Shared
+memory 222,272 B of sm_90's 232,448: the inputs 163,840 (q, k, v (then X), dO, dV' [64, 128] 16-bit, S and dS'
+[128, 128], T~ [64, 64] fp32), the hand-off 49,152 (V', -dX [64, 128], the pair [2, 64, 64] that holds dT~, then
+M1, then R), dPm 8,192, and 1,088 of barriers and the compiler's scratch: one program an SM. Spills: 164 B at bf16,
+140 at fp16, in the WY chain (at 248 registers; the dQ/dK partition's budget does not change them between 200 and
+232, and they grow to 408 B when the chain gets 232). They were 332 B with T~ and T~^T loaded beside K S and K K^T
+issued beside dT (their fp32 tiles live across the dX stage); moved, 164. 120 wgmma instructions (72 m64n128k16, 48
+m64n64k16), from 13 products in the WY chain (K S; T X three times; T~^T dV'; dV' X^T; M1 and G three each; K K^T)
+and 10 in the dQ/dK partition (dO S^T, dO V'^T, dPm K, dPm^T Q, V' dS'^T, -dX S^T, (R^T + R) K four); 16 TMA boxes
+(8 loads, each two 128-byte-swizzled halves). In the PTX the partitions synchronize only on their own named
+barriers (bar.sync 0, 128 in the WY chain; 2, 128 in the dQ/dK partition) and on the six mbarriers (the WY chain
+waits 2 and arrives 3, the dQ/dK partition waits 6, the loader waits none); the CTA-wide barrier 1 only where the
+partitions start and end, as in gluon_reverse.py. Each publish (a shared-memory store that a wgmma reads) is the
+store, fence.proxy.async and the partition's bar.sync.
 
 Predicted on the H200 (unmeasured; R1's 0.27-0.35 ms at b8 refined by this kernel's shape): per tile 208 KiB
 read (q, k, v, dO, dV' 80 KiB, S and dS' 64 KiB, T~ 16 KiB) and 48 KiB written: b8-t2048-h16 moves 1.07 GB, 0.25
@@ -88,7 +89,55 @@ both overlap only across SMs: predicted 0.28-0.36 ms at b8 (the pair 0.574), b4-
 then saves 0.21-0.29 ms at b8 (0.966 -> 0.68-0.76), not counting v_new's write, which the recompute still does.
 
 Imported only where it can run (backward.gluon_grad_applies imports it lazily, on a CUDA sm_90 device): Gluon does
-not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
+not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API.
+
+Reviewed without a GPU (session 12, branch wip/gluon-grad-review; the offline compile's PTX and ptxas's SASS, bf16
+and fp16; nothing has run on a GPU yet):
+- mbarriers: six, at 222,208-222,256 B (ready 0-2, then vn_ready, dx_ready, r_ready), each initialized to count 1
+  by one thread of the default warp group before the CTA barrier that starts the partitions (one SYNCS.EXCH init
+  value for all six). The WY chain waits on ready 0 and 2, the dQ/dK partition on all six, every wait on parity 0;
+  the loader's three arrive.expect_tx come from lane 0 of its one warp with 81,920 B (S 32,768; K, V, T~ 16,384
+  each), 16,384 (dO) and 65,536 (dV', Q 16,384; dS' 32,768): the full boxes, two a tile, 16 in all, whatever TMA
+  zero-fills. The compiled tensor maps agree: boxes 64 x 64 16-bit, 128 x 64 for the states, 64 x 32 fp32 (data
+  type FLOAT32) for T~, 128-byte swizzle. The WY chain's three arrives are each one thread's (tid % 128 == 0) right
+  after the bar.sync 0, 128 that follows the publish's fence. The partitions depend on each other as a DAG (loader,
+  then WY chain, then dQ/dK), each barrier completes its one phase, so no wait can outlast its arrive.
+- Barriers inside partitions: gl.thread_barrier and the compiler's own lower to bar.sync 0, 128 (WY chain, 21) and
+  bar.sync 2, 128 (dQ/dK, 3); the CTA-wide barrier 1 (15) only where the partitions start and end (the captures at
+  221,184 are read between the two starting ones, before the WY chain's dbeta reductions reuse that scratch).
+  setmaxnreg 248 / 232 / 24 over 128 threads each sum to the CTA's 64,512 exactly (168 x 384), so no setmaxnreg.inc
+  waits forever.
+- Races: benchmarks/diagnostics/gluon_grad_protocol.py models the partitions' accesses and barriers in the PTX's
+  order (per warp; a wgmma reading its operands until every warp's share completes; hardware parity and byte-count
+  semantics): clean in 1,000 random interleavings, and it catches each of 9 broken variants. Every overwrite of a
+  tile a wgmma read (V by X, X's low half by V', dT~ by M1, M1 by R) comes after a bar.sync that follows every
+  warp's wait_group. Proxies: each generic store a wgmma reads (X's halves, V', -dX, the pair three times, dPm) is
+  the store, fence.proxy.async (FENCE.VIEW.ASYNC.S) and the bar.sync; TMA writes each tile once, before any generic
+  access to it, so the loader needs no fence (gluon_walk.py's ring does).
+- Layouts: each descriptor's TMA lands where its consumers read (S 0, dS' 32,768, Q 65,536, K 81,920, V 98,304, dO
+  114,688, dV' 131,072, T~ 147,456; coordinates ((i_t H + i_h) 128, 0) for the states, (start, i_h 128) or (start,
+  i_h 64) else); the transpose flags of all 120 wgmma match their products (A from shared memory transposed for
+  dPm^T and R^T, new in these kernels) and their descriptors the boxes (LBO 8,192 for [64, 128] and 16,384 for
+  [128, 128] MN-major tiles, SBO 1,024, k-steps of 32 B K-major and 2,048 B MN-major). T~'s fp32 loads, both
+  orientations, evaluated per thread from the PTX, are exactly each thread's accumulator-layout elements (on T~'s
+  support) under TMA's 128-byte swizzle (the formula without its XOR fails all 128 threads). Stores: start x H x
+  128 in 64 bits (mad.wide.s32), the tile's offsets in 32. Partial chunks, T = 1, empty sequences: as above, in the
+  model (tests/test_gluon_grad_model.py).
+- Found and fixed: (1) V' = T X took X rounded (Precision above): now a pair. (2) The GPU test would have failed a
+  right kernel: on nearly parallel keys the model of this arithmetic is 2.4e-2 (dq), 1.1e-2 (dk), 1.55e-2 (dbeta)
+  from the pair at bf16 against the bound 1e-2 (2.9e-3 of 3e-3 at fp16), both being about that far from the exact
+  stage on roundings both make (dq's and dbeta's sums cancel). There both are now compared with the exact stage,
+  the kernel within max(bound, 1.5 x the pair's error): the model passes with margins 1.6 / 3.7 / 1.5 / 1.9 at bf16
+  (dq, dk, dv (equal to the pair's), dbeta), 1.7 / 8.6 / 1.5 / 2.4 at fp16, and on the test's random configs at >=
+  2.4 against the pair. (3) check() stopped at its first assert: it now prints every error, the worst (chunk, head)
+  tiles of a failing output, and compares the kernel with the model itself (bound / 4; the model's fp32-order floor
+  measured on the CPU is 1e-4 at bf16, 1.8e-3 on nearly parallel keys, where the bound itself applies). (4) The WY
+  chain's setmaxnreg is 248, not 256. Also: a host test passes the backward's own inputs through the wrapper's
+  checks.
+- Open (what only the hardware shows): the first transposed shared-memory A operands and the first fp32 TMA tile in
+  these kernels (both checked in the PTX, not run); register A operands across async wgmma (ptxas reports no
+  serialization); fp16 overflow of the pairs' high halves where dO is about 40x the test's scale on nearly parallel
+  keys; every time (spills 164 B at bf16, unmeasured)."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -107,7 +156,7 @@ from .gluon_walk import C_WALK, LOADER_REGS, accumulator_layout, check_inputs, r
 INPUTS = ("q", "k", "v", "beta", "tinv", "h", "dh", "dv_prime", "do")
 DQDK_WARPS = 4
 # registers a thread (setmaxnreg): the loader's 1 warp padded to a warp group gets 24, the dQ/dK partition
-# DQDK_REGS, the WY chain what is left of 65,536 over 128 threads, capped at setmaxnreg's 256
+# DQDK_REGS, the WY chain what is left of the CTA's 64,512 (168 a thread at launch) over 128 threads: 248
 DQDK_REGS = 232
 
 
