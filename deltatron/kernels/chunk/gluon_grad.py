@@ -131,9 +131,10 @@ and fp16; nothing has run on a GPU yet):
   (dq, dk, dv (equal to the pair's), dbeta), 1.7 / 8.6 / 1.5 / 2.4 at fp16, and on the test's random configs at >=
   2.4 against the pair. (3) check() stopped at its first assert: it now prints every error, the worst (chunk, head)
   tiles of a failing output, and compares the kernel with the model itself (bound / 4; the model's fp32-order floor
-  measured on the CPU is 1e-4 at bf16, 1.8e-3 on nearly parallel keys, where the bound itself applies). (4) The WY
-  chain's setmaxnreg is 248, not 256. Also: a host test passes the backward's own inputs through the wrapper's
-  checks.
+  measured on the CPU is 1e-4 at bf16, 1.8e-3 on nearly parallel keys, where the bound itself applies). Every term
+  of dq, dk, dbeta is at least 23 % of its output's norm on the random configs (4.8 % on nearly parallel keys: dk's
+  -dX S^T and R^T K), so a missing, negated or misoriented one fails both comparisons. (4) The WY chain's
+  setmaxnreg is 248, not 256. Also: a host test passes the backward's own inputs through the wrapper's checks.
 - Open (what only the hardware shows): the first transposed shared-memory A operands and the first fp32 TMA tile in
   these kernels (both checked in the PTX, not run); register A operands across async wgmma (ptxas reports no
   serialization); fp16 overflow of the pairs' high halves where dO is about 40x the test's scale on nearly parallel
