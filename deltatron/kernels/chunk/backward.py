@@ -6,7 +6,10 @@ The recompute is one launch where state.wy_on_chip (16-bit, K up to 64 or K = 12
 the walk computes W, U from T~ on chip and writes W alone (state.state_wy_fwd). Elsewhere (fp32, and the
 heads where that walk spills) two: wy.recompute_w_u writes W and U, state.state_fwd reads them; the same W,
 h and v_new bit for bit. On that two-launch path the reverse pass needs W only, not state_fwd's h and
-v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES)."""
+v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES).
+
+Where GLUON_GRAD is on and gluon_grad_applies, dqkw + wy_bwd run as one warp-specialized Gluon kernel
+(gluon_grad.py) that recomputes V' on chip: it reads neither v_new nor dW nor the direct dK."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +19,26 @@ import torch
 
 from ..utils import INTERPRET
 from . import output_bwd, state, state_bwd, wy, wy_bwd
+from .state import _is_sm90, gluon_importable
+
+# Whether the grad stage (dqkw + wy_bwd) runs as gluon_grad.py's kernel where gluon_grad_applies: off until the GPU
+# has measured it (tests and benchmarks/diagnostics/gluon_grad.py turn it on); None runs it wherever it applies
+GLUON_GRAD: Optional[bool] = False
+
+
+def gluon_grad_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, chunk_size: int) -> bool:
+    """Where the Gluon grad kernel can run: a Hopper GPU (sm_90, not the interpreter), q, k, v, do of one 16-bit
+    dtype, K = V = 128, C = 64, contiguous and 16-byte aligned (TMA), and a triton with Gluon's Hopper API."""
+    return (k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16)
+            and all(x.dtype == k.dtype and x.shape[-1] == 128 and x.is_contiguous() and x.data_ptr() % 16 == 0
+                    for x in (q, k, v, do))
+            and chunk_size == 64 and _is_sm90(k.device.index) and gluon_importable("gluon_grad"))
+
+
+def gluon_grad_kernel():
+    """gluon_grad.gluon_grad, imported only where it runs (Gluon does not run in the interpreter)."""
+    from .gluon_grad import gluon_grad
+    return gluon_grad
 
 # Whether the two-launch recompute runs state_fwd on a side stream beside the reverse state pass (CUDA only,
 # never in the interpreter): False never (the default until the H200 measures it); True wherever it applies
@@ -86,6 +109,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         del u
         dh, dv, dh0 = reverse_pass(w)
     del w
+    if GLUON_GRAD is not False and gluon_grad_applies(q, k, v, do, chunk_size):
+        del v_new
+        dq, dk, dv, dbeta = gluon_grad_kernel()(q, k, v, beta, tinv, h, dh, dv, do, scale, info, chunk_size)
+        return dq, dk, dv, dbeta, dh0
     dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
