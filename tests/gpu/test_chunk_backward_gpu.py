@@ -106,15 +106,9 @@ def gluon_reverse_runs():
             pytest.fail(f"the Gluon reverse pass's smoke call (block_v {block_v}) " + failure, pytrace=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("reverse, B", [("triton", 8), ("gluon", 8), ("gluon", 4)])
-def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse,
-                                                    B):
-    # 8 x 16 heads at K = V = 128: the reverse pass runs one program per head, either Triton's of 128 columns
-    # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or the Gluon kernel on sm_90 (forced: by
-    # default only on long sequences, state_bwd.gluon_reverse_pays; its launches counted); at 4 x 16 heads the
-    # Gluon kernel splits V (two programs a head, block_v 64); T = 300 ends in a partial chunk
-    x = make_inputs(B, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
+def force_reverse_pass(reverse: str, x: dict, monkeypatch, request) -> list:
+    """Forces the backward's reverse pass to be the Triton one or ("gluon") the Gluon kernel (skipped off sm_90,
+    after its smoke calls); returns the list the Gluon kernel's launches are counted in."""
     launches = []
     if reverse == "gluon":
         if not state_bwd.gluon_reverse_applies(x["q"], x["k"], x["k"], x["v"], None, 64):
@@ -125,9 +119,20 @@ def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monk
         state_bwd_gluon = gluon_reverse.gluon_state_bwd
         monkeypatch.setattr(gluon_reverse, "gluon_state_bwd",
                             lambda *a, **kw: launches.append(1) or state_bwd_gluon(*a, **kw))
-        monkeypatch.setattr(state_bwd, "GLUON_REVERSE", True)
-    else:
-        monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", reverse == "gluon")
+    return launches
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reverse, B", [("triton", 8), ("gluon", 8), ("gluon", 4)])
+def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse,
+                                                    B):
+    # 8 x 16 heads at K = V = 128: the reverse pass runs one program per head, either Triton's of 128 columns
+    # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or the Gluon kernel on sm_90 (forced: by
+    # default only on long sequences, state_bwd.gluon_reverse_pays; its launches counted); at 4 x 16 heads the
+    # Gluon kernel splits V (two programs a head, block_v 64); T = 300 ends in a partial chunk
+    x = make_inputs(B, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
+    launches = force_reverse_pass(reverse, x, monkeypatch, request)
     check(x, 128 ** -0.5, 64)
     assert len(launches) == (reverse == "gluon")
 
@@ -153,17 +158,7 @@ def test_backward_overlapping_state_passes(triton_backend, poison, monkeypatch, 
     x = make_inputs(1, T, H, 128, 128, dtype, device="cuda", initial_state=True, N=N, seed=7, requires_grad=True)
     cu = random_cu_seqlens(T_or_lengths, "cuda") if varlen else None
     assert not state.wy_on_chip(128, 128, N * H, x["k"].element_size()), "not the two-launch recompute"
-    launches = []
-    if reverse == "gluon":
-        if not state_bwd.gluon_reverse_applies(x["q"], x["k"], x["k"], x["v"], None, 64):
-            pytest.skip("the Gluon reverse pass runs on sm_90 only")
-        request.getfixturevalue("gluon_reverse_runs")
-        from deltatron.kernels.chunk import gluon_reverse
-
-        state_bwd_gluon = gluon_reverse.gluon_state_bwd
-        monkeypatch.setattr(gluon_reverse, "gluon_state_bwd",
-                            lambda *a, **kw: launches.append(1) or state_bwd_gluon(*a, **kw))
-    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", reverse == "gluon")
+    launches = force_reverse_pass(reverse, x, monkeypatch, request)
     streams, watched, released = [], [], []
     recompute_w_u, state_fwd, wy_backward = wy.recompute_w_u, state.state_fwd, wy_bwd.wy_bwd
 
