@@ -179,6 +179,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..launch import launch
 from ..utils import SeqInfo, num_sms
 # D_WALK: this kernel's head size as well (its tests and probe read it here)
 from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, accumulator_layout, check_inputs, loader_partition,  # noqa: F401
@@ -396,8 +397,7 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, width], tile_layout(k.dtype, C_WALK, width))
              for x, width in ((w, D), (do, block_v), (k, D), (q, D))]
     cfg = REVERSE_CONFIGS[block_v]
-    gluon_reverse_kernel[(N * H * (D // block_v), )](*descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
-                                                     chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS,
-                                                     OFFCHAIN_WARPS, cfg.offchain_regs, cfg.stages,
-                                                     num_warps=cfg.chain_warps)
+    launch(gluon_reverse_kernel, (N * H * (D // block_v), ), *descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
+           chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS, OFFCHAIN_WARPS, cfg.offchain_regs,
+           cfg.stages, num_warps=cfg.chain_warps)
     return dh, dv, dh0

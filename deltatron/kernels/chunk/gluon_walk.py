@@ -76,6 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..launch import launch
 from ..utils import SeqInfo, num_sms
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
@@ -351,9 +352,9 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
              for x, width in ((w, D), (u, block_v), (k, D), (q, D))]
     cfg = WALK_CONFIGS[block_v]
     grid = (N * H * (D // block_v), )
-    gluon_walk_kernel[grid](*descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
-                            initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS,
-                            cfg.output_regs, cfg.stages, num_warps=cfg.chain_warps)
+    launch(gluon_walk_kernel, grid, *descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
+           initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS, cfg.output_regs,
+           cfg.stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import (INTERPRET, PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm,
                      state_block_v, state_offsets)
 from .output import causal_output
@@ -270,7 +271,7 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
     transposed = fused and k.element_size() == 2 and (
         transposed_walk_pays(K, BV, k.element_size()) if TRANSPOSED_WALK is None else TRANSPOSED_WALK)
     if N * H:
-        state_fwd_kernel[(N * H, cdiv(V, BV))](
+        launch(state_fwd_kernel, (N * H, cdiv(V, BV)),
             q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
             initial_state is not None, output_final_state, fused, wy_inputs is not None,

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import (INTERPRET, PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
                      state_block_v, state_offsets, store_rows)
 from .output_bwd import causal_scores_t
@@ -175,7 +176,7 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV, warps = reverse_launch(K, V, N * H, q.element_size(), dv_local is None, num_sms(q.device))
     if N:
-        state_bwd_kernel[(cdiv(V, BV), N * H)](
+        launch(state_bwd_kernel, (cdiv(V, BV), N * H),
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
             H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dv_local is None,
             dot_precision(q.dtype),

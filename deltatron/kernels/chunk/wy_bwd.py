@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import WY_PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
 from .kkt import chunk_span
 
@@ -132,7 +133,7 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     dbeta = torch.empty_like(beta, dtype=torch.float32)
     BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
-        wy_bwd_kernel[(chunks.num_chunks, H)](
+        launch(wy_bwd_kernel, (chunks.num_chunks, H),
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
             H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES, **caps,
         )

@@ -1,0 +1,152 @@
+"""launch(kernel, grid, *args, **kwargs): the same launch as kernel[grid](*args, **kwargs), with less host work
+once the kernel has been compiled for these arguments.
+
+triton's JITFunction.run spends 16-22 µs of host time a launch (triton 3.6; benchmarks/diagnostics/host_time.md)
+binding the arguments, specializing each (native_specialize_impl), building its cache key (str() of the options
+every call), checking the used globals and building launch metadata, before its compiled kernel's launcher runs.
+Here the first launch of each specialization goes through kernel[grid](...) as always, and the CompiledKernel it
+returns is kept under a key of our own; a later launch with the same key calls that kernel's launcher directly,
+with the same arguments JITFunction.run would pass it.
+
+The key is at least as fine as triton 3.6's specialization, so that a launch triton would compile differently
+never reuses a binary (tests/kernels/test_launch.py checks it against JITFunction.run on kernels compiled for
+sm_90):
+  - the current device (triton launches on it, not on the tensors' device);
+  - per argument, in signature order (keyword arguments bound to their parameters):
+      constexpr parameters: the value and its type (True, 1 and 1.0 are different keys);
+      tensors: the dtype and whether data_ptr() is 16-byte aligned (recomputed every launch);
+      None; bools by value; ints by type, == 1, % 16 == 0 and triton's i32 / i64 / u64 range; floats by type;
+      Gluon TMA descriptors by the base's dtype, the block shape, the layout and the padding;
+    any other argument (a tuple, a numpy scalar, another descriptor class) takes kernel[grid] every time;
+  - the launch options (num_warps, num_stages, maxnreg, ...) in the order given, as triton's str(options) has
+    them, with the kernel's debug flag and knobs.runtime.debug and knobs.compilation.instrumentation_mode, which
+    triton adds to them.
+And a launch takes kernel[grid] instead (and is not remembered) when:
+  - TRITON_INTERPRET is set (kernels are interpreted, not compiled), or triton is not a version whose launch
+    path this was checked against (_CHECKED_TRITON);
+  - JITFunction.run is not triton's own (offline_compile.py, isolated.forced_launch and the Gluon diagnostics
+    replace it to compile or to force launch options: they keep seeing every launch);
+  - the kernel has pre-run hooks, or knobs.runtime.launch_enter_hook / launch_exit_hook have hooks (profilers
+    such as proton see every launch with its metadata);
+  - a global the kernel read when it was compiled changed since (triton raises on that: kernel[grid] does);
+  - the grid is a callable (it takes the bound arguments).
+With no hooks the launcher gets None for the launch metadata and both hooks; JITFunction.run passes it the empty
+hook chains and their metadata, which it calls to no effect."""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+import triton
+
+from .utils import INTERPRET
+
+# triton versions whose JITFunction.run this mirrors (the launcher's arguments, the options run adds, the
+# specialization): another version launches through kernel[grid] only
+_CHECKED_TRITON = ("3.6",)
+_ENABLED = not INTERPRET and ".".join(triton.__version__.split(".")[:2]) in _CHECKED_TRITON
+
+if _ENABLED:
+    from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from triton.knobs import HookChain
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    _TRITON_RUN = JITFunction.run
+
+_I32_MIN, _I32_MAX, _U64_MIN = -2 ** 31, 2 ** 31 - 1, 2 ** 63
+_NOT_PRESENT = object()
+
+
+class _Plan:
+    """What launch needs of a kernel, looked up once: its parameter names, which are constexpr, and the
+    compiled kernels launched so far, by key."""
+
+    def __init__(self, kernel):
+        self.names = kernel.arg_names
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.constexpr = tuple(p.is_constexpr for p in kernel.params)
+        self.compiled: Dict[Tuple, Any] = {}
+
+
+_plans: Dict[Any, _Plan] = {}
+
+
+def _arg_key(x):
+    """The key of a runtime (not constexpr) argument, or _NOT_PRESENT where only triton may specialize it."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if x is None:
+        return None
+    t = type(x)
+    if t is bool:
+        return t, x
+    if t is int:
+        return t, x == 1, x % 16 == 0, _I32_MIN <= x <= _I32_MAX, x >= _U64_MIN
+    if t is float:
+        return t
+    if t is GluonTensorDescriptor:
+        return t, x.base.dtype, tuple(x.block_shape), x.layout, x.padding
+    return _NOT_PRESENT
+
+
+def _bound(plan: _Plan, args: tuple, kwargs: dict):
+    """(every parameter's argument in signature order, the launch options in the order given), or None where a
+    parameter has no argument (triton fills defaults; ours have none, so this is an error triton reports)."""
+    if not kwargs:
+        return (args, ()) if len(args) == len(plan.names) else None
+    options = tuple((name, value) for name, value in kwargs.items() if name not in plan.index)
+    if len(args) + len(kwargs) - len(options) != len(plan.names):
+        return None
+    rest = []
+    for name in plan.names[len(args):]:
+        if name not in kwargs:
+            return None
+        rest.append(kwargs[name])
+    return (args + tuple(rest) if rest else args), options
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), through the compiled kernel's launcher directly when this specialization
+    was launched before (module docstring). Returns what kernel[grid] returns: the CompiledKernel."""
+    if not _ENABLED or getattr(kernel.run, "__func__", None) is not _TRITON_RUN or kernel.pre_run_hooks or \
+            callable(grid):
+        return kernel[grid](*args, **kwargs)
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if not (enter is None or type(enter) is HookChain and not enter.calls) or \
+            not (exit_ is None or type(exit_) is HookChain and not exit_.calls):
+        return kernel[grid](*args, **kwargs)
+    plan = _plans.get(kernel)
+    if plan is None:
+        plan = _plans[kernel] = _Plan(kernel)
+    bound = _bound(plan, args, kwargs)
+    if bound is None:
+        return kernel[grid](*args, **kwargs)
+    values, options = bound
+    device = driver.active.get_current_device()
+    key = [device, options, kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode]
+    for x, constexpr in zip(values, plan.constexpr):
+        k = (type(x), x) if constexpr else _arg_key(x)
+        if k is _NOT_PRESENT:
+            return kernel[grid](*args, **kwargs)
+        key.append(k)
+    try:
+        key = tuple(key)
+        compiled = plan.compiled.get(key)
+    except TypeError:  # an unhashable constexpr or option value
+        return kernel[grid](*args, **kwargs)
+    if compiled is not None:
+        for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
+            if globals_dict.get(name, _NOT_PRESENT) != value:
+                return kernel[grid](*args, **kwargs)  # triton raises its error
+        n = len(grid)
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                     driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *values)
+        return compiled
+    compiled = kernel[grid](*args, **kwargs)
+    if type(compiled) is CompiledKernel:
+        plan.compiled[key] = compiled
+    return compiled
