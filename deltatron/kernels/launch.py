@@ -60,22 +60,12 @@ _I32_MIN, _I32_MAX, _U64_MIN = -2 ** 31, 2 ** 31 - 1, 2 ** 63
 _NOT_PRESENT = object()
 
 
-class _Plan:
-    """What launch needs of a kernel, looked up once: its parameter names, which are constexpr, and the
-    compiled kernels launched so far, by key."""
-
-    def __init__(self, kernel):
-        self.names = kernel.arg_names
-        self.index = {name: i for i, name in enumerate(self.names)}
-        self.constexpr = tuple(p.is_constexpr for p in kernel.params)
-        self.compiled: Dict[Tuple, Any] = {}
-
-
-_plans: Dict[Any, _Plan] = {}
+class _Unsupported(Exception):
+    """An argument only triton may specialize (launch takes kernel[grid])."""
 
 
 def _arg_key(x):
-    """The key of a runtime (not constexpr) argument, or _NOT_PRESENT where only triton may specialize it."""
+    """The key of a runtime (not constexpr) argument other than a plain torch.Tensor (_Plan.bind inlines those)."""
     if isinstance(x, torch.Tensor):
         return x.dtype, x.data_ptr() % 16 == 0
     if x is None:
@@ -89,23 +79,29 @@ def _arg_key(x):
         return t
     if t is GluonTensorDescriptor:
         return t, x.base.dtype, tuple(x.block_shape), x.layout, x.padding
-    return _NOT_PRESENT
+    raise _Unsupported
 
 
-def _bound(plan: _Plan, args: tuple, kwargs: dict):
-    """(every parameter's argument in signature order, the launch options in the order given), or None where a
-    parameter has no argument (triton fills defaults; ours have none, so this is an error triton reports)."""
-    if not kwargs:
-        return (args, ()) if len(args) == len(plan.names) else None
-    options = tuple((name, value) for name, value in kwargs.items() if name not in plan.index)
-    if len(args) + len(kwargs) - len(options) != len(plan.names):
-        return None
-    rest = []
-    for name in plan.names[len(args):]:
-        if name not in kwargs:
-            return None
-        rest.append(kwargs[name])
-    return (args + tuple(rest) if rest else args), options
+class _Plan:
+    """What launch needs of a kernel, made once: bind(*args, **kwargs), generated for the kernel's signature like
+    triton's binder, returning (every parameter's argument in signature order, the launch options in the order
+    given, the arguments' key); and the compiled kernels launched so far, by key."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel  # (the plans are looked up by id(kernel))
+        self.compiled: Dict[Tuple, Any] = {}
+        names = kernel.arg_names
+        parts = [f"_dt_type({n}), {n}" if p.is_constexpr else
+                 f"({n}.dtype, {n}.data_ptr() % 16 == 0) if _dt_type({n}) is _dt_Tensor else _dt_arg_key({n})"
+                 for n, p in zip(names, kernel.params)]
+        src = (f"def bind({', '.join(names)}, **_dt_options):\n"
+               f"    return ({', '.join(names)},), tuple(_dt_options.items()), ({', '.join(parts)},)\n")
+        namespace = dict(_dt_type=type, _dt_Tensor=torch.Tensor, _dt_arg_key=_arg_key)
+        exec(src, namespace)  # noqa: S102 (source built from the kernel's parameter names)
+        self.bind = namespace["bind"]
+
+
+_plans: Dict[int, _Plan] = {}
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -118,24 +114,17 @@ def launch(kernel, grid, *args, **kwargs):
     if not (enter is None or type(enter) is HookChain and not enter.calls) or \
             not (exit_ is None or type(exit_) is HookChain and not exit_.calls):
         return kernel[grid](*args, **kwargs)
-    plan = _plans.get(kernel)
-    if plan is None:
-        plan = _plans[kernel] = _Plan(kernel)
-    bound = _bound(plan, args, kwargs)
-    if bound is None:
-        return kernel[grid](*args, **kwargs)
-    values, options = bound
-    device = driver.active.get_current_device()
-    key = [device, options, kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode]
-    for x, constexpr in zip(values, plan.constexpr):
-        k = (type(x), x) if constexpr else _arg_key(x)
-        if k is _NOT_PRESENT:
+    plan = _plans.get(id(kernel))
+    if plan is None or plan.kernel is not kernel:
+        if any(n.startswith("_dt_") for n in kernel.arg_names):
             return kernel[grid](*args, **kwargs)
-        key.append(k)
+        plan = _plans[id(kernel)] = _Plan(kernel)
+    device = driver.active.get_current_device()
     try:
-        key = tuple(key)
+        values, options, arg_key = plan.bind(*args, **kwargs)
+        key = (device, options, kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode, arg_key)
         compiled = plan.compiled.get(key)
-    except TypeError:  # an unhashable constexpr or option value
+    except (_Unsupported, TypeError):  # an argument only triton specializes, a missing argument, an unhashable one
         return kernel[grid](*args, **kwargs)
     if compiled is not None:
         for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
