@@ -205,6 +205,7 @@ def transposed_walk_pays(K: int, BV: int, element_size: int) -> bool:
     return element_size == 2 and K == 128 and BV == 128
 
 
+@functools.lru_cache(maxsize=None)
 def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
     """(V-block, warps) of the walk: state_block_v's V-block on 4 warps, with two exceptions.
 
@@ -233,6 +234,7 @@ def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool)
     return BV, warps
 
 
+@functools.lru_cache(maxsize=None)
 def wy_on_chip(K: int, V: int, num_states: int, element_size: int) -> bool:
     """Whether the backward's walk computes W, U on chip (state_wy_fwd) rather than reading them from
     wy.recompute_w_u's launch: 16-bit inputs, K up to 64, or K = 128 with whole V-blocks, and V-blocks 64

@@ -18,6 +18,7 @@ Both round A^T to the input dtype alike (output_bwd.causal_scores_t); the fused 
 in fp32, where the unfused one has it rounded to the input dtype by its store."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -71,6 +72,7 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
 
 
+@functools.lru_cache(maxsize=None)
 def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bool,
                    sms: int) -> Tuple[int, int]:
     """(V-block, warps) of the reverse pass: state_block_v's V-block, on 4 warps (8 at K = 256), except:
