@@ -84,7 +84,8 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     chunks = info.chunks(chunk_size)
     dv = torch.empty_like(do)
     if chunks.num_chunks:
-        launch(dv_local_kernel, (chunks.num_chunks, H),
+        launch(
+            dv_local_kernel, (chunks.num_chunks, H),
             q, k, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
             H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
@@ -103,7 +104,8 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
     dw = torch.empty_like(k)
     if chunks.num_chunks:
         BK = head_tile(K)
-        launch(dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
+        launch(
+            dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
             q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
             H, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )

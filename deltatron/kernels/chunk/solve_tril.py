@@ -111,7 +111,8 @@ def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     tinv = torch.empty_like(A)
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
-        launch(solve_tril_kernel, (chunks.num_chunks, H),
+        launch(
+            solve_tril_kernel, (chunks.num_chunks, H),
             A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, *tril_precision(A.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )

@@ -273,7 +273,8 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
     transposed = fused and k.element_size() == 2 and (
         transposed_walk_pays(K, BV, k.element_size()) if TRANSPOSED_WALK is None else TRANSPOSED_WALK)
     if N * H:
-        launch(state_fwd_kernel, (N * H, cdiv(V, BV)),
+        launch(
+            state_fwd_kernel, (N * H, cdiv(V, BV)),
             q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
             initial_state is not None, output_final_state, fused, wy_inputs is not None,
@@ -382,7 +383,8 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
     if gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
                                                        for x in (q, k, w, u)):
         from .gluon_walk import gluon_state_output_fwd
-        return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
+        return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
+                                      checked=True)
     o = torch.empty_like(u)
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
                               None, o)

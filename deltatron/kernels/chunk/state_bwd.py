@@ -169,7 +169,7 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     compute it in this pass (fused: the backward's path; as the Gluon kernel where gluon_reverse_pays)."""
     if gluon_reverse_pays(q, k, w, do, dv_local, info, chunk_size):
         from .gluon_reverse import gluon_state_bwd
-        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size)
+        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size, checked=True)
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)
@@ -178,7 +178,8 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV, warps = reverse_launch(K, V, N * H, q.element_size(), dv_local is None, num_sms(q.device))
     if N:
-        launch(state_bwd_kernel, (cdiv(V, BV), N * H),
+        launch(
+            state_bwd_kernel, (cdiv(V, BV), N * H),
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
             H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dv_local is None,
             dot_precision(q.dtype),

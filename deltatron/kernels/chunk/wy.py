@@ -114,7 +114,8 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     caps = dict(maxnreg=168) if fused and split and max(K, V) <= 128 else {}
     BK, BV = max(head_tile(K), 32), max(head_tile(V), 32)
     if chunks.num_chunks:
-        launch(wy_kernel, (chunks.num_chunks, H),
+        launch(
+            wy_kernel, (chunks.num_chunks, H),
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, BK, BK, BV,
             fused, tinv is not None, v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
             num_warps=4, num_stages=WY_PIPELINE_STAGES, **caps,

@@ -137,7 +137,8 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     dbeta = torch.empty_like(beta, dtype=torch.float32)
     BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
-        launch(wy_bwd_kernel, (chunks.num_chunks, H),
+        launch(
+            wy_bwd_kernel, (chunks.num_chunks, H),
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
             H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES, **caps,
         )
