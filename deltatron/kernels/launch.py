@@ -55,6 +55,9 @@ if _ENABLED:
     from triton.runtime.jit import JITFunction
 
     _TRITON_RUN = JITFunction.run
+    # triton's own run, not a replacement in place when deltatron was imported (a forced_launch's would put kernels
+    # compiled under forced options in the cache)
+    _ENABLED = (_TRITON_RUN.__module__, _TRITON_RUN.__qualname__) == ("triton.runtime.jit", "JITFunction.run")
 
 _I32_MIN, _I32_MAX, _U64_MIN = -2 ** 31, 2 ** 31 - 1, 2 ** 63
 _NOT_PRESENT = object()
