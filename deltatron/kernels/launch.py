@@ -15,7 +15,8 @@ sm_90):
   - per argument, in signature order (keyword arguments bound to their parameters):
       constexpr parameters: the value and its type (True, 1 and 1.0 are different keys);
       tensors: the dtype and whether data_ptr() is 16-byte aligned (recomputed every launch);
-      None; bools by value; ints by type, == 1, % 16 == 0 and triton's i32 / i64 / u64 range; floats by type;
+      None; bools by value; ints by type, == 1, % 16 == 0 and triton's i32 / i64 / u64 range (an int outside
+      [-2**63, 2**64) takes kernel[grid], which raises); floats by type;
       Gluon TMA descriptors by the base's dtype, the block shape, the layout and the padding;
     any other argument (a tuple, a numpy scalar, another descriptor class) takes kernel[grid] every time;
   - the launch options (num_warps, num_stages, maxnreg, ...) in the order given, as triton's str(options) has
@@ -60,6 +61,7 @@ if _ENABLED:
     _ENABLED = (_TRITON_RUN.__module__, _TRITON_RUN.__qualname__) == ("triton.runtime.jit", "JITFunction.run")
 
 _I32_MIN, _I32_MAX, _U64_MIN = -2 ** 31, 2 ** 31 - 1, 2 ** 63
+_I64_MIN, _U64_MAX = -2 ** 63, 2 ** 64 - 1  # beyond: triton raises OverflowError (the launcher's u64 "K" would wrap)
 _NOT_PRESENT = object()
 
 
@@ -77,6 +79,8 @@ def _arg_key(x):
     if t is bool:
         return t, x
     if t is int:
+        if not _I64_MIN <= x <= _U64_MAX:
+            raise _Unsupported  # kernel[grid] raises triton's OverflowError
         return t, x == 1, x % 16 == 0, _I32_MIN <= x <= _I32_MAX, x >= _U64_MIN
     if t is float:
         return t

@@ -161,12 +161,28 @@ def main() -> int:
         ((x, y, None, 64, 0.5, 64, True), dict(maxnreg=128)),
         ((x, y, None, 64, 0.5), dict(B=64, FLAG=True)),         # constexprs by keyword
         ((x, y, None), dict(n=64, s=0.5, B=64, FLAG=True, num_warps=8)),
+        # constexprs of one type that are == but print apart: triton's kernel_key_cache looks its key up by ==,
+        # so it launches the first one's kernel for both, as launch does (check() asserts the same kernel)
+        ((x, y, None, 64, 0.5, 64, 0.0), {}),
+        ((x, y, None, 64, 0.5, 64, -0.0), {}),
+        ((x, y, None, 64, 0.5, 64, tl.constexpr(1)), {}),
+        ((x, y, None, 64, 0.5, 64, tl.constexpr(1.0)), {}),
     ]
     compiled = set()
     for args, kwargs in rows:
         check(probe_kernel, grid, *args, **kwargs)
         compiled.add(probe_kernel[grid](*args, **kwargs))
     assert len(compiled) >= 20, len(compiled)
+    # an int no kernel argument can hold (above u64): triton raises, the fast path must not truncate it
+    for n in (2 ** 64 + 16, -2 ** 63 - 16):
+        launches.clear()
+        try:
+            launch(probe_kernel, grid, x, y, None, n, 0.5, 64, True)
+        except OverflowError:
+            pass
+        else:
+            raise AssertionError(f"{n} launched as {launches}")
+        assert not launches, launches
     # grids of 2 and 3 dimensions
     check(probe_kernel, (3, 2), x, y, None, 64, 0.5, 64, True)
     check(probe_kernel, (3, 2, 5), x, y, None, 64, 0.5, 64, True)
