@@ -32,7 +32,39 @@ And a launch takes kernel[grid] instead (and is not remembered) when:
   - a global the kernel read when it was compiled changed since (triton raises on that: kernel[grid] does);
   - the grid is a callable (it takes the bound arguments).
 With no hooks the launcher gets None for the launch metadata and both hooks; JITFunction.run passes it the empty
-hook chains and their metadata, which it calls to no effect."""
+hook chains and their metadata, which it calls to no effect.
+
+Review (wip/host-cuts-review, read against triton 3.6's runtime/jit.py, backends/nvidia/driver.py, compiler.py and
+triton's specialize.cc; on the dev CPU only, no GPU run):
+  - Checked: the generated bind against create_function_from_signature (same parameter names, no defaults: our
+    top-level kernels have none, and a missing argument is a TypeError that takes kernel[grid]; keyword arguments
+    bind to parameters, the rest are options, as in triton); the key against native_specialize_impl argument by
+    argument (tensor dtype and data_ptr() & 15 recomputed per call, views with offsets included; int == 1, % 16,
+    i32 / i64 / u64; bool / float / None; Gluon descriptors: triton keys dtype, block shape and repr(layout), the
+    TMA map itself is filled per launch by the launcher from base.data_ptr(), shape and strides, so both paths
+    do that work); no kernel of ours has do_not_specialize(_on_alignment), annotations or defaults (introspected);
+    the launcher call against JITFunction.run's (grid, current stream read per call on the current device read
+    per call, function, packed metadata, metadata / hooks None only when no hook is installed, every bound
+    argument in signature order; the C launcher skips None hooks; global / profile scratch are allocated inside
+    CudaLauncher.__call__ on both paths); every fallback (tests/kernels/test_launch.py). The key holds no data
+    pointer or int value beyond what triton specializes, so it grows only with specializations (like triton's
+    own cache); _plans keeps each kernel alive (module-level kernels only). Dict updates under the GIL are safe;
+    two threads may both build a plan, harmlessly. torch.compile: kernels run inside the custom ops (library.py),
+    eagerly, so dynamo never traces launch; under CUDA graph capture the stream is read per launch, as triton does.
+    Also ran, outside the test (3 min): all four forms, bf16 / fp16 / fp32, fixed and varlen, Triton and Gluon
+    chunk paths: every launch picks JITFunction.run's CompiledKernel and launcher arguments.
+  - Found and fixed: an int argument >= 2**64 got the u64 key and reached the launcher, whose "K" format wraps it
+    without an overflow check (triton raises OverflowError); ints outside [-2**63, 2**64) now take kernel[grid].
+  - Not a divergence: constexprs equal under == but printed apart (-0.0 / 0.0, constexpr[1] / constexpr[1.0]):
+    triton's kernel_key_cache looks its key up by == too, so both paths reuse the first one's kernel (test rows).
+  - Remaining risks: option values are keyed by == where triton keys str(options) (enable_fp_fusion=1 vs True
+    share a kernel here, get two compiles of the same code from triton; not worth the ~0.4 µs a launch to key by
+    type); a triton 3.6.x patch release that changes run or the launcher would pass _CHECKED_TRITON; hooks,
+    launch_metadata callbacks and pre-run hooks are only honoured by falling back, so a hook added while a
+    launch is in flight on another thread may miss that launch; the checks run a stand-in driver, not CUDA.
+  - Estimate: bitwise-identical results to kernel[grid] on the H200 for every deltatron launch site: ~97%
+    (same CompiledKernel and same launcher arguments in every case checked; the residue is what a CPU stand-in
+    cannot show)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
