@@ -96,13 +96,17 @@ def test_refuses_misuse():
             call(x, info, **changes)
 
 
-def test_backward_keeps_the_pair_by_default():
-    # off until the GPU has measured it; and never on CPU tensors (not sm_90, and the interpreter runs no Gluon)
+@pytest.mark.parametrize("N, T, expected", [(1, 32768, True), (2, 8192, True), (3, 8192, True), (1, 8191, False),
+                                         (8, 2048, False), (4, 4096, False), (2, 8190, False), (1, 0, False)])
+def test_backward_takes_the_kernel_on_long_sequences_only(N, T, expected):
+    # by default (GLUON_GRAD None) where the H200 measured the whole call faster with it: 8,192 tokens or more a
+    # sequence on average; never on CPU tensors (not sm_90, and the interpreter runs no Gluon)
     import importlib
 
     backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    assert backward.GLUON_GRAD is None
+    assert backward.gluon_grad_pays(seq_info(N, T, torch.device("cpu"), None, None)) == expected
     x, _ = stage_inputs([100], 2)
-    assert backward.GLUON_GRAD is False
     assert not backward.gluon_grad_applies(x["q"], x["k"], x["v"], x["do"], C)
 
 

@@ -385,7 +385,7 @@ def test_gluon_reverse_pays_from_16_to_one_wave_on_long_sequences(monkeypatch, N
     (1, 32768, 33, False), (1, 32768, 64, False), (2, 8192, 32, False),  # too many sequences x heads
     (1, 8191, 16, False), (4, 4096, 8, False), (8, 2048, 2, False)])  # sequences too short
 def test_overlap_pays_on_few_long_sequences_x_heads(N, T, H, expected):
-    # the predicted rule of OVERLAP_STATE_PASSES = None: at most 32 sequences x heads, 8,192 tokens or more a
+    # the rule of OVERLAP_STATE_PASSES = None (the default): at most 32 sequences x heads, 8,192 tokens or more a
     # sequence on average
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
     assert chunk_backward.overlap_pays(N, H, N * T) == expected

@@ -8,7 +8,7 @@ heads where that walk spills) two: wy.recompute_w_u writes W and U, state.state_
 h and v_new bit for bit. On that two-launch path the reverse pass needs W only, not state_fwd's h and
 v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES).
 
-Where GLUON_GRAD is on and gluon_grad_applies, dqkw + wy_bwd run as one warp-specialized Gluon kernel
+Where GLUON_GRAD allows (gluon_grad_pays: long sequences) and gluon_grad_applies, dqkw + wy_bwd run as one warp-specialized Gluon kernel
 (gluon_grad.py) that recomputes V' on chip: it reads neither v_new nor dW nor the direct dK."""
 from __future__ import annotations
 
@@ -21,9 +21,25 @@ from ..utils import INTERPRET
 from . import output_bwd, state, state_bwd, wy, wy_bwd
 from .state import _is_sm90, gluon_importable
 
-# Whether the grad stage (dqkw + wy_bwd) runs as gluon_grad.py's kernel where gluon_grad_applies: off until the GPU
-# has measured it (tests and benchmarks/diagnostics/gluon_grad.py turn it on); None runs it wherever it applies
-GLUON_GRAD: Optional[bool] = False
+# Whether the grad stage (dqkw + wy_bwd) runs as gluon_grad.py's kernel where gluon_grad_applies: False never,
+# True wherever it applies (tests, benchmarks/diagnostics/gluon_grad.py), None (the default) where gluon_grad_pays
+GLUON_GRAD: Optional[bool] = None
+GLUON_GRAD_MIN_TOKENS = 8192  # mean tokens a sequence: at least this many (gluon_grad_pays)
+
+
+def gluon_grad_pays(info) -> bool:
+    """Whether the Gluon grad kernel pays, where it applies: on sequences of GLUON_GRAD_MIN_TOKENS tokens or more
+    on average. Measured on the H200 (benchmarks/diagnostics/gluon_grad.py, bf16, K = V = 128, session 12; dq, dk,
+    dbeta within 2.1e-3 to 3.8e-3 of the pair, dv equal, reruns bitwise), the pair (dqkw + wy_bwd) / the kernel
+    alone, and the whole forward+backward through the API with it off / on, two interleaved readings, ms:
+        8 x 16 heads, T = 2048:   0.569 / 0.485-0.489,  1.222-1.236 / 1.458-1.644
+        4 x 16 heads, T = 4096:   0.569-0.571 / 0.486,  1.369-1.374 / 1.507-1.510
+        2 x 32 heads, T = 8192:   1.126-1.131 / 1.002-1.004,  2.555-2.563 / 2.410-2.411
+        1 x 16 heads, T = 32768:  1.110-1.114 / 0.968-0.971,  4.176-4.201 / 4.028-4.039
+    Faster alone everywhere (by 0.08-0.14 ms), the whole call is faster only on long sequences: where it is short
+    the host, as busy as the GPU there, pays more for the Gluon launch than the GPU saves (as for the Gluon
+    reverse pass, state_bwd.gluon_reverse_pays)."""
+    return info.total_tokens >= GLUON_GRAD_MIN_TOKENS * max(info.num_seqs, 1)
 
 
 def gluon_grad_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, chunk_size: int) -> bool:
@@ -41,23 +57,25 @@ def gluon_grad_kernel():
     return gluon_grad
 
 # Whether the two-launch recompute runs state_fwd on a side stream beside the reverse state pass (CUDA only,
-# never in the interpreter): False never (the default until the H200 measures it); True wherever it applies
-# (tests, benchmarks/diagnostics/overlap_state_passes.py); None where overlap_pays predicts a gain
-OVERLAP_STATE_PASSES: Optional[bool] = False
+# never in the interpreter): False never; True wherever it applies (tests,
+# benchmarks/diagnostics/overlap_state_passes.py); None (the default) where overlap_pays
+OVERLAP_STATE_PASSES: Optional[bool] = None
 OVERLAP_MAX_STATES = 32  # sequences x heads: at most this many (overlap_pays)
 OVERLAP_MIN_TOKENS = 8192  # mean tokens a sequence: at least this many (overlap_pays)
 
 
 def overlap_pays(num_seqs: int, heads: int, total_tokens: int) -> bool:
-    """Predicted, not measured: where overlapping state_fwd with the reverse pass saves time. From the stage
-    times on the H200 at 1 x 16 heads, T = 32768, K = V = 128 bf16 (recompute_w_u 0.187 ms, state_fwd 0.684 on
-    128 programs, the reverse pass 1.214 as the Gluon kernel's 32 programs of a whole SM each, one after the
-    other): the reverse pass leaves ~100 SMs idle, room for state_fwd beside it, so up to its 0.684 ms of the
-    4.2 ms forward+backward. That needs few sequences x heads, at most OVERLAP_MAX_STATES: the Gluon pass runs
-    two programs a head (gluon_walk.split_v), so at 32 it leaves 68 of the 132 SMs, at 64 only 4 (where 16-bit
-    K = V = 128 recomputes in one launch anyway); and long sequences, OVERLAP_MIN_TOKENS on average (as
-    state_bwd.GLUON_REVERSE_MIN_TOKENS): shorter, both passes are short, and the whole call, about as busy on
-    the host as on the GPU there, gains little from GPU time saved."""
+    """Where overlapping state_fwd with the reverse pass saves time: few sequences x heads, at most
+    OVERLAP_MAX_STATES, on long sequences, OVERLAP_MIN_TOKENS on average. The reverse pass, the Gluon kernel's
+    two programs a head (gluon_walk.split_v) of a whole SM each, leaves the other SMs idle: at 32 sequences x
+    heads 68 of the 132, at 64 only 4 (where 16-bit K = V = 128 recomputes in one launch anyway). Shorter
+    sequences make both passes short, and the whole call, about as busy on the host as on the GPU there, gains
+    little from GPU time saved.
+    Measured on the H200 (benchmarks/diagnostics/overlap_state_passes.py, bf16, K = V = 128, session 12; gradients
+    bitwise equal to the one-stream backward), forward+backward through the API, one stream / two, three
+    interleaved readings: 1 x 16 heads, T = 32768: 4.180-4.196 / 3.481-3.487 ms (predicted 3.5-3.7). At 2 x 32
+    heads, T = 8192 the recompute is one launch and nothing changes (2.556-2.561 / 2.559-2.562). Not measured:
+    between 17 and 32 sequences x heads, and the Triton reverse pass (fp32, other head sizes)."""
     return num_seqs * heads <= OVERLAP_MAX_STATES and total_tokens >= OVERLAP_MIN_TOKENS * num_seqs
 
 
@@ -109,7 +127,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         del u
         dh, dv, dh0 = reverse_pass(w)
     del w
-    if GLUON_GRAD is not False and gluon_grad_applies(q, k, v, do, chunk_size):
+    if GLUON_GRAD is not False and (GLUON_GRAD or gluon_grad_pays(info)) and \
+            gluon_grad_applies(q, k, v, do, chunk_size):
         del v_new
         dq, dk, dv, dbeta = gluon_grad_kernel()(q, k, v, beta, tinv, h, dh, dv, do, scale, info, chunk_size)
         return dq, dk, dv, dbeta, dh0

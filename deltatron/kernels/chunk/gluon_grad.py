@@ -150,8 +150,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..launch import launch
 from ..utils import SeqInfo
-from .gluon_walk import C_WALK, LOADER_REGS, accumulator_layout, check_inputs, register_operand, tile_layout
+from .gluon_walk import (C_WALK, LOADER_REGS, accumulator_layout, check_inputs, register_operand, tile_layout,
+                         tma_descriptors)
 
 # the inputs of gluon_grad, in its order (tests and the probe pass them by name)
 INPUTS = ("q", "k", "v", "beta", "tinv", "h", "dh", "dv_prime", "do")
@@ -427,14 +429,13 @@ def gluon_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     if NT == 0 or H == 0:
         return dq, dk, dv, dbeta
     # [TT, H * 128] per token tensor, tile [C, 128] at (row, head * 128); the states [NT * H * 128, 128], tile
-    # [128, 128] at ((chunk * H + head) * 128, 0); T~ [TT, H * C] fp32, tile [C, C] at (row, head * C). Rows past
-    # TT are TMA's zero fill
-    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C, D], tile_layout(k.dtype, C, D))
-             for x in (q, k, v, do, dv_prime)]
-    descs += [TensorDescriptor.from_tensor(x.reshape(NT * H * D, D), [D, D], tile_layout(k.dtype, D, D))
-              for x in (h, dh)]
-    descs.append(TensorDescriptor.from_tensor(tinv.reshape(TT, H * C), [C, C],
-                                              gl.NVMMASharedLayout.get_default_for([C, C], gl.float32)))
-    gluon_grad_kernel[(NT, H)](*descs, beta, dq, dk, dv, dbeta, info.chunks(C).chunk_indices, info.cu_seqlens, scale,
-                               H, LOADER_REGS, DQDK_WARPS, DQDK_REGS, num_warps=4)
+    # [128, 128] at ((chunk * H + head) * 128, 0); T~ [TT, H * C] fp32, tile [C, C] at (row, head * C): each view's
+    # shape and strides given directly (the tensors are contiguous: checked), no reshape. Rows past TT are TMA's
+    # zero fill
+    descs = tma_descriptors([(x, D) for x in (q, k, v, do, dv_prime)], TT, H)
+    descs += [TensorDescriptor(x, [NT * H * D, D], [D, 1], [D, D], tile_layout(k.dtype, D, D)) for x in (h, dh)]
+    descs.append(TensorDescriptor(tinv, [TT, H * C], [H * C, 1], [C, C],
+                                  gl.NVMMASharedLayout.get_default_for([C, C], gl.float32)))
+    launch(gluon_grad_kernel, (NT, H), *descs, beta, dq, dk, dv, dbeta, info.chunks(C).chunk_indices,
+           info.cu_seqlens, scale, H, LOADER_REGS, DQDK_WARPS, DQDK_REGS, num_warps=4)
     return dq, dk, dv, dbeta
