@@ -317,26 +317,6 @@ def test_tril_precision_emulation():
         assert results[(kind, "bfloat16", "tf32_newton")][0] < 2e-4  # error squared by the Newton step
 
 
-def test_gluon_grad_protocol_model():
-    """benchmarks/diagnostics/gluon_grad_protocol.py (the Gluon grad kernel's synchronization as compiled,
-    under random interleavings): clean as compiled, and each broken variant caught within a few runs."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
-    try:
-        import gluon_grad_protocol as protocol
-    finally:
-        sys.path.pop(0)
-    for seed in range(30):
-        assert protocol.run(None, seed) == "ok"
-    for variant in protocol.VARIANTS[1:]:
-        caught = 0
-        for seed in range(30):
-            try:
-                protocol.run(variant, seed)
-            except protocol.Fail:
-                caught += 1
-        assert caught, f"{variant}: never caught"
-
-
 def test_wy_breakdown_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps and candidate launches timed on the GPU)
     runs its smoke mode, which checks that each inverse variant gives the shipped Tinv and that every

@@ -6,10 +6,7 @@ The recompute is one launch where state.wy_on_chip (16-bit, K up to 64 or K = 12
 the walk computes W, U from T~ on chip and writes W alone (state.state_wy_fwd). Elsewhere (fp32, and the
 heads where that walk spills) two: wy.recompute_w_u writes W and U, state.state_fwd reads them; the same W,
 h and v_new bit for bit. On that two-launch path the reverse pass needs W only, not state_fwd's h and
-v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES).
-
-Where GLUON_GRAD allows (gluon_grad_pays: long sequences) and gluon_grad_applies, dqkw + wy_bwd run as one warp-specialized Gluon kernel
-(gluon_grad.py) that recomputes V' on chip: it reads neither v_new nor dW nor the direct dK."""
+v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES)."""
 from __future__ import annotations
 
 import functools
@@ -19,42 +16,6 @@ import torch
 
 from ..utils import INTERPRET
 from . import output_bwd, state, state_bwd, wy, wy_bwd
-from .state import _is_sm90, gluon_importable
-
-# Whether the grad stage (dqkw + wy_bwd) runs as gluon_grad.py's kernel where gluon_grad_applies: False never,
-# True wherever it applies (tests, benchmarks/diagnostics/gluon_grad.py), None (the default) where gluon_grad_pays
-GLUON_GRAD: Optional[bool] = None
-GLUON_GRAD_MIN_TOKENS = 8192  # mean tokens a sequence: at least this many (gluon_grad_pays)
-
-
-def gluon_grad_pays(info) -> bool:
-    """Whether the Gluon grad kernel pays, where it applies: on sequences of GLUON_GRAD_MIN_TOKENS tokens or more
-    on average. Measured on the H200 (benchmarks/diagnostics/gluon_grad.py, bf16, K = V = 128, session 12; dq, dk,
-    dbeta within 2.1e-3 to 3.8e-3 of the pair, dv equal, reruns bitwise), the pair (dqkw + wy_bwd) / the kernel
-    alone, and the whole forward+backward through the API with it off / on, two interleaved readings, ms:
-        8 x 16 heads, T = 2048:   0.569 / 0.485-0.489,  1.222-1.236 / 1.458-1.644
-        4 x 16 heads, T = 4096:   0.569-0.571 / 0.486,  1.369-1.374 / 1.507-1.510
-        2 x 32 heads, T = 8192:   1.126-1.131 / 1.002-1.004,  2.555-2.563 / 2.410-2.411
-        1 x 16 heads, T = 32768:  1.110-1.114 / 0.968-0.971,  4.176-4.201 / 4.028-4.039
-    Faster alone everywhere (by 0.08-0.14 ms), the whole call is faster only on long sequences: where it is short
-    the host, as busy as the GPU there, pays more for the Gluon launch than the GPU saves (as for the Gluon
-    reverse pass, state_bwd.gluon_reverse_pays)."""
-    return info.total_tokens >= GLUON_GRAD_MIN_TOKENS * max(info.num_seqs, 1)
-
-
-def gluon_grad_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, chunk_size: int) -> bool:
-    """Where the Gluon grad kernel can run: a Hopper GPU (sm_90, not the interpreter), q, k, v, do of one 16-bit
-    dtype, K = V = 128, C = 64, contiguous and 16-byte aligned (TMA), and a triton with Gluon's Hopper API."""
-    return (k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16)
-            and all(x.dtype == k.dtype and x.shape[-1] == 128 and x.is_contiguous() and x.data_ptr() % 16 == 0
-                    for x in (q, k, v, do))
-            and chunk_size == 64 and _is_sm90(k.device.index) and gluon_importable("gluon_grad"))
-
-
-def gluon_grad_kernel():
-    """gluon_grad.gluon_grad, imported only where it runs (Gluon does not run in the interpreter)."""
-    from .gluon_grad import gluon_grad
-    return gluon_grad
 
 # Whether the two-launch recompute runs state_fwd on a side stream beside the reverse state pass (CUDA only,
 # never in the interpreter): False never; True wherever it applies (tests,
@@ -127,11 +88,6 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         del u
         dh, dv, dh0 = reverse_pass(w)
     del w
-    if GLUON_GRAD is not False and (GLUON_GRAD or gluon_grad_pays(info)) and \
-            gluon_grad_applies(q, k, v, do, chunk_size):
-        del v_new
-        dq, dk, dv, dbeta = gluon_grad_kernel()(q, k, v, beta, tinv, h, dh, dv, do, scale, info, chunk_size)
-        return dq, dk, dv, dbeta, dh0
     dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
