@@ -274,6 +274,19 @@ def test_transposed_walk_diagnostic_runs(tmp_path):
     assert proc.stdout.count(" ms") == 2
 
 
+def test_overlap_state_passes_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/overlap_state_passes.py (forward+backward with the backward's two state passes on one
+    stream and on two, for the GPU) runs its smoke mode: on a one-launch and a two-launch recompute, says that the
+    overlap cannot apply on the CPU, finds the gradients of both settings bitwise equal and times each 3 times."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "overlap_state_passes.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "one launch (W, U on chip): the overlap does not apply" in proc.stdout
+    assert "two launches; the overlap cannot apply here" in proc.stdout
+    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
+    assert proc.stdout.count("forward+backward") == 2 * 2 * 3
+
+
 def test_device_session_script_parses_and_names_real_files():
     """benchmarks/device_session.sh (one device call: suite and stage timings) is valid bash, and every
     script it runs exists."""

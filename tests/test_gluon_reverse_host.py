@@ -89,3 +89,43 @@ def test_refuses_misuse():
     for block_v in (32, 96, 256):  # wgmma's M is 64 a warp group: no narrower V-block; others do not tile 128
         with pytest.raises(ValueError, match="block_v"):
             gluon_reverse.gluon_state_bwd(q, k, k, v, None, 0.1, False, info, block_v=block_v)
+
+
+def reshaped_descriptors(pairs, TT, H):
+    """The descriptors as the wrappers built them before (TensorDescriptor.from_tensor on a [TT, H * 128] reshape):
+    what tma_descriptors' must equal, field by field."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from deltatron.kernels.chunk.gluon_walk import tile_layout
+    return [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [64, width], tile_layout(x.dtype, 64, width))
+            for x, width in pairs]
+
+
+def assert_same_descriptors(got, expected):
+    for g, e in zip(got, expected, strict=True):
+        assert g.base.data_ptr() == e.base.data_ptr() and g.base.dtype == e.base.dtype
+        assert list(g.shape) == list(e.shape) and list(g.strides) == list(e.strides)
+        assert list(g.block_shape) == list(e.block_shape) and g.layout == e.layout and g.padding == e.padding
+
+
+@pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (2, 70, 3, 128), (1, 5, 16, None)])
+def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
+    # the descriptors given the [TT, H * 128] view's shape and strides directly are the reshaped tensors' ones;
+    # the production path (checked=True: state_bwd's checks made, not check_inputs again) launches the same
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
+    x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    w = torch.randn_like(x["k"])
+    for checked in (False, True):
+        gluon_reverse.gluon_state_bwd(x["q"], x["k"], w, x["v"], x["initial_state"], 0.1, True, info,
+                                      block_v=block_v, checked=checked)
+    (grid, args, kwargs), (grid2, args2, kwargs2) = kernel.launches
+    width = args[1].block_shape[1]
+    assert_same_descriptors(args[:4], reshaped_descriptors(((w, D), (x["v"], width), (x["k"], D), (x["q"], D)),
+                                                           B * T, H))
+    assert_same_descriptors(args2[:4], args[:4])
+    assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
+    assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
+               for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
+    assert args[5].is_contiguous() and args[5].shape == x["v"].shape  # dv, from empty_like(do)

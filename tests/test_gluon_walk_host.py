@@ -46,7 +46,7 @@ def test_split_v_while_the_doubled_grid_fits_one_wave(num_seq_heads, expected):
 def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
     # split_v's width on the tensors' device's SMs (here as the H200's 132) unless one is given
     launched = []
-    monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a: launched.append(a[-1]))
+    monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a, **kw: launched.append(a[-1]))
     monkeypatch.setattr(gluon_walk, "num_sms", lambda device: 132)
     x = make_inputs(B, 3, H, D, D, torch.bfloat16)
     gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False,
@@ -73,3 +73,26 @@ def test_refuses_misuse():
     for block_v in (32, 96, 256):  # wgmma's M is 64 a warp group: no narrower V-block; others do not tile 128
         with pytest.raises(ValueError, match="block_v"):
             gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, block_v=block_v)
+
+
+@pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (2, 70, 3, 128), (1, 5, 16, None)])
+def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
+    # as tests/test_gluon_reverse_host.py's: the descriptors without a reshape are the reshaped tensors' ones,
+    # and the production path (checked=True) launches the same
+    from .test_gluon_reverse_host import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
+    x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    w, u = torch.randn_like(x["k"]), torch.randn_like(x["v"])
+    for checked in (False, True):
+        gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 0.1, x["initial_state"], True, info,
+                                          block_v=block_v, checked=checked)
+    (grid, args, kwargs), (grid2, args2, kwargs2) = kernel.launches
+    width = args[1].block_shape[1]
+    assert_same_descriptors(args[:4], reshaped_descriptors(((w, D), (u, width), (x["k"], D), (x["q"], D)), B * T, H))
+    assert_same_descriptors(args2[:4], args[:4])
+    assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
+    assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
+               for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
+    assert args[4].is_contiguous() and args[4].shape == u.shape  # o, from empty_like(u)

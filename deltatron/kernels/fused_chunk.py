@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .chunk.wy import tinv_fwd
+from .launch import launch
 from .utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
                     store_rows)
 
@@ -201,7 +202,8 @@ def _state_sweep(q, k, v, beta, tinv, scale, initial_state, info, chunk_size, o=
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     BK, BV = _blocks(q, v, info, backward=False)
     chunk_offsets = info.chunks(chunk_size).chunk_offsets if h is not None else None
-    fused_chunk_fwd_kernel[(info.num_seqs * H, cdiv(V, BV))](
+    launch(
+        fused_chunk_fwd_kernel, (info.num_seqs * H, cdiv(V, BV)),
         q, k, v, beta, tinv, initial_state, o, ht, h, info.cu_seqlens, chunk_offsets, scale,
         H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=ht is not None, WRITE_O=o is not None,
@@ -240,7 +242,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     dbeta = q.new_empty(NV, *beta.shape, dtype=torch.float32)
     dv = torch.empty_like(v)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
-    fused_chunk_bwd_kernel[(N * H, NV)](
+    launch(
+        fused_chunk_bwd_kernel, (N * H, NV),
         q, k, v, beta, tinv, h, do, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
         info.total_tokens, H=H, K=K, V=V, C=chunk_size, BK=BK, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,

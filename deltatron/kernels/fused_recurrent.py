@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_offsets
 
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
@@ -202,7 +203,8 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     BV, num_warps = _launch_config(V, BK, N * H, FWD_TILE, q.device)
     # sequences x heads on grid axis 0, which takes up to 2^31 - 1 programs (axis 1 only 65535)
     grid = (N * H, cdiv(V, BV))
-    fused_recurrent_fwd_kernel[grid](
+    launch(
+        fused_recurrent_fwd_kernel, grid,
         q, k, v, beta, o, e, h, initial_state, ht, info.cu_seqlens, segment_offsets, scale,
         H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, num_warps=num_warps,
@@ -224,7 +226,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_
     dbeta = torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     dh0 = None if initial_state is None else torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
-    fused_recurrent_bwd_kernel[(N * H, NV)](
+    launch(
+        fused_recurrent_bwd_kernel, (N * H, NV),
         q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens,
         info.chunks(SEGMENT).chunk_offsets, scale, info.total_tokens, H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT,
         USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=initial_state is not None,

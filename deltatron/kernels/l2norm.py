@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..reference.common import L2NORM_EPS
+from .launch import launch
 from .utils import cdiv, next_power_of_2
 
 ROWS_PER_PROGRAM = 16
@@ -44,7 +45,7 @@ def l2norm_fwd(x: torch.Tensor):
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     n_rows = rstd.numel()
     grid = (cdiv(n_rows, ROWS_PER_PROGRAM),)
-    l2norm_fwd_kernel[grid](x, y, rstd, n_rows, D, next_power_of_2(D), ROWS_PER_PROGRAM, L2NORM_EPS)
+    launch(l2norm_fwd_kernel, grid, x, y, rstd, n_rows, D, next_power_of_2(D), ROWS_PER_PROGRAM, L2NORM_EPS)
     return y, rstd
 
 
@@ -54,5 +55,5 @@ def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.T
     dx = torch.empty_like(y, dtype=dy.dtype)
     n_rows = rstd.numel()
     grid = (cdiv(n_rows, ROWS_PER_PROGRAM),)
-    l2norm_bwd_kernel[grid](y, rstd, dy, dx, n_rows, D, next_power_of_2(D), ROWS_PER_PROGRAM)
+    launch(l2norm_bwd_kernel, grid, y, rstd, dy, dx, n_rows, D, next_power_of_2(D), ROWS_PER_PROGRAM)
     return dx

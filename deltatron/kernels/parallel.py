@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .chunk.kkt import chunk_span
 from .chunk.solve_tril import tril_inverse
+from .launch import launch
 from .utils import cdiv, dot_precision, head_block, load_tile, mm, store_tile, tril_precision
 
 # No software pipelining: on the H200 (triton 3.6) depths 2 and 3 run out of shared memory at K = 64-128
@@ -363,13 +364,15 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     chunks = info.chunks(BT)
     tinv = k.new_empty(*k.shape[:3], BT, dtype=torch.float32)
     if chunks.num_chunks:
-        parallel_fwd_tinv_kernel[(chunks.num_chunks, H)](
+        launch(
+            parallel_fwd_tinv_kernel, (chunks.num_chunks, H),
             k, beta, tinv, info.cu_seqlens, chunks.chunk_indices, H, K, BT, min(BK, 64),
             dot_precision(k.dtype), *tril_precision(k.dtype), num_warps=4, num_stages=NUM_STAGES,
         )
     v_new = v.new_empty(v.shape, dtype=torch.float32)
     final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    parallel_fwd_vnew_kernel[(cdiv(V, BV), N * H)](
+    launch(
+        parallel_fwd_vnew_kernel, (cdiv(V, BV), N * H),
         k, v, beta, tinv, initial_state, v_new, final_state, info.cu_seqlens,
         H, K, V, BT, BK, BV, initial_state is not None, output_final_state, precision,
         num_warps=warps, num_stages=NUM_STAGES,
@@ -377,12 +380,14 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     o = torch.empty_like(v)
     attn = torch.zeros(B, H, T, T, dtype=torch.float32, device=q.device) if output_attentions else None
     if chunks.num_chunks:
-        parallel_fwd_o_kernel[(cdiv(V, BV), chunks.num_chunks, H)](
+        launch(
+            parallel_fwd_o_kernel, (cdiv(V, BV), chunks.num_chunks, H),
             q, k, v_new, initial_state, o, info.cu_seqlens, chunks.chunk_indices, scale,
             H, K, V, BT, BK, BV, initial_state is not None, precision, num_warps=4, num_stages=NUM_STAGES,
         )
         if output_attentions:
-            parallel_fwd_attn_kernel[(chunks.num_chunks, H)](
+            launch(
+                parallel_fwd_attn_kernel, (chunks.num_chunks, H),
                 q, k, beta, tinv, attn, info.cu_seqlens, chunks.chunk_indices, scale, T,
                 H, K, BT, BK, precision, num_warps=warps, num_stages=NUM_STAGES,
             )
@@ -399,14 +404,16 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, output_a
     dx = v.new_empty(v.shape, dtype=torch.float32)
     dv = torch.empty_like(v)
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else None
-    parallel_bwd_dx_kernel[(cdiv(V, BV), N * H)](
+    launch(
+        parallel_bwd_dx_kernel, (cdiv(V, BV), N * H),
         q, k, beta, tinv, do, dht, dx, dv, dh0, info.cu_seqlens, scale,
         H, K, V, BT, BK, BV, dht is not None, dh0 is not None, precision, num_warps=warps, num_stages=NUM_STAGES,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dbeta = beta.new_empty(beta.shape, dtype=torch.float32)
     if chunks.num_chunks:
-        parallel_bwd_dqk_kernel[(chunks.num_chunks, H)](
+        launch(
+            parallel_bwd_dqk_kernel, (chunks.num_chunks, H),
             q, k, v, beta, v_new, do, dx, initial_state, dht, dq, dk, dbeta, info.cu_seqlens,
             chunks.chunk_indices, scale, H, K, V, BT, BK, BV, initial_state is not None, dht is not None,
             precision, num_warps=warps, num_stages=NUM_STAGES,

@@ -145,11 +145,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+@functools.lru_cache(maxsize=None)
 def head_block(size: int) -> int:
     """Block covering a whole head dimension: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, next_power_of_2(size))
 
 
+@functools.lru_cache(maxsize=None)
 def head_tile(size: int) -> int:
     """Tile of a head dimension that a program loops over: head_block, at most 64 wide."""
     return min(64, head_block(size))

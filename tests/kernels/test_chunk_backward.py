@@ -2,6 +2,8 @@
 
 Stages are checked against torch.autograd through float64 models of the same per-chunk quantities; the
 whole backward against torch.autograd through the float64 recurrence (DESIGN.md §1), via the public API."""
+import importlib
+
 import pytest
 import torch
 
@@ -376,3 +378,30 @@ def test_gluon_reverse_pays_from_16_to_one_wave_on_long_sequences(monkeypatch, N
     k = torch.empty(1, 1, H, 128, dtype=torch.bfloat16)
     info = seq_info(N, T, torch.device("cpu"), None, None)
     assert state_bwd.gluon_reverse_pays(k, k, k, k, None, info, 64) == expected
+
+
+@pytest.mark.parametrize("N, T, H, expected", [
+    (1, 32768, 16, True), (2, 8192, 16, True), (1, 8192, 32, True), (32, 8192, 1, True),
+    (1, 32768, 33, False), (1, 32768, 64, False), (2, 8192, 32, False),  # too many sequences x heads
+    (1, 8191, 16, False), (4, 4096, 8, False), (8, 2048, 2, False)])  # sequences too short
+def test_overlap_pays_on_few_long_sequences_x_heads(N, T, H, expected):
+    # the rule of OVERLAP_STATE_PASSES = None (the default): at most 32 sequences x heads, 8,192 tokens or more a
+    # sequence on average
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    assert chunk_backward.overlap_pays(N, H, N * T) == expected
+
+
+@pytest.mark.parametrize("switch", [True, None])
+def test_overlap_never_off_cuda(monkeypatch, switch, poison):
+    # forced (True) or chosen by its rule (None, the rule made to say yes), the overlap of the two-launch
+    # recompute's state pass with the reverse pass needs CUDA streams: on CPU tensors (the interpreter) the
+    # backward never asks for the side stream, takes the one-stream path and matches the recurrence
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    monkeypatch.setattr(chunk_backward, "OVERLAP_STATE_PASSES", switch)
+    monkeypatch.setattr(chunk_backward, "overlap_pays", lambda *args: True)
+    monkeypatch.setattr(chunk_backward, "side_stream", lambda *args: pytest.fail("asked for a side stream"))
+    recomputes, recompute_w_u = [], wy.recompute_w_u
+    monkeypatch.setattr(wy, "recompute_w_u", lambda *a: recomputes.append(1) or recompute_w_u(*a))
+    # fp32: the two-launch recompute (state.wy_on_chip is 16-bit only)
+    check_against_recurrence(monkeypatch, 1, 65, 1, 40, 24, torch.float32, 32, True, True, seed=6)
+    assert recomputes == [1]

@@ -48,3 +48,27 @@ def test_chunk_index(lengths):
     assert chunks.chunk_indices.tolist() == [list(e) for e in expected]
     per_seq = [cdiv(n, 64) for n in lengths]
     assert chunks.chunk_offsets.tolist() == [sum(per_seq[:i]) for i in range(len(lengths) + 1)]
+
+
+def test_cached_launch_decisions_match_uncached():
+    # the per-shape launch decisions are cached (functools.lru_cache): pure functions of their integer arguments
+    # (num_sms, which tests and offline_compile.py patch, reaches reverse_launch as an argument, not a global)
+    from deltatron.kernels.chunk.state import walk_launch, wy_on_chip
+    from deltatron.kernels.chunk.state_bwd import reverse_launch
+    from deltatron.kernels.chunk.wy_bwd import wy_bwd_launch
+    from deltatron.kernels.utils import head_tile
+
+    for K in (16, 64, 100, 128, 256):
+        assert head_block(K) == head_block.__wrapped__(K) and head_tile(K) == head_tile.__wrapped__(K)
+        for V in (64, 128, 256):
+            for es in (2, 4):
+                assert wy_bwd_launch(K, V, es) == wy_bwd_launch.__wrapped__(K, V, es)
+                for states in (1, 16, 128, 320):
+                    assert wy_on_chip(K, V, states, es) == wy_on_chip.__wrapped__(K, V, states, es)
+                    for fused in (False, True):
+                        assert walk_launch(K, V, states, es, fused) == walk_launch.__wrapped__(K, V, states, es, fused)
+                        for sms in (1, 132):
+                            assert reverse_launch(K, V, states, es, fused, sms) == \
+                                reverse_launch.__wrapped__(K, V, states, es, fused, sms)
+    with pytest.raises(TypeError):
+        wy_bwd_launch(128, 128, 2)[2]["maxnreg"] = 0  # shared between calls: read-only

@@ -20,7 +20,8 @@ recomputes h and v_new with the plain walk, and the tests check the fused pass a
 Backward stages (backward.py composes them):
     recompute w, h, v_new from the saved Tinv: where state.wy_on_chip, in one launch (state.state_wy_fwd:
         the walk computes W, U per chunk on chip and writes W only), else wy.recompute_w_u, then
-        state.state_fwd (the tests check the one against the other, bit for bit);
+        state.state_fwd (the tests check the one against the other, bit for bit), which may run on a side
+        CUDA stream beside the reverse pass (backward.OVERLAP_STATE_PASSES);
     reverse state pass (dS per chunk, dh0, full dV'), computing the local dV' = scale (Q K^T ⊙ M)^T dO
         itself (state_bwd.state_bwd with dv_local=None; output_bwd.dv_local is the unfused stage);
     dQ, dK, dW; WY backward (dK, dV, dbeta) through Tinv.

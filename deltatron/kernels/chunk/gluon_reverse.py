@@ -177,12 +177,12 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..launch import launch
 from ..utils import SeqInfo, num_sms
 # D_WALK: this kernel's head size as well (its tests and probe read it here)
 from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, accumulator_layout, check_inputs, loader_partition,  # noqa: F401
-                         pass_state_through, register_operand, split_v, tile_layout)
+                         pass_state_through, register_operand, split_v, tma_descriptors)
 
 OFFCHAIN_WARPS = 4
 
@@ -366,25 +366,29 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
 
 def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
                     scale: float, need_dh0: bool, info: SeqInfo, chunk_size: int = C_WALK,
-                    block_v: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                    block_v: Optional[int] = None, checked: bool = False
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """state_bwd.state_bwd's contract with dv_local=None (the fused pass): (dh [NT, H, 128, 128] in q's dtype,
     dv in do's shape and dtype, dh0 [N, H, 128, 128] fp32 or None), on q, k, w, do [B, T, H, 128] or packed
     [1, TT, H, 128], one 16-bit dtype, contiguous rows (the descriptors and the stores address row r of head h
     at r * H * 128 + h * 128). 128 / block_v programs a sequence and head (REVERSE_CONFIGS' V-block widths);
     block_v as gluon_walk.split_v chooses unless given (see the module docstring). With no tokens at all
-    nothing is launched (a TMA descriptor's shape must be positive): dh is empty, dh0 the dht (or zeros)."""
+    nothing is launched (a TMA descriptor's shape must be positive): dh is empty, dh0 the dht (or zeros).
+    checked: the caller has made check_inputs' checks (the chunk backward's state_bwd.state_bwd: the API's shapes,
+    gluon_reverse_applies), so they are not made again."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_reverse: chunk_size {C_WALK} only, got {chunk_size}")
     if block_v is not None and block_v not in REVERSE_CONFIGS:
         raise ValueError(f"gluon_reverse: block_v (the V-block of dS^T a program walks) must be one of "
                          f"{sorted(REVERSE_CONFIGS)}, got {block_v}")
-    check_inputs("gluon_reverse", dict(q=q, k=k, w=w, do=do), info)
+    if not checked:
+        check_inputs("gluon_reverse", dict(q=q, k=k, w=w, do=do), info)
     TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
     if dht is not None and tuple(dht.shape) != (N, H, D, D):
         raise ValueError(f"gluon_reverse: dht must be [{N}, {H}, {D}, {D}], got {tuple(dht.shape)}")
     chunks = info.chunks(chunk_size)
     dh = q.new_empty(chunks.num_chunks, H, D, D)
-    dv = torch.empty(do.shape, dtype=do.dtype, device=do.device)
+    dv = torch.empty_like(do)  # contiguous: do is (checked)
     dh0 = q.new_empty(N, H, D, D, dtype=torch.float32) if need_dh0 else None
     dht = dht.float().contiguous() if dht is not None else None
     if TT == 0 or N * H == 0:
@@ -393,11 +397,9 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     block_v = split_v(N * H, num_sms(k.device)) if block_v is None else block_v
     # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128), dO's [C, block_v] at (row, head * 128 +
     # V-block * block_v); rows past TT are TMA's zero fill
-    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, width], tile_layout(k.dtype, C_WALK, width))
-             for x, width in ((w, D), (do, block_v), (k, D), (q, D))]
+    descs = tma_descriptors(((w, D), (do, block_v), (k, D), (q, D)), TT, H)
     cfg = REVERSE_CONFIGS[block_v]
-    gluon_reverse_kernel[(N * H * (D // block_v), )](*descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
-                                                     chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS,
-                                                     OFFCHAIN_WARPS, cfg.offchain_regs, cfg.stages,
-                                                     num_warps=cfg.chain_warps)
+    launch(gluon_reverse_kernel, (N * H * (D // block_v), ), *descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
+           chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS, OFFCHAIN_WARPS, cfg.offchain_regs,
+           cfg.stages, num_warps=cfg.chain_warps)
     return dh, dv, dh0

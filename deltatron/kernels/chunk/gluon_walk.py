@@ -76,6 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..launch import launch
 from ..utils import SeqInfo, num_sms
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
@@ -314,6 +315,15 @@ def check_inputs(kernel: str, tensors: Dict[str, torch.Tensor], info: SeqInfo) -
         raise ValueError(f"{kernel}: {names} must start 16-byte aligned (TMA)")
 
 
+def tma_descriptors(tensors, TT: int, H: int) -> list:
+    """The TMA descriptors of contiguous [.., H, 128] tensors viewed as [TT, H * 128] (all B * T rows, whatever B
+    is), each with its block [C_WALK, width] of (tensor, width) pairs: the shape and strides of that view given
+    directly (the descriptor uses only its base's address and dtype), no reshape."""
+    shape, strides = [TT, H * D_WALK], [H * D_WALK, 1]
+    return [TensorDescriptor(x, shape, strides, [C_WALK, width], tile_layout(x.dtype, C_WALK, width))
+            for x, width in tensors]
+
+
 def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor]) -> None:
     """Where nothing launches (no token at all: a TMA descriptor's shape must be positive), the state a walk
     would store is the one it starts from, or zeros."""
@@ -325,14 +335,17 @@ def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor
 
 def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
                       scale: float, initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
-                      info: SeqInfo, block_v: int = D_WALK):
+                      info: SeqInfo, block_v: int = D_WALK, checked: bool = False):
     """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
     128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
     r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
     head (WALK_CONFIGS' V-block widths). With no tokens at all (TT = 0, where a TMA descriptor cannot be built:
     its shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
-    shipped walk's programs without chunks store it."""
-    check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u), info)
+    shipped walk's programs without chunks store it. checked: the caller has made check_inputs' checks (the
+    chunk forward's state.state_output_fwd: the API's shapes and dtypes, gluon_walk_applies, contiguity and
+    alignment), so they are not made again."""
+    if not checked:
+        check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u), info)
     if block_v not in WALK_CONFIGS:
         raise ValueError(f"gluon_walk: block_v (the V-block a program walks) must be one of "
                          f"{sorted(WALK_CONFIGS)}, got {block_v}")
@@ -347,28 +360,28 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
         return
     # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128), U's
     # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill
-    descs = [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [C_WALK, width], tile_layout(k.dtype, C_WALK, width))
-             for x, width in ((w, D), (u, block_v), (k, D), (q, D))]
+    descs = tma_descriptors(((w, D), (u, block_v), (k, D), (q, D)), TT, H)
     cfg = WALK_CONFIGS[block_v]
     grid = (N * H * (D // block_v), )
-    gluon_walk_kernel[grid](*descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
-                            initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS,
-                            cfg.output_regs, cfg.stages, num_warps=cfg.chain_warps)
+    launch(gluon_walk_kernel, grid, *descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
+           initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS, cfg.output_regs,
+           cfg.stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                           chunk_size: int = C_WALK, block_v: Optional[int] = None
+                           chunk_size: int = C_WALK, block_v: Optional[int] = None, checked: bool = False
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
     C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
-    split_v chooses unless given."""
+    split_v chooses unless given; checked as gluon_walk_launch's."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
-    o = torch.empty(u.shape, dtype=u.dtype, device=u.device)  # contiguous, whatever u's strides
+    # contiguous: u is (checked by the caller, or by gluon_walk_launch before o is used)
+    o = torch.empty_like(u)
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     block_v = split_v(N * H, num_sms(u.device)) if block_v is None else block_v
-    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v)
+    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked)
     return o, final_state

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, mm
 
 
@@ -69,7 +70,8 @@ def chunk_kkt(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: in
     a = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
-        chunk_kkt_kernel[(chunks.num_chunks, H)](
+        launch(
+            chunk_kkt_kernel, (chunks.num_chunks, H),
             k, beta, a, info.cu_seqlens, chunks.chunk_indices, H, K, chunk_size, head_tile(K),
             dot_precision(k.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
         )

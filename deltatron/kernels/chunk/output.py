@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_tile, mm
 from .kkt import chunk_span
 
@@ -67,7 +68,8 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     chunks = info.chunks(chunk_size)
     BV = head_tile(V)
     if chunks.num_chunks:
-        output_fwd_kernel[(chunks.num_chunks * cdiv(V, BV), H)](
+        launch(
+            output_fwd_kernel, (chunks.num_chunks * cdiv(V, BV), H),
             q, k, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
             head_tile(K), BV, dot_precision(q.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
         )

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, mm, state_offsets, store_rows
 from .kkt import chunk_span
 
@@ -83,7 +84,8 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     chunks = info.chunks(chunk_size)
     dv = torch.empty_like(do)
     if chunks.num_chunks:
-        dv_local_kernel[(chunks.num_chunks, H)](
+        launch(
+            dv_local_kernel, (chunks.num_chunks, H),
             q, k, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
             H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
@@ -102,7 +104,8 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
     dw = torch.empty_like(k)
     if chunks.num_chunks:
         BK = head_tile(K)
-        dqkw_kernel[(cdiv(K, BK), chunks.num_chunks, H)](
+        launch(
+            dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
             q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
             H, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import PIPELINE_STAGES, SeqInfo, mm, store_rows, tril_precision
 from .kkt import chunk_span, kkt_tile
 
@@ -110,7 +111,8 @@ def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     tinv = torch.empty_like(A)
     chunks = info.chunks(chunk_size)
     if chunks.num_chunks:
-        solve_tril_kernel[(chunks.num_chunks, H)](
+        launch(
+            solve_tril_kernel, (chunks.num_chunks, H),
             A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, *tril_precision(A.dtype),
             num_warps=4, num_stages=PIPELINE_STAGES,
         )

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import (INTERPRET, PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm,
                      state_block_v, state_offsets)
 from .output import causal_output
@@ -204,6 +205,7 @@ def transposed_walk_pays(K: int, BV: int, element_size: int) -> bool:
     return element_size == 2 and K == 128 and BV == 128
 
 
+@functools.lru_cache(maxsize=None)
 def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool) -> Tuple[int, int]:
     """(V-block, warps) of the walk: state_block_v's V-block on 4 warps, with two exceptions.
 
@@ -232,6 +234,7 @@ def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool)
     return BV, warps
 
 
+@functools.lru_cache(maxsize=None)
 def wy_on_chip(K: int, V: int, num_states: int, element_size: int) -> bool:
     """Whether the backward's walk computes W, U on chip (state_wy_fwd) rather than reading them from
     wy.recompute_w_u's launch: 16-bit inputs, K up to 64, or K = 128 with whole V-blocks, and V-blocks 64
@@ -270,7 +273,8 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
     transposed = fused and k.element_size() == 2 and (
         transposed_walk_pays(K, BV, k.element_size()) if TRANSPOSED_WALK is None else TRANSPOSED_WALK)
     if N * H:
-        state_fwd_kernel[(N * H, cdiv(V, BV))](
+        launch(
+            state_fwd_kernel, (N * H, cdiv(V, BV)),
             q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
             info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), BV,
             initial_state is not None, output_final_state, fused, wy_inputs is not None,
@@ -379,7 +383,8 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
     if gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
                                                        for x in (q, k, w, u)):
         from .gluon_walk import gluon_state_output_fwd
-        return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
+        return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
+                                      checked=True)
     o = torch.empty_like(u)
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
                               None, o)

@@ -18,12 +18,14 @@ Both round A^T to the input dtype alike (output_bwd.causal_scores_t); the fused 
 in fp32, where the unfused one has it rounded to the input dtype by its store."""
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import (INTERPRET, PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
                      state_block_v, state_offsets, store_rows)
 from .output_bwd import causal_scores_t
@@ -70,6 +72,7 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
 
 
+@functools.lru_cache(maxsize=None)
 def reverse_launch(K: int, V: int, num_states: int, element_size: int, fused: bool,
                    sms: int) -> Tuple[int, int]:
     """(V-block, warps) of the reverse pass: state_block_v's V-block, on 4 warps (8 at K = 256), except:
@@ -166,7 +169,7 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     compute it in this pass (fused: the backward's path; as the Gluon kernel where gluon_reverse_pays)."""
     if gluon_reverse_pays(q, k, w, do, dv_local, info, chunk_size):
         from .gluon_reverse import gluon_state_bwd
-        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size)
+        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size, checked=True)
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)
@@ -175,7 +178,8 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV, warps = reverse_launch(K, V, N * H, q.element_size(), dv_local is None, num_sms(q.device))
     if N:
-        state_bwd_kernel[(cdiv(V, BV), N * H)](
+        launch(
+            state_bwd_kernel, (cdiv(V, BV), N * H),
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
             H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dv_local is None,
             dot_precision(q.dtype),

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows, tril_precision
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
@@ -113,7 +114,8 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     caps = dict(maxnreg=168) if fused and split and max(K, V) <= 128 else {}
     BK, BV = max(head_tile(K), 32), max(head_tile(V), 32)
     if chunks.num_chunks:
-        wy_kernel[(chunks.num_chunks, H)](
+        launch(
+            wy_kernel, (chunks.num_chunks, H),
             k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, BK, BK, BV,
             fused, tinv is not None, v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
             num_warps=4, num_stages=WY_PIPELINE_STAGES, **caps,
