@@ -17,10 +17,14 @@ dA = -T~^T dT~ T~^T and its two products with K keep fp32 operands (dot_precisio
 and dA's products cancel when keys are nearly parallel."""
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..utils import WY_PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
 from .kkt import chunk_span
 
@@ -103,6 +107,7 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     tl.store(dbeta + rows * H + i_h, b_dbeta, mask=valid)
 
 
+@functools.lru_cache(maxsize=None)
 def wy_bwd_launch(K: int, V: int, element_size: int):
     """(K tile, V tile, register cap) of the WY backward. The C x C fp32 matrices it holds (T~, dT~, dA and
     their transposes) leave little room for the head tiles: 16-bit at K = V = 128 with 64-wide tiles takes
@@ -111,14 +116,15 @@ def wy_bwd_launch(K: int, V: int, element_size: int):
     registers, no spills since the tile steps became helpers in session 11, 16 B before; K = V = 64: 168 and
     32 B; 64-wide tiles under the cap spill 380-828 B). On the H200 (stage_configs.py, bf16, outputs within
     1e-7 of the shipped launch's): K = V = 128, 8 x 16 heads, 0.344 -> 0.305 ms (0.298 with the helpers,
-    session 11); K = V = 64, 16 x 8 heads, 0.201 -> 0.185 ms with 64-wide tiles (0.188
-    with 32-wide ones). Wider heads and fp32 stay uncapped on 64-wide tiles (not measured)."""
+    session 11); K = V = 64, 16 x 8 heads, 0.201 -> 0.185 ms with 64-wide tiles (0.188 with 32-wide ones).
+    Wider heads and fp32 stay uncapped on 64-wide tiles (not measured). Cached per shape: the options come
+    back read-only."""
     BK, BV = head_tile(K), head_tile(V)
     if element_size != 2 or max(K, V) > 128:
-        return BK, BV, {}
+        return BK, BV, MappingProxyType({})
     if max(K, V) > 64:
         BK, BV = min(32, BK), min(32, BV)
-    return BK, BV, dict(maxnreg=168)
+    return BK, BV, MappingProxyType(dict(maxnreg=168))
 
 
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
@@ -133,7 +139,8 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
     dbeta = torch.empty_like(beta, dtype=torch.float32)
     BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
-        wy_bwd_kernel[(chunks.num_chunks, H)](
+        launch(
+            wy_bwd_kernel, (chunks.num_chunks, H),
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
             H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES, **caps,
         )
