@@ -380,6 +380,23 @@ def test_gluon_reverse_pays_from_16_to_one_wave_on_long_sequences(monkeypatch, N
     assert state_bwd.gluon_reverse_pays(k, k, k, k, None, info, 64) == expected
 
 
+@pytest.mark.parametrize("N, T, H, forced, asked", [
+    (2, 8192, 32, None, True), (8, 2048, 16, None, False), (1, 8192, 133, None, False), (8, 2048, 16, True, True),
+    (2, 8192, 32, False, False)])
+def test_gluon_reverse_pays_only_where_it_applies_and_asks_last(monkeypatch, N, T, H, forced, asked):
+    # never where the Gluon reverse pass does not apply, even forced; and its applies check (four tensors' dtype,
+    # shape, layout and alignment) is made only once the rule (or GLUON_REVERSE=True) says yes: at the benchmark's
+    # b8-t2048-h16 the rule says no and the check is not made
+    calls = []
+    monkeypatch.setattr(state_bwd, "gluon_reverse_applies", lambda *args: calls.append(args) and False)
+    monkeypatch.setattr(state_bwd, "num_sms", lambda device: 132)
+    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", forced)
+    k = torch.empty(1, 1, H, 128, dtype=torch.bfloat16)
+    info = seq_info(N, T, torch.device("cpu"), None, None)
+    assert not state_bwd.gluon_reverse_pays(k, k, k, k, None, info, 64)
+    assert len(calls) == asked
+
+
 @pytest.mark.parametrize("N, T, H, expected", [
     (1, 32768, 16, True), (2, 8192, 16, True), (1, 8192, 32, True), (32, 8192, 1, True),
     (1, 32768, 33, False), (1, 32768, 64, False), (2, 8192, 32, False),  # too many sequences x heads

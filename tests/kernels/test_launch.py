@@ -270,7 +270,9 @@ def check_chunk(check, torch):
         for m, fn in originals.items():
             m.launch = fn
         state.gluon_walk_applies, state_bwd.gluon_reverse_applies, state.GLUON_WALK, state_bwd.GLUON_REVERSE = saved
-    assert {"gluon_walk_kernel", "gluon_reverse_kernel", "wy_kernel"} <= set(checked), checked
+    # every kernel of the forward and the backward (a launch site calling kernel[grid] itself would be missing)
+    assert set(checked) == {"wy_kernel", "gluon_walk_kernel", "state_fwd_kernel", "gluon_reverse_kernel",
+                            "dqkw_kernel", "wy_bwd_kernel"}, checked
     print(f"chunk form: {len(checked)} launches match JITFunction.run ({', '.join(checked)})")
 
 

@@ -154,11 +154,14 @@ def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: to
         1 x 64 heads, T = 32768:  10.84-10.88 / 10.22-10.26
         1 x 16 heads, T = 32768:  4.303-4.306 / 4.171-4.179
     Hence the length threshold, between the 4,096 tokens where it lost and the 8,192 where it won."""
-    if GLUON_REVERSE is False or not gluon_reverse_applies(q, k, w, do, dv_local, chunk_size):
+    if GLUON_REVERSE is False:
         return False
-    num_states = info.num_seqs * k.shape[2]
-    return GLUON_REVERSE or (GLUON_REVERSE_MIN_PROGRAMS <= num_states <= num_sms(k.device)
-                             and info.total_tokens >= GLUON_REVERSE_MIN_TOKENS * info.num_seqs)
+    if GLUON_REVERSE is None:  # the rule first: it is cheaper than gluon_reverse_applies' checks of four tensors
+        num_states = info.num_seqs * k.shape[2]
+        if not (GLUON_REVERSE_MIN_PROGRAMS <= num_states <= num_sms(k.device)
+                and info.total_tokens >= GLUON_REVERSE_MIN_TOKENS * info.num_seqs):
+            return False
+    return gluon_reverse_applies(q, k, w, do, dv_local, chunk_size)
 
 
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
