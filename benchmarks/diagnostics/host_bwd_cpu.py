@@ -39,7 +39,6 @@ import statistics
 import sys
 import threading
 import time
-import types
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("host_bwd_cpu.py launches compiled kernels through a stubbed launcher: run it without TRITON_INTERPRET")
@@ -51,9 +50,6 @@ if not triton.__version__.startswith("3.6."):
     sys.exit(f"needs triton 3.6 (the H200's; launch.py's direct path is enabled there only), got {triton.__version__}"
              ": put a `pip install --target DIR triton==3.6.0` first on PYTHONPATH")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia import driver as nvidia_driver  # noqa: E402
-from triton.runtime import driver  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -61,43 +57,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_time import (BARE, BWD_FORM, BWD_GRAPH, FWD, FWDBWD, backward_calls, bare_round_trip,  # noqa: E402
                        layer_split, print_split)
 from stage_times import api_calls, stage_calls, stage_sums  # noqa: E402  (sets DELTATRON_BACKEND=triton)
+import offline_compile  # noqa: E402
+from offline_compile import H200_SMS  # noqa: E402
 
 from deltatron import backends, bench  # noqa: E402
 from deltatron.kernels import chunk, fused_recurrent  # noqa: E402
 from deltatron.kernels.chunk import gluon_reverse, gluon_walk, state, state_bwd  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 
-H200_SMS = 132
 launcher_calls = [0]  # calls of the generated C launcher (stubbed)
 
 
 def install_stand_in_driver() -> None:
-    """triton's CUDA driver answering for device 0 of an H200 without one; the generated launcher's C `launch`
-    and fill_tma_descriptor are no-ops (the launcher counts its calls). Kernels compile for sm_90 as usual."""
+    """offline_compile's stand-in H200 driver, the generated launcher's C `launch` counting its calls and
+    fill_tma_descriptor a no-op. Kernels compile for sm_90 as usual."""
     def launch_stub(*args):
         launcher_calls[0] += 1
 
-    class StandIn:
-        launcher_cls = nvidia_driver.CudaLauncher
-
-        def __init__(self):
-            self.utils = types.SimpleNamespace(
-                load_binary=lambda name, kernel, shared, device: (1, 2, 0, 0, 1024),
-                get_device_properties=lambda device: dict(max_shared_mem=232448, multiprocessor_count=H200_SMS),
-                fill_tma_descriptor=lambda *args: None)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    nvidia_driver.compile_module_from_src = lambda **kw: types.SimpleNamespace(launch=launch_stub)
-    nvidia_driver.library_dirs = lambda: []
-    driver.set_active(StandIn())
+    offline_compile.install_stand_in_driver(launch_stub, lambda *args: None)
 
 
 def take_the_h200_path() -> None:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("offline_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
@@ -38,6 +39,39 @@ SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65536, 233472, 64, 32  # an sm_90 SM's resources
 FORMS = {"chunk": chunk, "fused_chunk": fused_chunk, "fused_recurrent": fused_recurrent, "parallel": parallel}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def install_stand_in_driver(launch, fill_tma_descriptor, stream: int = 0) -> None:
+    """Makes triton's active driver answer as device 0 of an H200 on a machine without a GPU (target sm_90,
+    SHARED_LIMIT, H200_SMS, the given stream), so that kernels compile for sm_90 and every Python step of a
+    launch runs as on the GPU host; only the generated launcher's C `launch` and the driver's
+    `fill_tma_descriptor` are replaced, by the callables given (tests/kernels/test_launch.py records their
+    arguments, host_bwd_cpu.py counts the launches). For triton 3.6's CUDA driver."""
+    from triton.backends.nvidia import driver as nvidia_driver
+    from triton.runtime import driver
+
+    class StandIn:
+        launcher_cls = nvidia_driver.CudaLauncher
+
+        def __init__(self):
+            self.utils = types.SimpleNamespace(
+                load_binary=lambda name, kernel, shared, device: (1, 2, 0, 0, 1024),
+                get_device_properties=lambda device: dict(max_shared_mem=SHARED_LIMIT,
+                                                          multiprocessor_count=H200_SMS),
+                fill_tma_descriptor=fill_tma_descriptor)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return stream
+
+        def get_current_target(self):
+            return H200
+
+    nvidia_driver.compile_module_from_src = lambda **kw: types.SimpleNamespace(launch=launch)
+    nvidia_driver.library_dirs = lambda: []  # (it looks for libcuda)
+    driver.set_active(StandIn())
 
 
 class OfflineLaunches:

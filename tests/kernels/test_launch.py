@@ -3,9 +3,9 @@ kernel's launcher called directly) picks the same CompiledKernel and hands its l
 JITFunction.run does, and goes through kernel[grid] where it must.
 
 Real kernels are compiled for sm_90 with triton 3.6 (the version launch.py was checked against; on another it
-launches through kernel[grid] only) on this machine without a GPU: a stand-in driver answers device 0, stream 0
-and target sm_90, and only two C functions are replaced, by recorders: the generated launcher's `launch` and
-`fill_tma_descriptor`. So every Python step of both paths runs as on the GPU host. It runs in a subprocess
+launches through kernel[grid] only) on this machine without a GPU: offline_compile's stand-in driver
+(benchmarks/diagnostics) answers device 0, stream 7 and target sm_90, and only two C functions are replaced, by
+recorders: the generated launcher's `launch` and `fill_tma_descriptor`. So every Python step of both paths runs as on the GPU host. It runs in a subprocess
 (without TRITON_INTERPRET, with triton 3.6 first on the path when the installed triton is another version):
 
     python tests/kernels/test_launch.py      # the checks, with the triton importable
@@ -53,15 +53,11 @@ def test_fast_launch_matches_jit_run():
 # ---- the checks (run as a script, in the subprocess above) ----
 
 def main() -> int:
-    import types
-
     import torch
     import triton
     import triton.language as tl
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia import driver as nvidia_driver
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     assert triton.__version__.startswith("3.6."), triton.__version__
@@ -70,29 +66,9 @@ def main() -> int:
     assert launch_module._ENABLED
 
     launches = []  # the arguments of every call of the generated launcher's C `launch`
-
-    class StandIn:
-        """The CUDA driver's answers for device 0 of an H200, without one."""
-        launcher_cls = nvidia_driver.CudaLauncher
-
-        def __init__(self):
-            self.utils = types.SimpleNamespace(
-                load_binary=lambda name, kernel, shared, device: (1, 2, 0, 0, 1024),
-                get_device_properties=lambda device: dict(max_shared_mem=232448, multiprocessor_count=132),
-                fill_tma_descriptor=lambda *args: ("tma", args))
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 7
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    nvidia_driver.compile_module_from_src = lambda **kw: types.SimpleNamespace(launch=lambda *a: launches.append(a))
-    nvidia_driver.library_dirs = lambda: []  # (it looks for libcuda)
-    driver.set_active(StandIn())
+    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    from offline_compile import install_stand_in_driver
+    install_stand_in_driver(lambda *a: launches.append(a), lambda *args: ("tma", args), stream=7)
     base = nvidia_driver._BASE_ARGS_FORMAT_LEN  # grid, stream, function, ..., metadata, the two hooks
 
     def same(a, b):
