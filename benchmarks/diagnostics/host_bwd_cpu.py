@@ -31,14 +31,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
 import gc
 import os
-import pstats
 import statistics
 import sys
 import threading
-import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("host_bwd_cpu.py launches compiled kernels through a stubbed launcher: run it without TRITON_INTERPRET")
@@ -55,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_time import (BARE, BWD_FORM, BWD_GRAPH, FWD, FWDBWD, backward_calls, bare_round_trip,  # noqa: E402
-                       layer_split, print_split)
+                       host_runs, layer_split, print_profile, print_split, profile_calls)
 from stage_times import api_calls, stage_calls, stage_sums  # noqa: E402  (sets DELTATRON_BACKEND=triton)
 import offline_compile  # noqa: E402
 from offline_compile import H200_SMS  # noqa: E402
@@ -89,15 +86,8 @@ def take_the_h200_path() -> None:
 
 def per_call_us(fn, calls: int, repeats: int, warmup: int = 3):
     """(median, minimum) over `repeats` runs of the wall time of `calls` back-to-back calls of fn, µs a call."""
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) * 1e6 / calls)
-    return statistics.median(runs), min(runs)
+    runs = host_runs(fn, warmup, calls, repeats, lambda: None)
+    return statistics.median(runs) * 1e6, min(runs) * 1e6
 
 
 class StubForm:
@@ -200,22 +190,6 @@ def collections_per_call(fn, calls: int) -> float:
     return seen[0] / calls
 
 
-def profile(fn, calls: int, top: int) -> None:
-    fn()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    stats = pstats.Stats(profiler).sort_stats("tottime")
-    print(f"\ncProfile, {FWDBWD}, per call: the {top} functions of most own time")
-    print(f"  {'calls':>7} {'own us':>8} {'cum us':>8}  function")
-    for path, line, name in stats.fcn_list[:top]:
-        _, ncalls, tottime, cumtime, _ = stats.stats[(path, line, name)]
-        where = f" ({'/'.join(path.split('/')[-3:])}:{line})" if line else ""
-        print(f"  {ncalls / calls:7.1f} {tottime / calls * 1e6:8.1f} {cumtime / calls * 1e6:8.1f}  {name}{where}")
-
-
 def report(name: str, times) -> None:
     print(f"  {name:<58} {times[0]:8.1f} ({times[1]:6.1f})", flush=True)
 
@@ -292,7 +266,8 @@ def main() -> int:
         print("  aten ops:    " + ", ".join(f"{n} x{c}" for n, c in sorted(ops_mode.ops.items())))
     print(f"\ngarbage collections a forward+backward: {collections_per_call(fwdbwd, 200):.3f} (over 200 calls)")
     if args.profile:
-        profile(fwdbwd, 200, 30)
+        print_profile(profile_calls(fwdbwd, 200, lambda: None, top=30),
+                      f"cProfile, {FWDBWD}, per call: the 30 functions of most own time")
     return 0
 
 

@@ -119,9 +119,9 @@ REVERSE_STAGE = "bwd: reverse state pass + local dV' (fused)"
 GLUON_SWITCHES = ((state, "GLUON_WALK", (WALK_STAGE, FWD)), (state_bwd, "GLUON_REVERSE", (REVERSE_STAGE, FWDBWD)))
 
 
-def host_ms(fn, warmup: int, calls: int, repeats: int, sync) -> float:
-    """The host's time of one call of fn, ms: the wall time of `calls` back-to-back calls over `calls`, the
-    median of `repeats` runs, each started with nothing pending on the GPU."""
+def host_runs(fn, warmup: int, calls: int, repeats: int, sync) -> list:
+    """The host's time of one call of fn in each of `repeats` runs, s: the wall time of `calls` back-to-back calls
+    over `calls`, each run started with nothing pending on the GPU."""
     for _ in range(warmup):
         fn()
     runs = []
@@ -130,9 +130,14 @@ def host_ms(fn, warmup: int, calls: int, repeats: int, sync) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        runs.append((time.perf_counter() - start) * 1e3 / calls)
+        runs.append((time.perf_counter() - start) / calls)
     sync()
-    return statistics.median(runs)
+    return runs
+
+
+def host_ms(fn, warmup: int, calls: int, repeats: int, sync) -> float:
+    """The median of host_runs, ms."""
+    return statistics.median(host_runs(fn, warmup, calls, repeats, sync)) * 1e3
 
 
 def queued_gpu_ms(fn, calls: int, host_per_call_ms: float) -> tuple:
@@ -336,9 +341,9 @@ def device_kernels(fn) -> dict:
                                     if e.device_type == torch.autograd.DeviceType.CUDA))
 
 
-def profile_calls(fn, calls: int, sync) -> list:
-    """cProfile's TOP_FUNCTIONS functions of most own time over `calls` calls of fn (after a warm-up call), each
-    as {function, calls, tottime_us, cumtime_us}, per call of fn."""
+def profile_calls(fn, calls: int, sync, top: int = TOP_FUNCTIONS) -> list:
+    """cProfile's `top` functions of most own time over `calls` calls of fn (after a warm-up call), each as
+    {function, calls, tottime_us, cumtime_us}, per call of fn."""
     fn()
     sync()
     profiler = cProfile.Profile()
@@ -348,13 +353,21 @@ def profile_calls(fn, calls: int, sync) -> list:
     profiler.disable()
     sync()
     stats = pstats.Stats(profiler).sort_stats("tottime")
-    top = []
-    for path, line, name in stats.fcn_list[:TOP_FUNCTIONS]:
+    rows = []
+    for path, line, name in stats.fcn_list[:top]:
         _, ncalls, tottime, cumtime, _ = stats.stats[(path, line, name)]
         where = f" ({'/'.join(Path(path).parts[-3:])}:{line})" if line else ""  # none for C functions
-        top.append(dict(function=name + where, calls=ncalls / calls, tottime_us=tottime / calls * 1e6,
-                        cumtime_us=cumtime / calls * 1e6))
-    return top
+        rows.append(dict(function=name + where, calls=ncalls / calls, tottime_us=tottime / calls * 1e6,
+                         cumtime_us=cumtime / calls * 1e6))
+    return rows
+
+
+def print_profile(rows: list, title: str) -> None:
+    """profile_calls' rows under a title."""
+    print(f"  {title}")
+    print(f"    {'calls':>9} {'own us':>9} {'cum us':>9}  function")
+    for e in rows:
+        print(f"    {e['calls']:9.1f} {e['tottime_us']:9.1f} {e['cumtime_us']:9.1f}  {e['function']}")
 
 
 def config_report(cfg: bench.Config, device, args) -> dict:
@@ -409,10 +422,8 @@ def config_report(cfg: bench.Config, device, args) -> dict:
                 print(f"    {count:3d} x {kernel}")
     if args.profile:
         report["profile"] = profile_calls(calls[FWDBWD], args.calls, sync)
-        print(f"  cProfile, {FWDBWD}, {args.calls} calls: the {TOP_FUNCTIONS} functions of most own time, per call")
-        print(f"    {'calls':>9} {'own us':>9} {'cum us':>9}  function")
-        for e in report["profile"]:
-            print(f"    {e['calls']:9.1f} {e['tottime_us']:9.1f} {e['cumtime_us']:9.1f}  {e['function']}")
+        print_profile(report["profile"], f"cProfile, {FWDBWD}, {args.calls} calls: the {TOP_FUNCTIONS} functions of "
+                                         "most own time, per call")
     return report
 
 
