@@ -42,7 +42,8 @@ from deltatron.kernels.utils import num_sms, seq_info  # noqa: E402
 from deltatron.reference import chunk_delta_rule_reference  # noqa: E402
 
 CONFIGS = ["b1-t32768-h16-k128", "b1-t32768-h64-k128", "varlen20-t32768-h16-k128", "b2-t8192-h32-k128"]
-SMOKE_CONFIGS = [bench.Config("varlen3-t353-h1-k16", 1, 353, 1, 16, 16, seqlens=(200, 3, 150)), bench.dense(2, 40, 1, 16)]
+SMOKE_CONFIGS = [bench.Config("varlen3-t353-h1-k16", 1, 353, 1, 16, 16, seqlens=(200, 3, 150)),
+                 bench.dense(2, 40, 1, 16)]
 READINGS = 3
 SETTINGS = (False, True)
 BOUND = 1e-2  # bf16's, DESIGN.md §6

@@ -12,9 +12,11 @@ from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
-from .test_chunk_forward_gpu import gluon_walk_runs  # noqa: F401 (the Gluon walk's hang guard, a fixture)
+from . import test_chunk_forward_gpu
 
 pytestmark = pytest.mark.gpu
+
+gluon_walk_runs = test_chunk_forward_gpu.gluon_walk_runs  # the Gluon walk's hang guard (a fixture), shared
 
 
 def oracle(x, scale, cu_seqlens=None):

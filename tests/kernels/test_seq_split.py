@@ -42,7 +42,7 @@ def split(monkeypatch):
 @pytest.mark.parametrize("N, H, T, sms, expected", [
     (1, 16, 32768, 132, 3),  # b1-t32768-h16: (2P - 3) x 16 x 2 <= 132 up to P = 3
     (1, 22, 32768, 132, 3), (1, 23, 32768, 132, 1),  # 3 x 23 x 2 > 132: no P >= 3 fits
-    (2, 8, 16384, 132, 3),  # 16 sequences x heads
+    (2, 8, 16384, 132, 1), (2, 8, 65536, 264, 4),  # two sequences: (4P - 3) x 8 x 2 <= SMs (fillers counted)
     (1, 16, 32768, 264, 5),  # more SMs, more partitions
     (1, 16, 8192, 264, 4),  # partitions of 2048 tokens at least
     (1, 8, 32768, 132, 1),  # below 16 sequences x heads

@@ -27,32 +27,48 @@ sequences.
 
 Why W for U on the second walk: the existing walk takes it as it is (no kernel change), with no zero tensor to
 write and hold (a [T, H, K] zero U would cost a memset of the whole batch and as much memory) and no identity
-start, for any K and V. Its price: the walk's rounding errors on G = I - M do not shrink with M as those of a walk
-on M itself (U = 0 from I) do. In an emulation of the 16-bit walk's roundings (K = V = 128, unit keys, beta =
-sigmoid(randn), one head), the states entering partitions 2 and 3 of 4 at T = 16384 were 3.41e-3 and 3.46e-3 off
-the float64 walk in bf16 against 3.22e-3 and 3.29e-3 for the unsplit walk (U = 0 from I: 3.20e-3, 3.28e-3), fp32
-3.4e-7 against 2.3e-7; the output 4.000e-3 against 3.999e-3 (bf16) either way: the walk's own roundings dominate.
+start, for any K and V; and it is one launch, where a walk on [U, 0] over a [K, V + K] state would need that
+concatenated copy of U and V + K = 256, which the Gluon walk (K = V = 128 only) does not take. Its price: the
+walk's rounding errors on G = I - M do not shrink with M as those of a walk on M itself (U = 0 from I) do. In an
+emulation of the 16-bit walk's roundings (K = V = 128, unit keys, beta = sigmoid(randn), one head, T = 16384, P =
+4), the states entering partitions 2 and 3 were 3.41e-3 and 3.46e-3 off the float64 walk in bf16, against 3.22e-3
+and 3.29e-3 unsplit and 3.20e-3 and 3.28e-3 with U = 0 from I; in fp32 3.4e-7 against 2.3e-7. The outputs are
+as precise as the unsplit forward's: in the interpreter (the kernels themselves, one sequence of 8192 tokens, same
+inputs), o / final state against the float64 chunkwise oracle, unsplit and P = 3, 4: fp32 2.91e-7 / 2.44e-7,
+2.94e-7 / 2.44e-7, 2.96e-7 / 2.43e-7; fp16 4.99e-4 / 4.01e-4, 5.00e-4 / 4.02e-4, 5.00e-4 / 4.03e-4; bf16
+3.99e-3 / 3.22e-3, 4.00e-3 / 3.22e-3, 4.00e-3 / 3.23e-3 (benchmarks/diagnostics/seq_split.py --precision): the
+walk's own roundings dominate. The combine runs in fp32 (torch.matmul: tf32 if the caller allowed it globally).
 
 Where it pays (split_partitions, the rule of SEQ_SPLIT = None; a prediction, not measured): pass 1 runs
 (P - 1) + (P - 2) = 2P - 3 partition-walks per sequence and head at once and pass 2 runs P, each about 1/P of the
 sequence deep; the unsplit walk runs one, the whole sequence deep. So the walk's serial depth goes from T to
 2T / P at the price of 3 - 2/P times the walk's work, and pays only while the 2P - 3 walks of pass 1 fit in one
-wave of the SMs beside each other: P >= 3, and (2P - 3) x sequences x heads x V-blocks (the Gluon walk's two a
-head there) <= SMs. On the H200 (132 SMs) that is 16 to 22 sequences x heads, P = 3; b1-t32768-h16 is the
-benchmark's only such row.
+wave of the SMs beside each other: P >= 3, and (2P - 3) x heads x V-blocks (the Gluon walk's two a head there)
+<= SMs for one sequence (more sequences add fillers, split_partitions). On the H200 (132 SMs) that is one sequence
+of 16 to 22 heads, P = 3; b1-t32768-h16 is the benchmark's only such row.
 
-Prediction (H200, bf16, K = V = 128, C = 64; from benchmarks/BENCHMARKS.md and NOTES.md): b1-t32768-h16's
-forward is 1.057 ms, about 0.35 of it wy_fwd (b8-t2048-h16's 0.184 ms at twice the token-heads; forward 0.272 ms
-there) and 0.69-0.72 the Gluon walk (0.721 alone: 32 programs, 512 chunks, 1.41 us a chunk). With P = 3: pass 1
-96 programs (64 on U, 32 on W) and pass 2 96, each 171 chunks deep: 0.24-0.29 ms each if a chunk still takes 1.41-
-1.7 us with three times the programs (at 96 programs the walks stream 2.2-2.7 TB/s of W, K, Q, U and o, 55-65 %
-of the copy rate: some slowdown is likely); the combine one matrix product and 5-6 small kernels, 0.02-0.04 ms of
-GPU time between the passes; the host work of the extra launches (3 walks instead of 1, about 0.1 ms) hidden
-behind the GPU at this size. Forward 1.057 -> 0.85-0.95 ms; forward+backward (backward unchanged) 3.492 -> 3.29-
-3.39 ms. b1-t32768-h64 (64 sequences x heads): not split by the rule, unchanged; forced at P = 2 or 3 it would be
-slower (pass 1 alone past one wave: 128 x 2 programs of the whole walk's length / 2 or / 3, 1.1-1.4 ms of walks
-against 0.73). The extra memory: the two discarded outputs of pass 1, [T, H, V] and [T, H, K] in the input dtype
-(2 x 128 MiB at b1-t32768-h16), alive during pass 1 only."""
+Prediction, written before any GPU run (H200, bf16, K = V = 128, C = 64; inputs from benchmarks/BENCHMARKS.md and
+NOTES.md). b1-t32768-h16's forward is 1.057 ms: its Gluon walk 0.721 alone (session 10: 32 programs, 512 chunks,
+1.41 us a chunk) and wy_fwd with the host's share about 0.34 (b2-t8192-h32 has as many token-heads: forward 0.543,
+its walk 0.205 alone). The walk's chunk at 128 programs: 1.60 us at b2-t8192-h32 (0.205 ms, 128 chunks) and 1.65
+at b1-t32768-h64 (2.196 - 4 x 0.338 = 0.84 ms, 512 chunks); so about 1.55 (1.41-1.7) at 96. With P = 3 (the rule):
+    pass 1: 96 programs (64 on U, 32 on W, BV = 64), 171 chunks deep: 0.24-0.29 ms;
+    combine: one matrix product [16, 128, 128] x [16, 128, 128] in fp32 and 5-6 small kernels (zero fill, copies,
+        the sum), then the final state's gather after pass 2: 0.02-0.04 ms of GPU time;
+    pass 2: 96 programs (3 x 16 heads, BV = 64), 171 chunks deep: 0.24-0.29 ms;
+    host: two more walk launches and about ten torch calls, about 0.1 ms, queued while wy_fwd runs (0.34 ms).
+Forward 1.057 -> 0.86-0.96 ms (about 0.90); forward+backward (the backward unchanged) 3.492 -> 3.29-3.39 ms.
+b1-t32768-h64: 64 sequences x heads, not split by the rule: unchanged (2.196 / 10.210). Forced at P = 3 (the
+probe's True): pass 1 walks 128 heads-partitions on U at BV = 128 (split_v's choice past 66: 128 programs of the
+chain that took 2.55 us a chunk at 16 programs) and 64 on W at BV = 64 (128 programs), 256 programs on 132 SMs,
+then pass 2 192 programs at BV = 128, two waves: about 0.7 + 0.9 ms of walks against 0.84, so forward about
+2.9-3.0 ms and forward+backward about 10.9-11.0 (slower by about 0.7 ms). b2-t8192-h32 forced at P = 3 (two
+sequences of 8192: both split, fillers between): 288 programs in pass 1 and 192 in pass 2 at BV = 128, 43 chunks
+deep, about 0.45-0.55 ms of walks against 0.205: forward 0.543 -> about 0.8-0.9 ms. varlen20-t32768-h16: no
+sequence of 8192 tokens, the same launches either way (a control). Memory: the two dropped outputs of pass 1,
+[T, H, V] and [T, H, K] in the input dtype (2 x 128 MiB at b1-t32768-h16), alive during pass 1 only, under the
+forward+backward's peak (1.50 GiB, in the backward); the walk on W's output is freed into the side stream's pool
+(reserved, not reused by the main stream)."""
 from __future__ import annotations
 
 import functools
@@ -78,16 +94,17 @@ GLUON_V_BLOCKS = 2  # programs a head of the Gluon walk at these counts (gluon_w
 
 def split_partitions(num_seqs: int, heads: int, tokens: int, sms: int, v_blocks: int = GLUON_V_BLOCKS) -> int:
     """Partitions a sequence is split into (1: no split), predicted from the batch's shape and the GPU's SMs: the
-    most P (3 to SPLIT_MAX_PARTITIONS) whose pass 1, 2P - 3 partition-walks of each sequence and head with v_blocks
-    programs each, fits one wave of sms beside itself; only at SPLIT_MIN_STATES to SPLIT_MAX_STATES - 1 sequences x
-    heads (below 16 the unsplit forward runs Triton stages, not the Gluon walk the prediction is for; from 64 the
-    walk fills the SMs alone), on sequences of SPLIT_MIN_TOKENS or more on average, with partitions of
-    SPLIT_MIN_PARTITION_TOKENS or more. P = 2 is never chosen: pass 1 would walk half the sequence and pass 2 the
-    other half after it, the unsplit walk's depth with more work."""
+    most P (3 to SPLIT_MAX_PARTITIONS) whose pass 1 fits one wave of sms: per head, with v_blocks programs a walk,
+    2P - 3 partition-walks of one sequence, and of N sequences N (2P - 3) plus 3 (N - 1) fillers (split_plan: one
+    partition deep at most, one in each gap of the walk on U, two of the walk on W), so 2NP - 3 in all. Only at
+    SPLIT_MIN_STATES to SPLIT_MAX_STATES - 1 sequences x heads (below 16 the unsplit forward runs Triton stages, not
+    the Gluon walk the prediction is for; from 64 the walk fills the SMs alone), on sequences of SPLIT_MIN_TOKENS or
+    more on average, with partitions of SPLIT_MIN_PARTITION_TOKENS or more. P = 2 is never chosen: pass 1 would walk
+    half the sequence and pass 2 the other half after it, the unsplit walk's depth with more work."""
     states = num_seqs * heads
     if not SPLIT_MIN_STATES <= states < SPLIT_MAX_STATES or tokens < SPLIT_MIN_TOKENS * num_seqs:
         return 1
-    fit = (sms // (states * v_blocks) + 3) // 2  # the most P with (2P - 3) states v_blocks <= sms
+    fit = (sms // (heads * v_blocks) + 3) // (2 * num_seqs)  # the most P with (2NP - 3) heads v_blocks <= sms
     P = min(fit, SPLIT_MAX_PARTITIONS, tokens // (num_seqs * SPLIT_MIN_PARTITION_TOKENS))
     return P if P >= 3 else 1
 
