@@ -36,8 +36,9 @@ and 3.29e-3 unsplit and 3.20e-3 and 3.28e-3 with U = 0 from I; in fp32 3.4e-7 ag
 as precise as the unsplit forward's: in the interpreter (the kernels themselves, one sequence of 8192 tokens, same
 inputs), o / final state against the float64 chunkwise oracle, unsplit and P = 3, 4: fp32 2.91e-7 / 2.44e-7,
 2.94e-7 / 2.44e-7, 2.96e-7 / 2.43e-7; fp16 4.99e-4 / 4.01e-4, 5.00e-4 / 4.02e-4, 5.00e-4 / 4.03e-4; bf16
-3.99e-3 / 3.22e-3, 4.00e-3 / 3.22e-3, 4.00e-3 / 3.23e-3 (benchmarks/diagnostics/seq_split.py --precision): the
-walk's own roundings dominate. The combine runs in fp32 (torch.matmul: tf32 if the caller allowed it globally).
+3.99e-3 / 3.22e-3, 4.00e-3 / 3.22e-3, 4.00e-3 / 3.23e-3; at 32768 tokens bf16 4.004e-3 / 3.246e-3, 4.005e-3 /
+3.239e-3, 4.006e-3 / 3.281e-3 (benchmarks/diagnostics/seq_split.py --precision; all rows in benchmarks/NOTES.md):
+the walk's own roundings dominate. The combine runs in fp32 (torch.matmul: tf32 if the caller allowed it globally).
 
 Where it pays (split_partitions, the rule of SEQ_SPLIT = None; a prediction, not measured): pass 1 runs
 (P - 1) + (P - 2) = 2P - 3 partition-walks per sequence and head at once and pass 2 runs P, each about 1/P of the
