@@ -287,6 +287,19 @@ def test_overlap_state_passes_diagnostic_runs(tmp_path):
     assert proc.stdout.count("forward+backward") == 2 * 2 * 3
 
 
+def test_seq_split_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/seq_split.py (forward and forward+backward with the sequence split off and on, for the
+    GPU) runs its smoke mode: a packed batch with two sequences split and one with none (both settings the same
+    launches), outputs within the bf16 bound of each other and gradients bitwise equal, each timed 3 times."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "seq_split.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "True splits 2 of 3 sequences into 3" in proc.stdout
+    assert "no sequence of 128 tokens: both settings run the same launches" in proc.stdout
+    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
+    assert proc.stdout.count("forward+backward") == 2 * (2 * 3 + 1)
+
+
 def test_device_session_script_parses_and_names_real_files():
     """benchmarks/device_session.sh (one device call: suite and stage timings) is valid bash, and every
     script it runs exists."""

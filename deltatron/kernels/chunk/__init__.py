@@ -15,7 +15,9 @@ Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the fo
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
 while S and V' are on chip, so h and v_new never reach HBM; on S^T where state.transposed_walk_pays, as
 the warp-specialized Gluon kernel of gluon_walk.py where state.gluon_walk_pays);
-elsewhere the three stages above. The backward
+elsewhere the three stages above. Where seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences),
+the walk runs on partitions of the long sequences, from the states entering them that seq_split.partition_states
+computes with two more walks and a small combine (seq_split.py). The backward
 recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
     recompute w, h, v_new from the saved Tinv: where state.wy_on_chip, in one launch (state.state_wy_fwd:
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 
 from ..utils import SeqInfo
+from . import seq_split
 from .backward import backward
 from .output import output_fwd
 from .state import fused_output_pays, state_fwd, state_output_fwd
@@ -46,13 +49,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             needs_backward: bool = True, chunk_size: int = 64):
     """o, final_state, saved = (Tinv,) (or () without needs_backward), extras = (). A, Tinv, W, U in one
     kernel (wy_fwd), then the state pass with the output fused in where that is faster (state.
-    fused_output_pays), else the state pass and the output apart. Only Tinv is saved: W, U and the
-    per-chunk states are recomputed; without needs_backward it is not even written out."""
+    fused_output_pays), else the state pass and the output apart; on partitions of the long sequences where
+    seq_split says so. Only Tinv is saved (the same split or not): W, U and the per-chunk states are recomputed;
+    without needs_backward it is not even written out."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
+    split = seq_split.plan_for(k, v, info, chunk_size)
+    if split is not None:  # the walk below runs on the partitions, from the states entering them
+        initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)
+        info = split.parts
     if fused_output_pays(k, v, info, chunk_size):
         o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
     else:
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
         del w, u  # not needed by the output: its peak is h, v_new and o
         o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
+    if split is not None and final_state is not None:  # each sequence's last partition's
+        final_state = final_state.index_select(0, split.last_part)
     return o, final_state, (tinv,) if needs_backward else (), ()
