@@ -124,8 +124,9 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
 
     Stream safety: what the side stream reads of the current stream's tensors (inputs, W, U, every segment's dh
     and dV') stays referenced until the current stream has joined the side stream at the end, so no allocation of
-    the current stream reuses it before the side stream is done; what the side stream allocates and the current
-    stream reads (h, v_new, the later segments' gradients) is recorded on the current stream."""
+    the current stream reuses it before the side stream is done (the gradients, which the segments write into, are
+    the current stream's and returned after the join); what the side stream allocates and the current stream reads
+    (h, v_new) is recorded on the current stream."""
     shapes = q.shape, k.shape, v.shape, beta.shape
     q, k, v, beta, tinv, do = (segmented_bwd.packed(x) for x in (q, k, v, beta, tinv, do))
     streams = k.is_cuda and not INTERPRET
@@ -140,14 +141,15 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     # every segment runs the reverse-pass kernel the whole batch would
     gluon = state_bwd.gluon_reverse_pays(q, k, w, do, None, info, chunk_size)
     revs = [None] * len(plan)  # (dh, dV', dh0) of each segment
-    grads = [None] * len(plan)  # (dq, dk, dv, dbeta) of each segment
+    # the gradients, allocated here on the current stream: each segment's grad stage writes its tokens' views
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta, dtype=torch.float32)
 
     def rev(s, next_dh0):
         return segmented_bwd.reverse_segment(plan[s], q, k, w, do, dht, next_dh0, scale, has_h0, gluon, chunk_size)
 
     def grad(s):
         dh, dv, _ = revs[s]
-        return segmented_bwd.grad_segment(plan[s], q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size)
+        segmented_bwd.grad_segment(plan[s], q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size, grads)
 
     last = len(plan) - 1
     if u is not None and streams:
@@ -169,17 +171,15 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
         if streams:
             side.wait_event(rev_done)
             with torch.cuda.stream(side):
-                grads[s + 1] = grad(s + 1)
-            for g in grads[s + 1]:
-                g.record_stream(main)
+                grad(s + 1)
         else:
-            grads[s + 1] = grad(s + 1)
+            grad(s + 1)
     if fwd_done is not None:
         main.wait_event(fwd_done)  # grad(0) reads h and v_new
-    grads[0] = grad(0)
+    grad(0)
     if streams:
         main.wait_stream(side)
     del w, u, h, v_new
-    dq, dk, dv, dbeta = (torch.cat([g[i] for g in grads], 1).view(shapes[i]) for i in range(4))
+    dq, dk, dv, dbeta = (g.view(shape) for g, shape in zip(grads, shapes))
     dh0 = segmented_bwd.dh0_of(plan, [r[2] for r in revs]) if has_h0 else None
     return dq, dk, dv, dbeta, dh0

@@ -30,10 +30,10 @@ programs of a whole SM, 1.214 ms) with state_fwd beside it (0.684 ms), then the 
 GPU). With S = 2: rev(2) 0.607 ms beside state_fwd; grad(2) can start only when state_fwd has finished (h comes
 from the forward walk), at 0.684, and runs beside rev(1) (0.607 -> 1.214) on the ~100 SMs rev(1) leaves: 0.530
 ms at 100/132 speed does 0.40 ms of grad(2)'s 0.555; then 0.15 + grad(1) 0.555 on the whole GPU. Backward's
-serial part from the reverse pass on: 1.214 + 0.71 = 1.92 against 1.214 + 1.11 = 2.32 ms, so 0.40 ms saved, less
-the concatenation of the segment outputs (dq, dk, dv bf16 and dbeta: about 100 MiB read and written, ~0.05 ms)
-and one more Gluon launch (host, hidden while the GPU is the bottleneck): forward+backward 3.49 -> about 3.10-3.20
-ms. If the grad stage is bandwidth- rather than SM-bound, 100 SMs do more than 100/132 of it: up to 0.53 ms saved.
+serial part from the reverse pass on: 1.214 + 0.71 = 1.92 against 1.214 + 1.11 = 2.32 ms, so 0.40 ms saved (the
+segments write their gradients into views of the batch's: no concatenation), less one more Gluon launch (host,
+hidden while the GPU is the bottleneck): forward+backward 3.49 -> about 3.10-3.15 ms (3.10-3.20 with the
+concatenation of the first version, ~0.05 ms for about 100 MiB read and written). If the grad stage is bandwidth- rather than SM-bound, 100 SMs do more than 100/132 of it: up to 0.53 ms saved.
 More segments do not help while state_fwd runs beside the reverse pass: the window where a grad stage can run
 beside a reverse pass opens when state_fwd ends (0.684 ms) and closes when the reverse pass ends (1.214), whatever
 S (S = 3: the same 1.92 ms); they add launches and host time. Hence MAX_SEGMENTS = 2.
@@ -47,8 +47,8 @@ Risks: the grad stage's programs might take SMs before the next reverse pass doe
 first, but a side kernel already running is not preempted); the grad stage might slow the latency-bound reverse
 pass through shared L2 and HBM bandwidth; bitwise equality of the Gluon pass restarted from an fp32 dht (its
 state gradient is fp32, as the Triton pass's is: expected equal, not checked on a GPU); extra memory: every
-segment's dh and dV' stay alive until the streams join (the same total as the unsegmented dh and dV'), and the
-segment outputs are concatenated (one more copy of dq, dk, dv, dbeta at the peak)."""
+segment's dh and dV' stay alive until the streams join (the same total as the unsegmented dh and dV'), and so do
+W, h and v_new, which the unsegmented backward releases before the WY backward."""
 from __future__ import annotations
 
 import bisect
@@ -157,15 +157,15 @@ def reverse_segment(seg: Segment, q, k, w, do, dht, next_dh0, scale, has_initial
                                has_initial_state or seg.cont_in, seg.info, chunk_size, gluon=gluon)
 
 
-def grad_segment(seg: Segment, q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size: int):
+def grad_segment(seg: Segment, q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size: int, out):
     """dqkw and the WY backward over one segment (packed tensors of the whole batch; dh, dv the segment's own
-    from reverse_segment): (dq, dk, dv, dbeta) of its tokens."""
+    from reverse_segment), written into the segment's tokens of out = the batch's (dq, dk, dv, dbeta), packed."""
     sl = slice(seg.t0, seg.t1)
-    dq, dk_direct, dw = output_bwd.dqkw(q[:, sl], k[:, sl], v_new[:, sl], h[seg.c0:seg.c1], dh, do[:, sl], dv,
-                                        scale, seg.info, chunk_size)
-    dk, dv, dbeta = wy_bwd.wy_bwd(k[:, sl], v[:, sl], beta[:, sl], tinv[:, sl], dw, dv, dk_direct, seg.info,
-                                  chunk_size)
-    return dq, dk, dv, dbeta
+    dq, dk, dv_out, dbeta = (x[:, sl] for x in out)
+    _, dk_direct, dw = output_bwd.dqkw(q[:, sl], k[:, sl], v_new[:, sl], h[seg.c0:seg.c1], dh, do[:, sl], dv, scale,
+                                       seg.info, chunk_size, dq=dq)
+    wy_bwd.wy_bwd(k[:, sl], v[:, sl], beta[:, sl], tinv[:, sl], dw, dv, dk_direct, seg.info, chunk_size,
+                  out=(dk, dv_out, dbeta))
 
 
 def dh0_of(segments: List[Segment], dh0s: List[Optional[torch.Tensor]]) -> torch.Tensor:
