@@ -7,8 +7,8 @@ import importlib
 import pytest
 import torch
 
-from deltatron.kernels.chunk import output_bwd, state_bwd
-from deltatron.kernels.utils import num_sms
+from deltatron.kernels.chunk import output_bwd, segmented_bwd, state_bwd
+from deltatron.kernels.utils import num_sms, seq_info
 
 from ..helpers import make_inputs, random_cu_seqlens, rel_rms
 from .test_chunk_backward_gpu import check, force_reverse_pass, gluon_reverse_runs, triton_backend  # noqa: F401
@@ -68,9 +68,6 @@ def test_segmented_varlen(triton_backend, poison, monkeypatch, request, reverse)
     cu = random_cu_seqlens(lengths, "cuda")
     force_reverse_pass(reverse, x, monkeypatch, request)
     grads, _ = segmented_and_not(monkeypatch, x, 3, cu)
-    from deltatron.kernels.chunk import segmented_bwd
-    from deltatron.kernels.utils import seq_info
-
     info = seq_info(1, sum(lengths), x["q"].device, cu, cu.cpu())
     plan = segmented_bwd.segment_plan(info, 3, 64)
     assert len(plan) == 3

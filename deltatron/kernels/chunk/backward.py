@@ -179,7 +179,6 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     grad(0)
     if streams:
         main.wait_stream(side)
-    del w, u, h, v_new
     dq, dk, dv, dbeta = (g.view(shape) for g, shape in zip(grads, shapes))
     dh0 = segmented_bwd.dh0_of(plan, [r[2] for r in revs]) if has_h0 else None
     return dq, dk, dv, dbeta, dh0
