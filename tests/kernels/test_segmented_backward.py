@@ -122,3 +122,85 @@ def test_segmented_pays_on_few_long_sequences_x_heads(N, T, H, expected):
 
 def test_segmented_backward_off_by_default():
     assert chunk_backward.SEGMENTED_BACKWARD is False
+
+
+class FakeStream:
+    """A stream of the model below: a vector clock over the streams (one tick per queued operation)."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.clock = name, log, {}
+
+    def tick(self, op):
+        self.clock[self.name] = self.clock.get(self.name, 0) + 1
+        self.log.append((op, self.name, dict(self.clock)))
+
+    def record_event(self):
+        return dict(self.clock)
+
+    def wait_event(self, event):
+        for name, n in event.items():
+            self.clock[name] = max(self.clock.get(name, 0), n)
+
+    def wait_stream(self, other):
+        self.wait_event(other.record_event())
+
+
+def before(a, b):
+    """Whether logged operation a happens before b: b's stream has waited for a's position on a's stream."""
+    (_, sa, ca), (_, _, cb) = a, b
+    return ca[sa] <= cb.get(sa, 0)
+
+
+@pytest.mark.parametrize("S, with_state", [(2, True), (3, False)])
+def test_segmented_stream_order(monkeypatch, S, with_state, poison):
+    # the CUDA path's streams, modelled on the CPU (the kernels run in turn; vector clocks stand for the streams):
+    # state_fwd on the side stream, rev(S) and rev(s) on the current one, grad(s) for s > 1 on the side stream after
+    # rev(s) and state_fwd, grad(1) on the current one after both, and the current stream, which the caller goes on
+    # with, after everything; the gradients as on one stream
+    from deltatron.kernels.chunk import state
+
+    log = []
+    main, side = FakeStream("main", log), FakeStream("side", log)
+    current = [main]
+
+    class on:  # torch.cuda.stream(s)
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            current.append(self.s)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    def logged(module, name, op):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: current[-1].tick(op(a)) or fn(*a, **kw))
+
+    monkeypatch.setattr(chunk_backward, "two_streams", lambda k: True)
+    monkeypatch.setattr(chunk_backward, "side_stream", lambda index: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    logged(state, "state_fwd", lambda a: "state_fwd")
+    logged(segmented_bwd, "reverse_segment", lambda a: ("rev", a[0].t0))
+    logged(segmented_bwd, "grad_segment", lambda a: ("grad", a[0].t0))
+    # fp32: the two-launch recompute (state_fwd apart); 3 x 16 tokens a segment at S = 3
+    got, want = gradients_both_ways(monkeypatch, S, 1, 48 * (S - 1), 1, 16, 16, torch.float32, 16, with_state,
+                                    True, seed=S)
+    assert_bitwise(got, want)
+    # the segmented backward: state_fwd, S reverse passes, S grad stages; then the unsegmented one's state_fwd
+    assert [op for op, *_ in log[1 + 2 * S:]] == ["state_fwd"]
+    log = log[:1 + 2 * S]
+    ops = {op: (op, s, c) for op, s, c in log}
+    starts = sorted({op[1] for op in ops if op != "state_fwd"})
+    assert len(starts) == S and len(ops) == len(log)
+    assert ops["state_fwd"][1] == "side" and all(ops["rev", t][1] == "main" for t in starts)
+    assert [ops["grad", t][1] for t in starts] == ["main"] + ["side"] * (S - 1)
+    for i, t in enumerate(starts):
+        assert before(ops["rev", t], ops["grad", t]) and before(ops["state_fwd"], ops["grad", t])
+        if i + 1 < S:  # the reverse pass runs from the last segment to the first
+            assert before(ops["rev", starts[i + 1]], ops["rev", t])
+    end = ("end", "main", dict(main.clock))  # where the caller goes on
+    assert all(before(op, end) for op in log)
+    assert not before(ops["grad", starts[-1]], ops["rev", starts[0]])  # grad(S) may overlap rev(1)

@@ -67,6 +67,11 @@ def num_segments(k: torch.Tensor, info) -> int:
     return segmented_bwd.segmented_pays(info.num_seqs, k.shape[2], info.total_tokens)
 
 
+def two_streams(k: torch.Tensor) -> bool:
+    """Whether the segmented backward runs on two CUDA streams (CUDA tensors, not the interpreter)."""
+    return k.is_cuda and not INTERPRET
+
+
 @functools.lru_cache(maxsize=None)
 def side_stream(device_index: int) -> torch.cuda.Stream:
     """The side stream of a device: made once and reused (a stream is a driver object, not free to make)."""
@@ -129,7 +134,7 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     (h, v_new) is recorded on the current stream."""
     shapes = q.shape, k.shape, v.shape, beta.shape
     q, k, v, beta, tinv, do = (segmented_bwd.packed(x) for x in (q, k, v, beta, tinv, do))
-    streams = k.is_cuda and not INTERPRET
+    streams = two_streams(k)
     main = torch.cuda.current_stream(k.device) if streams else None
     side = side_stream(k.device.index) if streams else None
     has_h0 = initial_state is not None
