@@ -151,11 +151,13 @@ def before(a, b):
     return ca[sa] <= cb.get(sa, 0)
 
 
-@pytest.mark.parametrize("S, with_state", [(2, True), (3, False)])
-def test_segmented_stream_order(monkeypatch, S, with_state, poison):
+@pytest.mark.parametrize("S, with_state, dtype", [(2, True, torch.float32), (3, False, torch.float32),
+                                                  (2, True, torch.bfloat16)])
+def test_segmented_stream_order(monkeypatch, S, with_state, dtype, poison):
     # the CUDA path's streams, modelled on the CPU (the kernels run in turn; vector clocks stand for the streams):
-    # state_fwd on the side stream, rev(S) and rev(s) on the current one, grad(s) for s > 1 on the side stream after
-    # rev(s) and state_fwd, grad(1) on the current one after both, and the current stream, which the caller goes on
+    # state_fwd on the side stream (fp32: the two-launch recompute; bf16 here recomputes h in one launch with W, on
+    # the current stream), rev(S) and rev(s) on the current one, grad(s) for s > 1 on the side stream after rev(s)
+    # and h's recompute, grad(1) on the current one after both, and the current stream, which the caller goes on
     # with, after everything; the gradients as on one stream
     from deltatron.kernels.chunk import state
 
@@ -183,11 +185,13 @@ def test_segmented_stream_order(monkeypatch, S, with_state, poison):
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
     logged(state, "state_fwd", lambda a: "state_fwd")
+    logged(state, "state_wy_fwd", lambda a: "state_fwd")
+    two_launch = not state.wy_on_chip(16, 16, 1, dtype.itemsize)
+    assert two_launch == (dtype == torch.float32)  # both recompute paths are modelled
     logged(segmented_bwd, "reverse_segment", lambda a: ("rev", a[0].t0))
     logged(segmented_bwd, "grad_segment", lambda a: ("grad", a[0].t0))
-    # fp32: the two-launch recompute (state_fwd apart); 3 x 16 tokens a segment at S = 3
-    got, want = gradients_both_ways(monkeypatch, S, 1, 48 * (S - 1), 1, 16, 16, torch.float32, 16, with_state,
-                                    True, seed=S)
+    got, want = gradients_both_ways(monkeypatch, S, 1, 48 * (S - 1), 1, 16, 16, dtype, 16, with_state, True,
+                                    seed=S)
     assert_bitwise(got, want)
     # the segmented backward: state_fwd, S reverse passes, S grad stages; then the unsegmented one's state_fwd
     assert [op for op, *_ in log[1 + 2 * S:]] == ["state_fwd"]
@@ -195,7 +199,7 @@ def test_segmented_stream_order(monkeypatch, S, with_state, poison):
     ops = {op: (op, s, c) for op, s, c in log}
     starts = sorted({op[1] for op in ops if op != "state_fwd"})
     assert len(starts) == S and len(ops) == len(log)
-    assert ops["state_fwd"][1] == "side" and all(ops["rev", t][1] == "main" for t in starts)
+    assert ops["state_fwd"][1] == ("side" if two_launch else "main") and all(ops["rev", t][1] == "main" for t in starts)
     assert [ops["grad", t][1] for t in starts] == ["main"] + ["side"] * (S - 1)
     for i, t in enumerate(starts):
         assert before(ops["rev", t], ops["grad", t]) and before(ops["state_fwd"], ops["grad", t])
