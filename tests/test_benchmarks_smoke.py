@@ -300,6 +300,18 @@ def test_seq_split_diagnostic_runs(tmp_path):
     assert proc.stdout.count("forward+backward") == 2 * (2 * 3 + 1)
 
 
+def test_seg_bwd_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/seg_bwd.py (forward+backward with the backward unsegmented and segmented, for the GPU)
+    runs its smoke mode: on one sequence and a varlen batch, each cut into 2 segments run on one stream on the CPU,
+    finds the gradients of both settings bitwise equal and times each 3 times."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "seg_bwd.py"), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("True: 2 segments of ") == 2 and "one stream (CPU tensors)" in proc.stdout
+    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
+    assert proc.stdout.count("forward+backward") == 2 * 2 * 3
+
+
 def test_device_session_script_parses_and_names_real_files():
     """benchmarks/device_session.sh (one device call: suite and stage timings) is valid bash, and every
     script it runs exists."""

@@ -6,7 +6,10 @@ The recompute is one launch where state.wy_on_chip (16-bit, K up to 64 or K = 12
 the walk computes W, U from T~ on chip and writes W alone (state.state_wy_fwd). Elsewhere (fp32, and the
 heads where that walk spills) two: wy.recompute_w_u writes W and U, state.state_fwd reads them; the same W,
 h and v_new bit for bit. On that two-launch path the reverse pass needs W only, not state_fwd's h and
-v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES)."""
+v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES).
+
+SEGMENTED_BACKWARD runs the reverse pass and the grad stage segment by segment, a later segment's grad stage on
+the side stream beside an earlier segment's reverse pass (segmented_bwd.py)."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..utils import INTERPRET
-from . import output_bwd, state, state_bwd, wy, wy_bwd
+from . import output_bwd, segmented_bwd, state, state_bwd, wy, wy_bwd
 
 # Whether the two-launch recompute runs state_fwd on a side stream beside the reverse state pass (CUDA only,
 # never in the interpreter): False never; True wherever it applies (tests,
@@ -47,6 +50,28 @@ def overlaps(k: torch.Tensor, info) -> bool:
     return OVERLAP_STATE_PASSES or overlap_pays(info.num_seqs, k.shape[2], info.total_tokens)
 
 
+# Whether the backward runs segment by segment (segmented_bwd.py): False never; True always, in FORCED_SEGMENTS
+# segments (tests, benchmarks/diagnostics/seg_bwd.py); None by segmented_bwd.segmented_pays. On CUDA tensors (not in
+# the interpreter) it runs state_fwd and the later segments' grad stages on the side stream whatever
+# OVERLAP_STATE_PASSES says; elsewhere the same order on one stream.
+SEGMENTED_BACKWARD: Optional[bool] = False
+FORCED_SEGMENTS = 2
+
+
+def num_segments(k: torch.Tensor, info) -> int:
+    """Segments this backward runs in (1: unsegmented)."""
+    if SEGMENTED_BACKWARD is False:
+        return 1
+    if SEGMENTED_BACKWARD:
+        return FORCED_SEGMENTS
+    return segmented_bwd.segmented_pays(info.num_seqs, k.shape[2], info.total_tokens)
+
+
+def two_streams(k: torch.Tensor) -> bool:
+    """Whether the segmented backward runs on two CUDA streams (CUDA tensors, not the interpreter)."""
+    return k.is_cuda and not INTERPRET
+
+
 @functools.lru_cache(maxsize=None)
 def side_stream(device_index: int) -> torch.cuda.Stream:
     """The side stream of a device: made once and reused (a stream is a driver object, not free to make)."""
@@ -60,6 +85,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     Each intermediate is released right after the last stage that reads it (`del`), so the peak is the set
     alive at the widest stage (dqkw), not every tensor of the backward at once."""
     (tinv,) = saved
+    S = num_segments(k, info)
+    plan = segmented_bwd.segment_plan(info, S, chunk_size) if S > 1 else None
+    if plan is not None:
+        return segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info, plan, chunk_size)
 
     def reverse_pass(w):
         return state_bwd.state_bwd(q, k, w, do, None, dht, scale, initial_state is not None, info, chunk_size)
@@ -91,4 +120,70 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
+    return dq, dk, dv, dbeta, dh0
+
+
+def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info, plan, chunk_size):
+    """backward's contract, the reverse pass and the grad stage run over plan's segments (segmented_bwd.py): on
+    CUDA, state_fwd and the grad stage of segment s + 1 on the side stream beside the reverse pass of segment s.
+
+    Stream safety: what the side stream reads of the current stream's tensors (inputs, W, U, every segment's dh
+    and dV') stays referenced until the current stream has joined the side stream at the end, so no allocation of
+    the current stream reuses it before the side stream is done (the gradients, which the segments write into, are
+    the current stream's and returned after the join); what the side stream allocates and the current stream reads
+    (h, v_new) is recorded on the current stream."""
+    shapes = q.shape, k.shape, v.shape, beta.shape
+    q, k, v, beta, tinv, do = (segmented_bwd.packed(x) for x in (q, k, v, beta, tinv, do))
+    streams = two_streams(k)
+    main = torch.cuda.current_stream(k.device) if streams else None
+    side = side_stream(k.device.index) if streams else None
+    has_h0 = initial_state is not None
+    fwd_done, u = None, None
+    if state.wy_on_chip(k.shape[3], v.shape[3], info.num_seqs * k.shape[2], k.element_size()):
+        w, h, v_new, _ = state.state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size)
+    else:
+        w, u = wy.recompute_w_u(k, v, beta, tinv, info, chunk_size)
+    # every segment runs the reverse-pass kernel the whole batch would
+    gluon = state_bwd.gluon_reverse_pays(q, k, w, do, None, info, chunk_size)
+    revs = [None] * len(plan)  # (dh, dV', dh0) of each segment
+    # the gradients, allocated here on the current stream: each segment's grad stage writes its tokens' views
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta, dtype=torch.float32)
+
+    def rev(s, next_dh0):
+        return segmented_bwd.reverse_segment(plan[s], q, k, w, do, dht, next_dh0, scale, has_h0, gluon, chunk_size)
+
+    def grad(s):
+        dh, dv, _ = revs[s]
+        segmented_bwd.grad_segment(plan[s], q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size, grads)
+
+    last = len(plan) - 1
+    if u is not None and streams:
+        side.wait_stream(main)  # state_fwd waits for W, U
+        revs[last] = rev(last, None)  # queued first, so that its programs take their SMs first
+        with torch.cuda.stream(side):
+            h, v_new, _ = state.state_fwd(k, w, u, initial_state, False, info, chunk_size)
+            fwd_done = side.record_event()
+        h.record_stream(main)
+        v_new.record_stream(main)
+    elif u is not None:
+        h, v_new, _ = state.state_fwd(k, w, u, initial_state, False, info, chunk_size)
+        revs[last] = rev(last, None)
+    else:
+        revs[last] = rev(last, None)
+    for s in range(last - 1, -1, -1):
+        rev_done = main.record_event() if streams else None  # after the reverse pass of segment s + 1
+        revs[s] = rev(s, revs[s + 1][2])
+        if streams:
+            side.wait_event(rev_done)
+            with torch.cuda.stream(side):
+                grad(s + 1)
+        else:
+            grad(s + 1)
+    if fwd_done is not None:
+        main.wait_event(fwd_done)  # grad(0) reads h and v_new
+    grad(0)
+    if streams:
+        main.wait_stream(side)
+    dq, dk, dv, dbeta = (g.view(shape) for g, shape in zip(grads, shapes))
+    dh0 = segmented_bwd.dh0_of(plan, [r[2] for r in revs]) if has_h0 else None
     return dq, dk, dv, dbeta, dh0

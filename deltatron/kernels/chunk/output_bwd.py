@@ -92,14 +92,15 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     return dv
 
 
-def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int):
+def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None):
     """dQ (final, q's dtype), direct dK (fp32, completed by the WY backward) and dW (q's dtype).
 
     h: states entering each chunk, dh: gradients of the states leaving each chunk ([NT, H, K, V]);
-    dv: the full dV' (= dU) from the reverse state pass."""
+    dv: the full dV' (= dU) from the reverse state pass. dq: where to write dQ (q's shape and dtype,
+    contiguous: the segmented backward passes its segment's view of the batch's), else a new tensor."""
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k, dtype=torch.float32)
     dw = torch.empty_like(k)
     if chunks.num_chunks:

@@ -165,12 +165,15 @@ def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: to
 
 
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
-              need_dh0: bool, info, chunk_size: int):
+              need_dh0: bool, info, chunk_size: int, gluon: Optional[bool] = None):
     """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
     dqkw, rounds it to that dtype before its products anyway), dv [1, TT, H, V] in do's dtype: the full
     dV', dh0 [N, H, K, V] fp32 or None). dv_local: the local dV' from output_bwd.dv_local, or None to
-    compute it in this pass (fused: the backward's path; as the Gluon kernel where gluon_reverse_pays)."""
-    if gluon_reverse_pays(q, k, w, do, dv_local, info, chunk_size):
+    compute it in this pass (fused: the backward's path; as the Gluon kernel where gluon_reverse_pays, or where
+    gluon says so: the segmented backward decides once for the whole batch and passes it to every segment)."""
+    if gluon is None:
+        gluon = gluon_reverse_pays(q, k, w, do, dv_local, info, chunk_size)
+    if gluon:
         from .gluon_reverse import gluon_state_bwd
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size, checked=True)
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]

@@ -127,16 +127,17 @@ def wy_bwd_launch(K: int, V: int, element_size: int):
     return BK, BV, MappingProxyType(dict(maxnreg=168))
 
 
-def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int):
+def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None):
     """Returns (dk in k's dtype, dv in v's dtype, dbeta fp32 [.., TT, H]).
 
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
-    the output and the state update (fp32)."""
+    the output and the state update (fp32). out: (dk, dv, dbeta) to write into (those shapes and dtypes,
+    contiguous: the segmented backward passes its segment's views of the batch's), else new tensors."""
     H, K, V = k.shape[-2], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty_like(beta, dtype=torch.float32)
+    if out is None:
+        out = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta, dtype=torch.float32)
+    dk, dv, dbeta = out
     BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
         launch(
