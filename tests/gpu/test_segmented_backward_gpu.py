@@ -23,7 +23,7 @@ def segmented_and_not(monkeypatch, x, S, cu=None, ref_dtype=torch.float64):
     """check()'s gradients unsegmented, then in S segments; the stream each backward dqkw call ran on, per call."""
     streams = []
     dqkw = output_bwd.dqkw
-    monkeypatch.setattr(output_bwd, "dqkw", lambda *a: streams.append(torch.cuda.current_stream()) or dqkw(*a))
+    monkeypatch.setattr(output_bwd, "dqkw", lambda *a, **kw: streams.append(torch.cuda.current_stream()) or dqkw(*a, **kw))
     grads = {}
     for on in (False, True):
         monkeypatch.setattr(chunk_backward, "SEGMENTED_BACKWARD", on)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltatron.kernels.chunk import segmented_bwd
-from deltatron.kernels.utils import SeqInfo
+from deltatron.kernels.utils import SeqInfo, seq_info
 
 from ..helpers import DEVICE, INTERPRET
 from .test_chunk_backward import check_against_recurrence
@@ -120,8 +120,15 @@ def test_segmented_pays_on_few_long_sequences_x_heads(N, T, H, expected):
     assert segmented_bwd.segmented_pays(N, H, N * T) == expected
 
 
-def test_segmented_backward_off_by_default():
-    assert chunk_backward.SEGMENTED_BACKWARD is False
+def test_segmented_backward_by_rule_on_two_streams_only(monkeypatch):
+    # by default the rule decides, and only where a side stream exists (CUDA tensors, not the interpreter): on one
+    # stream the segments would only add launches
+    assert chunk_backward.SEGMENTED_BACKWARD is None
+    k = torch.empty(1, 32768, 16, 8)
+    info = seq_info(1, 32768, torch.device("cpu"), None, None)
+    for streams, expected in ((False, 1), (True, 2)):
+        monkeypatch.setattr(chunk_backward, "two_streams", lambda k, _s=streams: _s)
+        assert chunk_backward.num_segments(k, info) == expected
 
 
 class FakeStream:

@@ -54,7 +54,7 @@ def overlaps(k: torch.Tensor, info) -> bool:
 # segments (tests, benchmarks/diagnostics/seg_bwd.py); None by segmented_bwd.segmented_pays. On CUDA tensors (not in
 # the interpreter) it runs state_fwd and the later segments' grad stages on the side stream whatever
 # OVERLAP_STATE_PASSES says; elsewhere the same order on one stream.
-SEGMENTED_BACKWARD: Optional[bool] = False
+SEGMENTED_BACKWARD: Optional[bool] = None
 FORCED_SEGMENTS = 2
 
 
@@ -64,6 +64,8 @@ def num_segments(k: torch.Tensor, info) -> int:
         return 1
     if SEGMENTED_BACKWARD:
         return FORCED_SEGMENTS
+    if not two_streams(k):  # the rule's gain is the second stream's; on one stream segments only add launches
+        return 1
     return segmented_bwd.segmented_pays(info.num_seqs, k.shape[2], info.total_tokens)
 
 
