@@ -24,7 +24,7 @@ of a launch: a segment with more pieces than the batch has sequences may run ano
 (columns of dS are independent, the reductions over K and C are the same; not checked bitwise on a GPU). With
 one sequence, every segment has one piece and runs the batch's configuration.
 
-PREDICTION (written before any GPU run; not measured). 1 sequence x 16 heads, T = 32768, K = V = 128, bf16 on
+PREDICTION (written before any GPU run; measured below). 1 sequence x 16 heads, T = 32768, K = V = 128, bf16 on
 the H200, forward+backward 3.492 ms with OVERLAP_STATE_PASSES: recompute, then the reverse pass (Gluon, 32
 programs of a whole SM, 1.214 ms) with state_fwd beside it (0.684 ms), then the grad stage (1.11 ms on the whole
 GPU). With S = 2: rev(2) 0.607 ms beside state_fwd; grad(2) can start only when state_fwd has finished (h comes
@@ -34,6 +34,11 @@ serial part from the reverse pass on: 1.214 + 0.71 = 1.92 against 1.214 + 1.11 =
 segments write their gradients into views of the batch's: no concatenation), less one more Gluon launch (host,
 hidden while the GPU is the bottleneck): forward+backward 3.49 -> about 3.10-3.15 ms (3.10-3.20 with the
 concatenation of the first version, ~0.05 ms for about 100 MiB read and written). If the grad stage is bandwidth- rather than SM-bound, 100 SMs do more than 100/132 of it: up to 0.53 ms saved.
+MEASURED (H200, session 13, benchmarks/diagnostics/seg_bwd.py on the branch's tree, bf16, forward+backward
+through the API, switch off / on, three interleaved readings, fastest; gradients bitwise equal in every case):
+1 x 16 heads, T = 32768 (S = 2 by the rule): 3.474 / 3.262 ms, 0.21 ms saved where 0.34-0.39 were predicted;
+forced where the rule says no: 1 x 64 heads, T = 32768: 10.224 / 10.185; 2 x 32 heads, T = 8192: 2.552 / 2.664
+(slower). With the forward's sequence split as well, the benchmark's b1-t32768-h16 forward+backward read 3.083.
 More segments do not help while state_fwd runs beside the reverse pass: the window where a grad stage can run
 beside a reverse pass opens when state_fwd ends (0.684 ms) and closes when the reverse pass ends (1.214), whatever
 S (S = 3: the same 1.92 ms); they add launches and host time. Hence MAX_SEGMENTS = 2.

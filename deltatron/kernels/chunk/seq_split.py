@@ -40,7 +40,7 @@ inputs), o / final state against the float64 chunkwise oracle, unsplit and P = 3
 3.239e-3, 4.006e-3 / 3.281e-3 (benchmarks/diagnostics/seq_split.py --precision; all rows in benchmarks/NOTES.md):
 the walk's own roundings dominate. The combine runs in fp32 (torch.matmul: tf32 if the caller allowed it globally).
 
-Where it pays (split_partitions, the rule of SEQ_SPLIT = None; a prediction, not measured): pass 1 runs
+Where it pays (split_partitions, the rule of SEQ_SPLIT = None; predicted, then measured below): pass 1 runs
 (P - 1) + (P - 2) = 2P - 3 partition-walks per sequence and head at once and pass 2 runs P, each about 1/P of the
 sequence deep; the unsplit walk runs one, the whole sequence deep. So the walk's serial depth goes from T to
 2T / P at the price of 3 - 2/P times the walk's work, and pays only while the 2P - 3 walks of pass 1 fit in one
@@ -69,7 +69,15 @@ deep, about 0.45-0.55 ms of walks against 0.205: forward 0.543 -> about 0.8-0.9 
 sequence of 8192 tokens, the same launches either way (a control). Memory: the two dropped outputs of pass 1,
 [T, H, V] and [T, H, K] in the input dtype (2 x 128 MiB at b1-t32768-h16), alive during pass 1 only, under the
 forward+backward's peak (1.50 GiB, in the backward); the walk on W's output is freed into the side stream's pool
-(reserved, not reused by the main stream)."""
+(reserved, not reused by the main stream).
+MEASURED (H200, session 13, benchmarks/diagnostics/seq_split.py on the branch's tree, bf16, switch off / on, three
+interleaved readings, fastest; gradients bitwise equal, outputs within 2.5e-3 of the unsplit ones): b1-t32768-h16
+forward 1.105 / 0.893 ms and forward+backward 3.473 / 3.272 (inside the prediction), but the split forward's
+three readings were erratic, 1.099, 1.511 and 0.893 ms (unsplit 1.105-1.113; another GPU's tests ran on the
+shared host meanwhile; not investigated), its forward+backward steady at 3.272-3.275; forced where the rule says
+no: b1-t32768-h64 2.176 / 3.200 and 10.261 / 11.183 (slower, as predicted), b2-t8192-h32 0.545 / 1.047 and
+2.568 / 3.027 (slower); varlen20-t32768-h16 (nothing split) 0.674 / 0.674. The benchmark (run 192239, with the
+segmented backward) read 0.854 / 3.083 ms at b1-t32768-h16."""
 from __future__ import annotations
 
 import functools
