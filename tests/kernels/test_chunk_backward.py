@@ -229,7 +229,7 @@ def test_wy_bwd(dtype, C, lengths, K, V, parallel_keys, poison):
     dk, dv, dbeta = wy_bwd.wy_bwd(inp["k"], inp["v"], inp["beta"], to_dev(tinv.detach(), torch.float32),
                                   to_dev(dw, dtype), to_dev(du, dtype), to_dev(dk_direct, torch.float32), info, C)
     bound = BOUNDS[dtype]
-    assert dk.dtype == dtype and dv.dtype == dtype and dbeta.dtype == torch.float32
+    assert dk.dtype == dtype and dv.dtype == dtype and dbeta.dtype == inp["beta"].dtype
     assert rel_rms(dk[0], k.grad) <= bound
     assert rel_rms(dv[0], v.grad) <= bound
     assert rel_rms(dbeta[0], beta.grad) <= bound

@@ -81,7 +81,7 @@ def side_stream(device_index: int) -> torch.cuda.Stream:
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
-    """Gradients (dq, dk, dv in the input dtype, dbeta fp32, dh0 fp32 or None without initial_state)
+    """Gradients (dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None without initial_state)
     of the chunkwise delta rule; saved = (Tinv,) from the forward. Deterministic: no atomics.
 
     Each intermediate is released right after the last stage that reads it (`del`), so the peak is the set
@@ -149,7 +149,7 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     gluon = state_bwd.gluon_reverse_pays(q, k, w, do, None, info, chunk_size)
     revs = [None] * len(plan)  # (dh, dV', dh0) of each segment
     # the gradients, allocated here on the current stream: each segment's grad stage writes its tokens' views
-    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta, dtype=torch.float32)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
 
     def rev(s, next_dh0):
         return segmented_bwd.reverse_segment(plan[s], q, k, w, do, dht, next_dh0, scale, has_h0, gluon, chunk_size)

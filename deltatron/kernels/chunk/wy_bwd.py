@@ -104,7 +104,7 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
         b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32) + b_dk_wy
         store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
         b_dbeta += b_dbeta_k
-    tl.store(dbeta + rows * H + i_h, b_dbeta, mask=valid)
+    tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +128,8 @@ def wy_bwd_launch(K: int, V: int, element_size: int):
 
 
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None):
-    """Returns (dk in k's dtype, dv in v's dtype, dbeta fp32 [.., TT, H]).
+    """Returns (dk in k's dtype, dv in v's dtype, dbeta in beta's dtype [.., TT, H]: summed in fp32 and rounded once
+    in the kernel, so that the API returns it without a conversion launch).
 
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
     the output and the state update (fp32). out: (dk, dv, dbeta) to write into (those shapes and dtypes,
@@ -136,7 +137,7 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None)
     H, K, V = k.shape[-2], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
     if out is None:
-        out = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta, dtype=torch.float32)
+        out = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dk, dv, dbeta = out
     BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
