@@ -30,6 +30,7 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
+from switch_probe import SETTINGS, gpu_configs, interleaved, with_settings  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import state  # noqa: E402
@@ -38,17 +39,11 @@ from deltatron.kernels.utils import seq_info  # noqa: E402
 backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function of that name
 
 CONFIGS = ["b1-t32768-h16-k128", "b1-t32768-h64-k128", "varlen20-t32768-h16-k128", "b2-t8192-h32-k128"]
-READINGS = 3
-SETTINGS = (False, True)
 
 
 def with_overlap(overlap: bool, fn):
     """fn() with backward.OVERLAP_STATE_PASSES set to overlap, restored after."""
-    chosen, backward.OVERLAP_STATE_PASSES = backward.OVERLAP_STATE_PASSES, overlap
-    try:
-        return fn()
-    finally:
-        backward.OVERLAP_STATE_PASSES = chosen
+    return with_settings(backward, dict(OVERLAP_STATE_PASSES=overlap), fn)
 
 
 def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
@@ -72,12 +67,7 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     same = [torch.equal(a, b) for a, b in zip(*grads.values())]
     print("  gradients, True against False: " + ", ".join(f"d{n} bitwise {s}" for n, s in zip(bench.GRAD_INPUTS, same))
           + ("  OK" if all(same) else "  DIFFER"))
-    readings = {overlap: [] for overlap in SETTINGS}
-    for _ in range(READINGS):  # interleaved, against drift
-        for overlap in SETTINGS:
-            readings[overlap].append(with_overlap(overlap, lambda: measure(fwd_bwd)))
-            print(f"  OVERLAP_STATE_PASSES={overlap!s:<5} forward+backward {readings[overlap][-1]:8.3f} ms", flush=True)
-    print("  fastest, False / True: " + " / ".join(f"{min(readings[o]):.3f}" for o in SETTINGS) + " ms")
+    interleaved(measure, with_overlap, {"forward+backward": fwd_bwd}, "OVERLAP_STATE_PASSES")
     return all(same)
 
 
@@ -90,9 +80,7 @@ def main() -> int:
         # a varlen batch whose recompute is one launch (K = 16), a head size where it is two (K = 100)
         device, configs = torch.device("cpu"), [bench.SMOKE_CONFIGS[1], bench.dense(1, 40, 1, 100)]
     else:
-        device = torch.device("cuda")
-        known = {c.name: c for c in bench.CONFIGS}
-        configs = [known[n] for n in args.configs]
+        device, configs = gpu_configs(args.configs)
     measure = timer(args.smoke)  # stage_times' do_bench settings (smoke: one wall-clock call)
     agree = [compare(cfg, device, measure) for cfg in configs]
     return 0 if all(agree) else 1

@@ -30,6 +30,7 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
+from switch_probe import SETTINGS, gpu_configs, interleaved, with_settings  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import segmented_bwd, state_bwd  # noqa: E402
@@ -38,17 +39,11 @@ from deltatron.kernels.utils import seq_info  # noqa: E402
 backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function of that name
 
 CONFIGS = ["b1-t32768-h16-k128", "b1-t32768-h64-k128", "b2-t8192-h32-k128"]
-READINGS = 3
-SETTINGS = (False, True)
 
 
 def with_segments(on: bool, fn):
     """fn() with backward.SEGMENTED_BACKWARD set to on, restored after."""
-    chosen, backward.SEGMENTED_BACKWARD = backward.SEGMENTED_BACKWARD, on
-    try:
-        return fn()
-    finally:
-        backward.SEGMENTED_BACKWARD = chosen
+    return with_settings(backward, dict(SEGMENTED_BACKWARD=on), fn)
 
 
 def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
@@ -74,12 +69,7 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     print("  gradients, True against False: "
           + ", ".join(f"d{n} {'bitwise' if s else f'rel {d:.1e}'}" for n, s, d in zip(bench.GRAD_INPUTS, same, diff))
           + ("  OK" if all(same) else "  DIFFER"))
-    readings = {on: [] for on in SETTINGS}
-    for _ in range(READINGS):  # interleaved, against drift
-        for on in SETTINGS:
-            readings[on].append(with_segments(on, lambda: measure(fwd_bwd)))
-            print(f"  SEGMENTED_BACKWARD={on!s:<5} forward+backward {readings[on][-1]:8.3f} ms", flush=True)
-    print("  fastest, False / True: " + " / ".join(f"{min(readings[o]):.3f}" for o in SETTINGS) + " ms")
+    interleaved(measure, with_segments, {"forward+backward": fwd_bwd}, "SEGMENTED_BACKWARD")
     return all(same)
 
 
@@ -94,9 +84,7 @@ def main() -> int:
         # one sequence of 3 chunks (C = 64), and 3 sequences of random lengths over 4 chunks
         device, configs = torch.device("cpu"), [bench.dense(1, 130, 1, 16), bench.varlen(200, 3, 1, 16, seed=0)]
     else:
-        device = torch.device("cuda")
-        known = {c.name: c for c in bench.CONFIGS}
-        configs = [known[n] for n in args.configs]
+        device, configs = gpu_configs(args.configs)
     measure = timer(args.smoke)  # stage_times' do_bench settings (smoke: one wall-clock call)
     agree = [compare(cfg, device, measure) for cfg in configs]
     return 0 if all(agree) else 1

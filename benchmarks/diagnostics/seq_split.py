@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
+from switch_probe import SETTINGS, gpu_configs, interleaved, with_settings  # noqa: E402
 
 import deltatron  # noqa: E402
 from deltatron import bench  # noqa: E402
@@ -44,19 +45,12 @@ from deltatron.reference import chunk_delta_rule_reference  # noqa: E402
 CONFIGS = ["b1-t32768-h16-k128", "b1-t32768-h64-k128", "varlen20-t32768-h16-k128", "b2-t8192-h32-k128"]
 SMOKE_CONFIGS = [bench.Config("varlen3-t353-h1-k16", 1, 353, 1, 16, 16, seqlens=(200, 3, 150)),
                  bench.dense(2, 40, 1, 16)]
-READINGS = 3
-SETTINGS = (False, True)
 BOUND = 1e-2  # bf16's, DESIGN.md §6
 
 
 def with_split(split: bool, partitions, fn):
     """fn() with seq_split.SEQ_SPLIT = split (and SPLIT_PARTITIONS = partitions), restored after."""
-    chosen = seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS
-    seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS = split, partitions
-    try:
-        return fn()
-    finally:
-        seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS = chosen
+    return with_settings(seq_split, dict(SEQ_SPLIT=split, SPLIT_PARTITIONS=partitions), fn)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,17 +95,8 @@ def compare(cfg: bench.Config, device: torch.device, measure, partitions) -> boo
     agree = err_o <= BOUND and err_s <= BOUND and same
     print(f"  True against False: o rel RMS {err_o:.2e}, final state {err_s:.2e}; gradients bitwise {same}"
           + ("  OK" if agree else "  DIFFER"))
-    readings = {(s, phase): [] for s in SETTINGS for phase in ("forward", "forward+backward")}
-    for _ in range(READINGS):  # interleaved, against drift
-        for s in SETTINGS:
-            f = with_split(s, partitions, lambda: measure(forward))
-            fb = with_split(s, partitions, lambda: measure(fwd_bwd))
-            readings[(s, "forward")].append(f)
-            readings[(s, "forward+backward")].append(fb)
-            print(f"  SEQ_SPLIT={s!s:<5} forward {f:8.3f} ms  forward+backward {fb:8.3f} ms", flush=True)
-    print("  fastest, False / True: " + ", ".join(
-        f"{phase} {min(readings[(False, phase)]):.3f} / {min(readings[(True, phase)]):.3f}"
-        for phase in ("forward", "forward+backward")) + " ms")
+    interleaved(measure, lambda s, fn: with_split(s, partitions, fn), {"forward": forward, "forward+backward": fwd_bwd},
+                "SEQ_SPLIT")
     return agree
 
 
@@ -152,9 +137,7 @@ def main() -> int:
         device, configs = torch.device("cpu"), SMOKE_CONFIGS
         seq_split.SPLIT_MIN_TOKENS = 128
     else:
-        device = torch.device("cuda")
-        known = {c.name: c for c in bench.CONFIGS}
-        configs = [known[n] for n in args.configs]
+        device, configs = gpu_configs(args.configs)
     measure = timer(args.smoke)  # stage_times' do_bench settings (smoke: one wall-clock call)
     agree = [compare(cfg, device, measure, args.partitions) for cfg in configs]
     return 0 if all(agree) else 1

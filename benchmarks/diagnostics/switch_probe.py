@@ -1,0 +1,50 @@
+"""What the switch probes share (overlap_state_passes.py, seg_bwd.py, seq_split.py): a module setting flipped for
+one call and restored, the readings of each setting interleaved against drift, and the configs by name.
+
+Each probe times the same calls with its switch False and True (SETTINGS), READINGS rounds, and prints every
+reading and the fastest of each setting."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from deltatron import bench
+
+READINGS = 3
+SETTINGS = (False, True)
+
+
+def with_settings(module, values: Dict[str, object], fn: Callable[[], object]):
+    """fn() with module's attributes set to values, restored after (also when fn raises)."""
+    chosen = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        for name, value in chosen.items():
+            setattr(module, name, value)
+
+
+def interleaved(measure: Callable[[Callable[[], object]], float], switch: Callable[[bool, Callable], object],
+                phases: Dict[str, Callable[[], object]], label: str) -> Dict[Tuple[bool, str], List[float]]:
+    """Times each phase (name -> call) under each setting (switch(setting, fn): fn() with the switch so), READINGS
+    rounds with the settings alternating; prints each round's line per setting and the fastest reading of each.
+    Returns the readings in ms by (setting, phase)."""
+    got = {(s, p): [] for s in SETTINGS for p in phases}
+    for _ in range(READINGS):
+        for s in SETTINGS:
+            for p, fn in phases.items():
+                got[(s, p)].append(switch(s, lambda: measure(fn)))
+            print(f"  {label}={s!s:<5} " + "  ".join(f"{p} {got[(s, p)][-1]:8.3f} ms" for p in phases), flush=True)
+    named = len(phases) > 1
+    print("  fastest, False / True: " + ", ".join(
+        (f"{p} " if named else "") + " / ".join(f"{min(got[(s, p)]):.3f}" for s in SETTINGS) for p in phases) + " ms")
+    return got
+
+
+def gpu_configs(names: Sequence[str]) -> Tuple[torch.device, List[bench.Config]]:
+    """The CUDA device and bench.CONFIGS by name."""
+    known = {c.name: c for c in bench.CONFIGS}
+    return torch.device("cuda"), [known[n] for n in names]
