@@ -51,7 +51,8 @@ def overlaps(k: torch.Tensor, info) -> bool:
 
 
 # Whether the backward runs segment by segment (segmented_bwd.py): False never; True always, in FORCED_SEGMENTS
-# segments (tests, benchmarks/diagnostics/seg_bwd.py); None by segmented_bwd.segmented_pays. On CUDA tensors (not in
+# segments (tests, benchmarks/diagnostics/seg_bwd.py); None by segmented_bwd.segmented_pays where two streams exist
+# (measured on the H200: segmented_bwd.py). On CUDA tensors (not in
 # the interpreter) it runs state_fwd and the later segments' grad stages on the side stream whatever
 # OVERLAP_STATE_PASSES says; elsewhere the same order on one stream.
 SEGMENTED_BACKWARD: Optional[bool] = None
