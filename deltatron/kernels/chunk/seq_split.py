@@ -91,7 +91,7 @@ from .backward import side_stream
 
 # Whether the forward splits long sequences: False never; True always (SPLIT_PARTITIONS partitions, or the
 # rule's count, at least 3), on every sequence of SPLIT_MIN_TOKENS tokens or more; None where split_partitions says
-# so (the Gluon walk's cases only: the rule is a prediction for it)
+# so (the Gluon walk's cases only, where it was measured: the module docstring)
 SEQ_SPLIT: Optional[bool] = None
 SPLIT_PARTITIONS: Optional[int] = None  # the count SEQ_SPLIT = True forces (None: the rule's, at least 3)
 SPLIT_MIN_TOKENS = 8192  # a sequence is split only from this many tokens
