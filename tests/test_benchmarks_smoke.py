@@ -274,42 +274,43 @@ def test_transposed_walk_diagnostic_runs(tmp_path):
     assert proc.stdout.count(" ms") == 2
 
 
+def switch_probe_smoke(tmp_path, script: str) -> str:
+    """A switch probe of benchmarks/diagnostics (switch_probe.py) run in its smoke mode: it exits 0 with both configs'
+    results agreeing ("  OK" twice, no "DIFFER"); its output."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / script), "--smoke"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
+    return proc.stdout
+
+
 def test_overlap_state_passes_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/overlap_state_passes.py (forward+backward with the backward's two state passes on one
     stream and on two, for the GPU) runs its smoke mode: on a one-launch and a two-launch recompute, says that the
     overlap cannot apply on the CPU, finds the gradients of both settings bitwise equal and times each 3 times."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "overlap_state_passes.py"), "--smoke"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert "one launch (W, U on chip): the overlap does not apply" in proc.stdout
-    assert "two launches; the overlap cannot apply here" in proc.stdout
-    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
-    assert proc.stdout.count("forward+backward") == 2 * 2 * 3
+    out = switch_probe_smoke(tmp_path, "overlap_state_passes.py")
+    assert "one launch (W, U on chip): the overlap does not apply" in out
+    assert "two launches; the overlap cannot apply here" in out
+    assert out.count("forward+backward") == 2 * 2 * 3
 
 
 def test_seq_split_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/seq_split.py (forward and forward+backward with the sequence split off and on, for the
     GPU) runs its smoke mode: a packed batch with two sequences split and one with none (both settings the same
     launches), outputs within the bf16 bound of each other and gradients bitwise equal, each timed 3 times."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "seq_split.py"), "--smoke"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert "True splits 2 of 3 sequences into 3" in proc.stdout
-    assert "no sequence of 128 tokens: both settings run the same launches" in proc.stdout
-    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
-    assert proc.stdout.count("forward+backward") == 2 * (2 * 3 + 1)
+    out = switch_probe_smoke(tmp_path, "seq_split.py")
+    assert "True splits 2 of 3 sequences into 3" in out
+    assert "no sequence of 128 tokens: both settings run the same launches" in out
+    assert out.count("forward+backward") == 2 * (2 * 3 + 1)
 
 
 def test_seg_bwd_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/seg_bwd.py (forward+backward with the backward unsegmented and segmented, for the GPU)
     runs its smoke mode: on one sequence and a varlen batch, each cut into 2 segments run on one stream on the CPU,
     finds the gradients of both settings bitwise equal and times each 3 times."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "seg_bwd.py"), "--smoke"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("True: 2 segments of ") == 2 and "one stream (CPU tensors)" in proc.stdout
-    assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
-    assert proc.stdout.count("forward+backward") == 2 * 2 * 3
+    out = switch_probe_smoke(tmp_path, "seg_bwd.py")
+    assert out.count("True: 2 segments of ") == 2 and "one stream (CPU tensors)" in out
+    assert out.count("forward+backward") == 2 * 2 * 3
 
 
 def test_device_session_script_parses_and_names_real_files():

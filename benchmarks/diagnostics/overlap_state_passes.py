@@ -30,11 +30,10 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
-from switch_probe import SETTINGS, gpu_configs, interleaved, with_settings  # noqa: E402
+from switch_probe import api_fwd_bwd, fwd_bwd_agree_and_time, gpu_configs, with_settings  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import state  # noqa: E402
-from deltatron.kernels.utils import seq_info  # noqa: E402
 
 backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function of that name
 
@@ -48,13 +47,7 @@ def with_overlap(overlap: bool, fn):
 
 def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     """Prints the config's path, the gradients' comparison and the readings; whether the gradients agree."""
-    x = bench.make_inputs(cfg, device, seed=0)
-    call = bench.resolve("deltatron.chunk", smoke=device.type == "cpu")
-
-    def fwd_bwd():
-        return torch.autograd.grad(call(x), [x[n] for n in bench.GRAD_INPUTS], x["do"])
-
-    info = seq_info(cfg.B, cfg.T, device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))
+    x, fwd_bwd, info = api_fwd_bwd(cfg, device)
     if state.wy_on_chip(cfg.K, cfg.V, info.num_seqs * cfg.H, x["k"].element_size()):
         path = "the recompute in one launch (W, U on chip): the overlap does not apply"
     elif with_overlap(True, lambda: backward.overlaps(x["k"], info)):
@@ -63,12 +56,7 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     else:
         path = "the recompute in two launches; the overlap cannot apply here (CPU tensors: no CUDA streams)"
     print(f"\n{cfg.name}: {info.num_seqs} x {cfg.H} sequences x heads, {path}")
-    grads = {overlap: with_overlap(overlap, fwd_bwd) for overlap in SETTINGS}
-    same = [torch.equal(a, b) for a, b in zip(*grads.values())]
-    print("  gradients, True against False: " + ", ".join(f"d{n} bitwise {s}" for n, s in zip(bench.GRAD_INPUTS, same))
-          + ("  OK" if all(same) else "  DIFFER"))
-    interleaved(measure, with_overlap, {"forward+backward": fwd_bwd}, "OVERLAP_STATE_PASSES")
-    return all(same)
+    return fwd_bwd_agree_and_time(measure, with_overlap, fwd_bwd, "OVERLAP_STATE_PASSES")
 
 
 def main() -> int:

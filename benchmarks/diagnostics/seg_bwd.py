@@ -30,11 +30,10 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
-from switch_probe import SETTINGS, gpu_configs, interleaved, with_settings  # noqa: E402
+from switch_probe import api_fwd_bwd, fwd_bwd_agree_and_time, gpu_configs, with_settings  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import segmented_bwd, state_bwd  # noqa: E402
-from deltatron.kernels.utils import seq_info  # noqa: E402
 
 backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function of that name
 
@@ -48,13 +47,7 @@ def with_segments(on: bool, fn):
 
 def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     """Prints the config's segments, the gradients' comparison and the readings; whether the gradients agree."""
-    x = bench.make_inputs(cfg, device, seed=0)
-    call = bench.resolve("deltatron.chunk", smoke=device.type == "cpu")
-
-    def fwd_bwd():
-        return torch.autograd.grad(call(x), [x[n] for n in bench.GRAD_INPUTS], x["do"])
-
-    info = seq_info(cfg.B, cfg.T, device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))
+    x, fwd_bwd, info = api_fwd_bwd(cfg, device)
     plan = segmented_bwd.segment_plan(info, backward.FORCED_SEGMENTS, 64)
     rule = segmented_bwd.segmented_pays(info.num_seqs, cfg.H, info.total_tokens)
     gluon = state_bwd.gluon_reverse_pays(x["q"], x["k"], x["k"], x["do"], None, info, 64)  # w: k's shape and dtype
@@ -63,14 +56,7 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
                 f"{len(plan)} segments of {[s.t1 - s.t0 for s in plan]} tokens on {streams}")
     print(f"\n{cfg.name}: {info.num_seqs} x {cfg.H} sequences x heads, reverse pass {'Gluon' if gluon else 'Triton'}; "
           f"True: {segments}; the rule would choose {rule} segment{'s' if rule > 1 else ''}")
-    grads = {on: with_segments(on, fwd_bwd) for on in SETTINGS}
-    same = [torch.equal(a, b) for a, b in zip(*grads.values())]
-    diff = [(a.float() - b.float()).norm() / b.float().norm() for a, b in zip(*grads.values())]
-    print("  gradients, True against False: "
-          + ", ".join(f"d{n} {'bitwise' if s else f'rel {d:.1e}'}" for n, s, d in zip(bench.GRAD_INPUTS, same, diff))
-          + ("  OK" if all(same) else "  DIFFER"))
-    interleaved(measure, with_segments, {"forward+backward": fwd_bwd}, "SEGMENTED_BACKWARD")
-    return all(same)
+    return fwd_bwd_agree_and_time(measure, with_segments, fwd_bwd, "SEGMENTED_BACKWARD")
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from deltatron import bench
+from deltatron.kernels.utils import SeqInfo, seq_info
 
 READINGS = 3
 SETTINGS = (False, True)
@@ -42,6 +43,38 @@ def interleaved(measure: Callable[[Callable[[], object]], float], switch: Callab
     print("  fastest, False / True: " + ", ".join(
         (f"{p} " if named else "") + " / ".join(f"{min(got[(s, p)]):.3f}" for s in SETTINGS) for p in phases) + " ms")
     return got
+
+
+def api_fwd_bwd(cfg: bench.Config, device: torch.device) -> Tuple[dict, Callable[[], tuple], SeqInfo]:
+    """The benchmark's inputs for cfg (seed 0), a call of the forward+backward through the API (the gradients of
+    bench.GRAD_INPUTS for the inputs' dO) and the batch's SeqInfo."""
+    x = bench.make_inputs(cfg, device, seed=0)
+    call = bench.resolve("deltatron.chunk", smoke=device.type == "cpu")
+
+    def fwd_bwd():
+        return torch.autograd.grad(call(x), [x[n] for n in bench.GRAD_INPUTS], x["do"])
+
+    return x, fwd_bwd, seq_info(cfg.B, cfg.T, device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))
+
+
+def gradients_agree(grads: Dict[bool, Sequence[torch.Tensor]]) -> bool:
+    """Prints each gradient with True against False (bitwise, or the relative difference) and OK / DIFFER;
+    whether all are bitwise equal."""
+    same = [torch.equal(a, b) for a, b in zip(grads[True], grads[False])]
+    diff = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(grads[True], grads[False])]
+    print("  gradients, True against False: "
+          + ", ".join(f"d{n} {'bitwise' if s else f'rel {d:.1e}'}" for n, s, d in zip(bench.GRAD_INPUTS, same, diff))
+          + ("  OK" if all(same) else "  DIFFER"))
+    return all(same)
+
+
+def fwd_bwd_agree_and_time(measure, switch: Callable[[bool, Callable], object], fwd_bwd: Callable[[], tuple],
+                           label: str) -> bool:
+    """The gradients of fwd_bwd with the switch True against False (gradients_agree), then its interleaved
+    readings; whether the gradients agree bitwise."""
+    agree = gradients_agree({s: switch(s, fwd_bwd) for s in SETTINGS})
+    interleaved(measure, switch, {"forward+backward": fwd_bwd}, label)
+    return agree
 
 
 def gpu_configs(names: Sequence[str]) -> Tuple[torch.device, List[bench.Config]]:
