@@ -29,8 +29,9 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 
 import torch  # noqa: E402
 
-from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
-from switch_probe import api_fwd_bwd, fwd_bwd_agree_and_time, gpu_configs, with_settings  # noqa: E402
+# switch_probe: same folder (sys.path[0] when run as a script)
+from switch_probe import (  # noqa: E402
+    api_fwd_bwd, fwd_bwd_agree_and_time, gpu_configs, run_configs, with_settings)
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import state  # noqa: E402
@@ -69,9 +70,7 @@ def main() -> int:
         device, configs = torch.device("cpu"), [bench.SMOKE_CONFIGS[1], bench.dense(1, 40, 1, 100)]
     else:
         device, configs = gpu_configs(args.configs)
-    measure = timer(args.smoke)  # stage_times' do_bench settings (smoke: one wall-clock call)
-    agree = [compare(cfg, device, measure) for cfg in configs]
-    return 0 if all(agree) else 1
+    return run_configs(compare, device, configs, args.smoke)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from stage_times import timer  # noqa: E402  (same folder: sys.path[0] when run as a script)
-from switch_probe import SETTINGS, gpu_configs, interleaved, with_settings  # noqa: E402
+# switch_probe: same folder (sys.path[0] when run as a script)
+from switch_probe import (  # noqa: E402
+    SETTINGS, gpu_configs, run_configs, interleaved, with_settings)
 
 import deltatron  # noqa: E402
 from deltatron import bench  # noqa: E402
@@ -138,9 +139,8 @@ def main() -> int:
         seq_split.SPLIT_MIN_TOKENS = 128
     else:
         device, configs = gpu_configs(args.configs)
-    measure = timer(args.smoke)  # stage_times' do_bench settings (smoke: one wall-clock call)
-    agree = [compare(cfg, device, measure, args.partitions) for cfg in configs]
-    return 0 if all(agree) else 1
+    return run_configs(lambda cfg, device, measure: compare(cfg, device, measure, args.partitions), device, configs,
+                       args.smoke)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from stage_times import timer  # (same folder: sys.path[0] when a probe runs as a script)
+
 from deltatron import bench
 from deltatron.kernels.utils import SeqInfo, seq_info
 
@@ -75,6 +77,14 @@ def fwd_bwd_agree_and_time(measure, switch: Callable[[bool, Callable], object], 
     agree = gradients_agree({s: switch(s, fwd_bwd) for s in SETTINGS})
     interleaved(measure, switch, {"forward+backward": fwd_bwd}, label)
     return agree
+
+
+def run_configs(compare: Callable[[bench.Config, torch.device, Callable], bool], device: torch.device,
+                configs: Sequence[bench.Config], smoke: bool) -> int:
+    """compare(cfg, device, measure) on each config with stage_times' do_bench settings (smoke: one wall-clock
+    call); the exit status: 0 where every config's results agreed."""
+    measure = timer(smoke)
+    return 0 if all([compare(cfg, device, measure) for cfg in configs]) else 1
 
 
 def gpu_configs(names: Sequence[str]) -> Tuple[torch.device, List[bench.Config]]:
