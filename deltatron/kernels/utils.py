@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -163,6 +163,18 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def two_streams(x: torch.Tensor) -> bool:
+    """Whether work on x can run on a second CUDA stream beside the current one (CUDA tensors, not the
+    interpreter): the backward's overlap and segments and the forward's sequence split depend on it."""
+    return x.is_cuda and not INTERPRET
+
+
+@functools.lru_cache(maxsize=None)
+def side_stream(device_index: int) -> torch.cuda.Stream:
+    """The side stream of a device: made once and reused (a stream is a driver object, not free to make)."""
+    return torch.cuda.Stream(device=device_index)
+
+
 def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128, max_tile: int = 8192) -> int:
     """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
     as wide as registers allow (the tile is at most max_tile fp32: 8192 is 64 registers a thread at 4
@@ -232,6 +244,14 @@ def _chunk_index(cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.de
     return ChunkIndex(
         indices.to(device, non_blocking=True), offsets.to(torch.int32).to(device, non_blocking=True), total
     )
+
+
+def packed_info(bounds: Sequence[int], total_tokens: int, device: torch.device) -> SeqInfo:
+    """SeqInfo of the packed sequences [bounds[i], bounds[i + 1]) of a batch of total_tokens rows (the tensors'
+    extent: the sequences need not cover it), from bounds on the host (the sequence split's and the segmented
+    backward's batches of partitions and segments)."""
+    cpu = torch.tensor(bounds, dtype=torch.int64)
+    return SeqInfo(cpu.to(torch.int32).to(device, non_blocking=True), cpu, len(bounds) - 1, total_tokens)
 
 
 @functools.lru_cache(maxsize=64)

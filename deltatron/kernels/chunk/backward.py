@@ -12,12 +12,11 @@ SEGMENTED_BACKWARD runs the reverse pass and the grad stage segment by segment, 
 the side stream beside an earlier segment's reverse pass (segmented_bwd.py)."""
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
-from ..utils import INTERPRET
+from ..utils import side_stream, two_streams
 from . import output_bwd, segmented_bwd, state, state_bwd, wy, wy_bwd
 
 # Whether the two-launch recompute runs state_fwd on a side stream beside the reverse state pass (CUDA only,
@@ -45,7 +44,7 @@ def overlap_pays(num_seqs: int, heads: int, total_tokens: int) -> bool:
 
 def overlaps(k: torch.Tensor, info) -> bool:
     """Whether this backward's two-launch recompute overlaps state_fwd with the reverse pass."""
-    if OVERLAP_STATE_PASSES is False or not k.is_cuda or INTERPRET:
+    if OVERLAP_STATE_PASSES is False or not two_streams(k):
         return False
     return OVERLAP_STATE_PASSES or overlap_pays(info.num_seqs, k.shape[2], info.total_tokens)
 
@@ -68,17 +67,6 @@ def num_segments(k: torch.Tensor, info) -> int:
     if not two_streams(k):  # the rule's gain is the second stream's; on one stream segments only add launches
         return 1
     return segmented_bwd.segmented_pays(info.num_seqs, k.shape[2], info.total_tokens)
-
-
-def two_streams(k: torch.Tensor) -> bool:
-    """Whether the segmented backward runs on two CUDA streams (CUDA tensors, not the interpreter)."""
-    return k.is_cuda and not INTERPRET
-
-
-@functools.lru_cache(maxsize=None)
-def side_stream(device_index: int) -> torch.cuda.Stream:
-    """The side stream of a device: made once and reused (a stream is a driver object, not free to make)."""
-    return torch.cuda.Stream(device=device_index)
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):

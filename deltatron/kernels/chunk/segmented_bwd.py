@@ -63,7 +63,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..utils import SeqInfo
+from ..utils import SeqInfo, packed_info
 from . import output_bwd, state_bwd, wy_bwd
 
 MAX_SEGMENTS = 2  # see the module docstring: more segments gain nothing while state_fwd runs beside the pass
@@ -133,8 +133,7 @@ def _plan(cu: Tuple[int, ...], num_segments: int, chunk_size: int, device: torch
             seqs.insert(0, crossing)
         ends = [min(cu[n + 1], t1) - t0 for n in seqs]
         cont_out = cu[seqs[-1] + 1] > t1
-        cpu = torch.tensor([0] + ends, dtype=torch.int64)
-        seg_info = SeqInfo(cpu.to(torch.int32).to(device), cpu, len(seqs), t1 - t0)
+        seg_info = packed_info([0] + ends, t1 - t0, device)
         segments.append(Segment(t0, t1, bounds_c[s], bounds_c[s + 1], seg_info, seqs[0], cont_in, cont_out))
     return segments
 

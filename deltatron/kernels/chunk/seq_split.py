@@ -85,9 +85,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..utils import INTERPRET, SeqInfo, cdiv, num_sms
+from ..utils import SeqInfo, cdiv, num_sms, packed_info, side_stream, two_streams
 from . import state
-from .backward import side_stream
 
 # Whether the forward splits long sequences: False never; True always (SPLIT_PARTITIONS partitions, or the
 # rule's count, at least 3), on every sequence of SPLIT_MIN_TOKENS tokens or more; None where split_partitions says
@@ -167,13 +166,6 @@ def _rows(positions: Sequence[int], device: torch.device) -> Rows:
     return torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _info(bounds: Sequence[int], total_tokens: int, device: torch.device) -> SeqInfo:
-    """The SeqInfo of the packed sequences [bounds[i], bounds[i + 1]) of a batch of total_tokens rows (the tensors'
-    extent: the sequences need not cover it)."""
-    cpu = torch.tensor(bounds, dtype=torch.int64)
-    return SeqInfo(cpu.to(torch.int32).to(device, non_blocking=True), cpu, len(bounds) - 1, total_tokens)
-
-
 def _with_fillers(ranges: Sequence[Tuple[int, int]], longest: int) -> Tuple[List[int], List[int]]:
     """Bounds of packed sequences covering the given token ranges (in order, disjoint) one sequence each, and the
     sequence number of each range. A gap between two ranges becomes filler sequences of at most `longest` tokens
@@ -222,11 +214,11 @@ def split_plan(cu: Tuple[int, ...], partitions: int, min_tokens: int, chunk_size
     walk_w, rows_w = None, [None]
     if P > 2:
         w_bounds, w_index = _with_fillers([(b[j], b[j + 1]) for b in cuts for j in range(1, P - 1)], longest)
-        walk_w = _info(w_bounds, TT, device)
+        walk_w = packed_info(w_bounds, TT, device)
         rows_w += [_rows(w_index[j - 1::P - 2], device) for j in range(1, P - 1)]
     first = [last_part[n] - (P - 1) for n in split_seqs]  # each split sequence's partition 0 in parts
     return SplitPlan(
-        parts=_info(parts_bounds, TT, device), walk_u=_info(u_bounds, TT, device), walk_w=walk_w,
+        parts=packed_info(parts_bounds, TT, device), walk_u=packed_info(u_bounds, TT, device), walk_w=walk_w,
         split_seqs=_rows(split_seqs, device),
         seq_of_part=torch.tensor(seq_of_part, dtype=torch.int64).to(device, non_blocking=True),
         last_part=torch.tensor(last_part, dtype=torch.int64).to(device, non_blocking=True),
@@ -259,7 +251,7 @@ def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
     if plan.walk_w is None:
         finals_w = None
         finals_u = state.state_output_fwd(q, k, w, u, 1.0, h0_u, True, plan.walk_u, chunk_size)[1]
-    elif k.is_cuda and not INTERPRET:
+    elif two_streams(k):
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # W is written
         finals_u = state.state_output_fwd(q, k, w, u, 1.0, h0_u, True, plan.walk_u, chunk_size)[1]
