@@ -118,16 +118,26 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     """backward's contract, the reverse pass and the grad stage run over plan's segments (segmented_bwd.py): on
     CUDA, state_fwd and the grad stage of segment s + 1 on the side stream beside the reverse pass of segment s.
 
-    Stream safety: what the side stream reads of the current stream's tensors (inputs, W, U, every segment's dh
-    and dV') stays referenced until the current stream has joined the side stream at the end, so no allocation of
-    the current stream reuses it before the side stream is done (the gradients, which the segments write into, are
-    the current stream's and returned after the join); what the side stream allocates and the current stream reads
-    (h, v_new) is recorded on the current stream."""
+    Memory: U is released once state_fwd is queued, W once the last reverse pass is, and each segment's dh and dV'
+    once its grad stage is, so that at most two segments' dh and dV' are alive (the segment whose grad stage runs
+    and the one whose reverse pass runs beside it), not every segment's until the end.
+
+    Stream safety: a tensor of the current stream that the side stream reads (W, U, a segment's dh and dV') is
+    released through release(): recorded on the side stream, its memory goes back to the current stream's
+    allocations only after the side stream's work queued before the release. The inputs and the gradients, which
+    the segments write into, stay referenced until the current stream has joined the side stream at the end. What
+    the side stream allocates and the current stream reads (h, v_new) is recorded on the current stream."""
     shapes = q.shape, k.shape, v.shape, beta.shape
     q, k, v, beta, tinv, do = (segmented_bwd.packed(x) for x in (q, k, v, beta, tinv, do))
     streams = two_streams(k)
     main = torch.cuda.current_stream(k.device) if streams else None
     side = side_stream(k.device.index) if streams else None
+
+    def release(*tensors):  # the caller drops its references right after
+        if streams:
+            for x in tensors:
+                x.record_stream(side)
+
     has_h0 = initial_state is not None
     fwd_done, u = None, None
     if state.wy_on_chip(k.shape[3], v.shape[3], info.num_seqs * k.shape[2], k.element_size()):
@@ -136,7 +146,7 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
         w, u = wy.recompute_w_u(k, v, beta, tinv, info, chunk_size)
     # every segment runs the reverse-pass kernel the whole batch would
     gluon = state_bwd.gluon_reverse_pays(q, k, w, do, None, info, chunk_size)
-    revs = [None] * len(plan)  # (dh, dV', dh0) of each segment
+    revs = [None] * len(plan)  # (dh, dV', dh0) of each segment; (None, None, dh0) once its grad stage is queued
     # the gradients, allocated here on the current stream: each segment's grad stage writes its tokens' views
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
 
@@ -144,8 +154,10 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
         return segmented_bwd.reverse_segment(plan[s], q, k, w, do, dht, next_dh0, scale, has_h0, gluon, chunk_size)
 
     def grad(s):
-        dh, dv, _ = revs[s]
+        dh, dv, dh0 = revs[s]
         segmented_bwd.grad_segment(plan[s], q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size, grads)
+        release(dh, dv)
+        revs[s] = None, None, dh0
 
     last = len(plan) - 1
     if u is not None and streams:
@@ -161,9 +173,15 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
         revs[last] = rev(last, None)
     else:
         revs[last] = rev(last, None)
+    if u is not None:
+        release(u)
+        del u
     for s in range(last - 1, -1, -1):
         rev_done = main.record_event() if streams else None  # after the reverse pass of segment s + 1
         revs[s] = rev(s, revs[s + 1][2])
+        if s == 0:  # the last reader of W queued (state_fwd before it)
+            release(w)
+            w = None
         if streams:
             side.wait_event(rev_done)
             with torch.cuda.stream(side):
