@@ -212,6 +212,8 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
     else:
         b_st = gl.zeros([BV, D], gl.float32, layout=s_layout)
     tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
+    if WITH_OUTPUT:
+        st_bufs, vt_bufs, sv_ready, sv_empty = handoff
 
     for t in range(num_chunks):
         s = t % NS
@@ -222,7 +224,6 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
                               gl.zeros([BV, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
         if WITH_OUTPUT:
             # while S^T W^T runs: hand S^T to the output (once it is done with the buffer two chunks back)
-            st_bufs, vt_bufs, sv_ready, sv_empty = handoff
             mbarrier.wait(sv_empty.index(b), ((t // 2) & 1) ^ 1)
             st_bufs.index(b).store(b_sd)
         b_ut = u_ring.index(s).permute((1, 0)).load(vn_layout).to(gl.float32)

@@ -29,7 +29,8 @@ step; the second program an SM holds (16-bit, K <= 128) is what can fill the ten
 fused walk has a variant on S^T (transposed_walk), run where transposed_walk_pays, in which two of its five
 products are left in flight; on Hopper, from 16 sequences x heads, state_output_fwd runs gluon_walk.py's
 warp-specialized kernel instead (gluon_walk_pays), where the chain's two products, the output's three and the
-loads run in separate warps."""
+loads run in separate warps. state_final_fwd (the sequence split's pass 1) gives state_output_fwd's final states
+alone: from that kernel without its output partition where it runs, else from state_output_fwd itself."""
 from __future__ import annotations
 
 import functools
