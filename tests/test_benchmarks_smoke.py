@@ -274,10 +274,10 @@ def test_transposed_walk_diagnostic_runs(tmp_path):
     assert proc.stdout.count(" ms") == 2
 
 
-def switch_probe_smoke(tmp_path, script: str) -> str:
-    """A switch probe of benchmarks/diagnostics (switch_probe.py) run in its smoke mode: it exits 0 with both configs'
-    results agreeing ("  OK" twice, no "DIFFER"); its output."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / script), "--smoke"]
+def switch_probe_smoke(tmp_path, script: str, *args: str) -> str:
+    """A switch probe of benchmarks/diagnostics (switch_probe.py) run in its smoke mode (with args): it exits 0 with
+    both configs' results agreeing ("  OK" twice, no "DIFFER"); its output."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / script), "--smoke", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("  OK") == 2 and "DIFFER" not in proc.stdout
@@ -302,6 +302,15 @@ def test_seq_split_diagnostic_runs(tmp_path):
     assert "True splits 2 of 3 sequences into 3" in out
     assert "no sequence of 128 tokens: both settings run the same launches" in out
     assert out.count("forward+backward") == 2 * (2 * 3 + 1)
+
+
+def test_seq_split_pass1_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/seq_split.py --pass1 (the split forward with pass 1 with and without outputs, for the
+    GPU) runs its smoke mode: the same bits both ways; pass 1 and the forward each timed 3 times where it splits,
+    the forward alone where nothing is split."""
+    out = switch_probe_smoke(tmp_path, "seq_split.py", "--pass1")
+    assert out.count("o and final state bitwise True  OK") == 2
+    assert out.count("pass 1 + combine") == 2 * 3 + 1 and out.count("forward") == 2 * 3 + 1 + 2 * 3
 
 
 def test_seg_bwd_diagnostic_runs(tmp_path):

@@ -1,12 +1,15 @@
 """The Gluon walk's host wrapper (kernels/chunk/gluon_walk.py) where it launches nothing, so on the CPU: the
 batch without tokens (a TMA descriptor cannot be built on zero rows: the final state is the initial state,
-or zeros), the misuse it refuses, and the V-block width it launches (split_v's unless given). The kernel itself
-is checked on the GPU (tests/gpu/test_gluon_walk_gpu.py)."""
+or zeros), the misuse it refuses, and the V-block width it launches (split_v's unless given); the walk without its
+output (gluon_state_final_fwd) launches the same kernel and grid without Q, o and the output partition, and
+state.state_final_fwd runs it where state_output_fwd runs the Gluon walk. The kernel itself is checked on the GPU
+(tests/gpu/test_gluon_walk_gpu.py)."""
 import functools
 
 import pytest
 import torch
 
+from deltatron.kernels.chunk import state
 from deltatron.kernels.utils import seq_info
 
 from .helpers import make_inputs, misaligned, random_cu_seqlens
@@ -32,6 +35,10 @@ def test_no_tokens_passes_the_state_through(poison, lengths, block_v):
     assert s.shape == (N, H, D, D) and not s.any()
     _, s = walk(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info)
     assert s is None
+    final_only = functools.partial(gluon_walk.gluon_state_final_fwd, block_v=block_v)
+    assert torch.equal(final_only(x["k"], x["k"], x["v"], x["initial_state"], info), x["initial_state"])
+    s = final_only(x["k"], x["k"], x["v"], None, info)
+    assert s.shape == (N, H, D, D) and not s.any()
 
 
 @pytest.mark.parametrize("num_seq_heads, expected", [(1, 64), (16, 64), (64, 64), (66, 64), (67, 128), (128, 128),
@@ -73,6 +80,15 @@ def test_refuses_misuse():
     for block_v in (32, 96, 256):  # wgmma's M is 64 a warp group: no narrower V-block; others do not tile 128
         with pytest.raises(ValueError, match="block_v"):
             gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, block_v=block_v)
+    # the walk without its output: the same checks on k, w, u (q is not read), and it must store the final states
+    with pytest.raises(ValueError, match="share one 16-bit dtype"):
+        gluon_walk.gluon_state_final_fwd(k, k.float(), v, None, info)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gluon_walk.gluon_state_final_fwd(k, k, misaligned(v), None, info)
+    with pytest.raises(ValueError, match="chunk_size"):
+        gluon_walk.gluon_state_final_fwd(k, k, v, None, info, chunk_size=32)
+    with pytest.raises(ValueError, match="final states"):
+        gluon_walk.gluon_walk_launch(None, k, k, v, None, 0.1, None, None, info)
 
 
 @pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (2, 70, 3, 128), (1, 5, 16, None)])
@@ -96,3 +112,47 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
                for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
     assert args[4].is_contiguous() and args[4].shape == u.shape  # o, from empty_like(u)
+
+
+@pytest.mark.parametrize("B, T, H, block_v, has_h0", [(2, 70, 3, 64, True), (2, 70, 3, 128, False),
+                                                      (1, 5, 16, None, True)])
+def test_final_only_launch(monkeypatch, B, T, H, block_v, has_h0):
+    # the same kernel, grid and chain warps as the walk with its output; no Q descriptor, no o, WITH_OUTPUT off,
+    # the final state stored and the ring of WALK_CONFIGS' final_only_stages
+    from .test_gluon_reverse_host import LaunchRecorder, assert_same_descriptors
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
+    x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    w, u = torch.randn_like(x["k"]), torch.randn_like(x["v"])
+    h0 = x["initial_state"] if has_h0 else None
+    gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 0.1, h0, True, info, block_v=block_v)
+    s = gluon_walk.gluon_state_final_fwd(x["k"], w, u, h0, info, block_v=block_v)
+    (grid, args, kwargs), (grid2, args2, kwargs2) = kernel.launches
+    assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
+    assert_same_descriptors(args2[:3], args[:3])  # w, u, k
+    q_desc, o, _, final_state, scale = args2[3:8]
+    assert q_desc is None and o is None and final_state is s and s.shape == (B, H, D, D)
+    has_h0_flag, store_ht, with_output, stages = args2[10], args2[11], args2[12], args2[16]
+    assert (has_h0_flag, store_ht, with_output) == (has_h0, True, False) and args[12] is True
+    cfg = gluon_walk.WALK_CONFIGS[args[1].block_shape[1]]
+    assert (args[16], stages) == (cfg.stages, cfg.final_only_stages)
+
+
+def test_state_final_fwd_dispatch(monkeypatch):
+    # state.state_final_fwd runs the Gluon walk without its output where state_output_fwd would run the Gluon walk
+    # (checks already made, as there), else state_output_fwd's final state (here recorded, not run)
+    x = make_inputs(1, 64, 2, D, D, torch.bfloat16, initial_state=True)
+    info = seq_info(1, 64, torch.device("cpu"), None, None)
+    calls = []
+    monkeypatch.setattr(gluon_walk, "gluon_state_final_fwd", lambda *a, **kw: calls.append(("gluon", a, kw)) or "s")
+    monkeypatch.setattr(state, "state_output_fwd", lambda *a: calls.append(("output", a, {})) or ("o", "s2"))
+    args = (x["q"], x["k"], x["k"], x["v"], x["initial_state"], info, 64)
+    for runs, expected in ((True, "s"), (False, "s2")):
+        monkeypatch.setattr(state, "gluon_walk_runs", lambda *a, _runs=runs: _runs)
+        assert state.state_final_fwd(*args) == expected
+    (gluon, gluon_args, gluon_kw), (output, output_args, _) = calls
+    assert gluon == "gluon" and gluon_args == (x["k"], x["k"], x["v"], x["initial_state"], info, 64)
+    assert gluon_kw == dict(checked=True)
+    assert output == "output" and output_args == (x["q"], x["k"], x["k"], x["v"], 1.0, x["initial_state"], True, info,
+                                                  64)

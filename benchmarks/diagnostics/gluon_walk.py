@@ -8,10 +8,11 @@ fp32 initial state), for each V-block width of the Gluon walk (block_v 128: a pr
 the state fp32 summation order apart), then the walks timed as the forward runs them (no final state), then
 the whole forward with each. The Gluon walk runs twice: no atomics, so the second run must give the same bits.
 
---offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them)
-on a machine without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared
-memory, the setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and
-waits, and the PTX barriers.
+--offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
+and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
+without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory, the
+setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits, and
+the PTX barriers.
 
     python benchmarks/diagnostics/gluon_walk.py [--configs b8-t2048-h16-k128 b1-t32768-h16-k128]
     python benchmarks/diagnostics/gluon_walk.py --offline [--dump DIR]
@@ -140,7 +141,8 @@ def report_compiled(title: str, kernel, dump: Optional[str], stem: str) -> None:
 
 def offline(dump) -> int:
     """Compiles the kernel for sm_90 (nothing runs) at the benchmark's 8 x 16 heads, per V-block width: bf16
-    with and without the initial and final states, fp16 with them."""
+    with and without the initial and final states, fp16 with them; and the walk without its output
+    (gluon_state_final_fwd: the final states only), bf16 with and without the initial state."""
     import triton
 
     import offline_compile as oc  # it refuses the interpreter: imported only here
@@ -149,20 +151,29 @@ def offline(dump) -> int:
 
     B, T, H, D = 8, 256, 16, gluon_walk.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    # per V-block width: bf16 with and without the states; fp16 (the GPU test runs it too) with them
+    # per V-block width: bf16 with and without the states; fp16 (the GPU test runs it too) with them; the final
+    # states only, from zero and from an initial state
     variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_walk.WALK_CONFIGS, reverse=True)
                 for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
-                                            ("fp16", torch.float16, True)]]
+                                            ("fp16", torch.float16, True), ("bf16_final_only", torch.bfloat16, False),
+                                            ("bf16_final_only", torch.bfloat16, True)]]
     with compiling_for_sm90() as compiled:
-        for _, dtype, states, block_v in variants:
+        for name, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
-            gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, x["h0"] if states else None, states, info,
-                                              block_v=block_v)
+            h0 = x["h0"] if states else None
+            if name.endswith("final_only"):
+                gluon_walk.gluon_state_final_fwd(k, k, q, h0, info, block_v=block_v)
+            else:
+                gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, h0, states, info, block_v=block_v)
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
     for (name, _, states, block_v), kernel in zip(variants, compiled):
-        report_compiled(f"gluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} "
-                        f"({gluon_walk.WALK_CONFIGS[block_v]}), initial/final state {states}", kernel, dump,
+        cfg = gluon_walk.WALK_CONFIGS[block_v]
+        final_only = name.endswith("final_only")
+        report_compiled(f"gluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} ({cfg}: "
+                        f"{cfg.final_only_stages if final_only else cfg.stages} slots), "
+                        + (f"initial state {states}, final state True" if final_only
+                           else f"initial/final state {states}"), kernel, dump,
                         f"gluon_walk_bv{block_v}_{name}_states{int(states)}")
     print(f"triton {triton.__version__}, target sm_90")
     return 0

@@ -11,13 +11,19 @@ deltatron.chunk_delta_rule, timed with False and True in turn, three readings ea
 settings). A config with no sequence of seq_split.SPLIT_MIN_TOKENS tokens runs the same launches both ways: a
 control for the noise.
 
+--pass1 compares pass 1's two forms instead (seq_split.PASS1_OUTPUT_FREE False: the forward's walk, its outputs
+dropped; True, the default: state.state_final_fwd, the Gluon walk without its output where it runs), both with the
+split on (True): o and the final state bitwise equal (the same final states enter the combine), then pass 1 and
+the combine alone (seq_split.partition_states on the forward's W, U) and the whole forward (no_grad), timed
+interleaved, three readings each.
+
 --smoke runs the flow on the CPU in the interpreter at tiny sizes (SPLIT_MIN_TOKENS lowered to 128: a packed batch
 with two of its three sequences split, and one with none). --precision (CPU, interpreter, a few minutes)
 measures the split's error against the unsplit forward's, both against the float64 chunkwise oracle, on one
 sequence of realistic inputs (unit keys, beta = sigmoid(randn)) at K = V = 128 in fp32, fp16 and bf16.
 
-    python benchmarks/diagnostics/seq_split.py [--configs b1-t32768-h16-k128 ...] [--partitions P]
-    python benchmarks/diagnostics/seq_split.py --smoke
+    python benchmarks/diagnostics/seq_split.py [--configs b1-t32768-h16-k128 ...] [--partitions P] [--pass1]
+    python benchmarks/diagnostics/seq_split.py --smoke [--pass1]
     python benchmarks/diagnostics/seq_split.py --precision [--tokens 8192]
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ from switch_probe import (  # noqa: E402
 
 import deltatron  # noqa: E402
 from deltatron import bench  # noqa: E402
-from deltatron.kernels.chunk import seq_split  # noqa: E402
+from deltatron.kernels.chunk import seq_split, wy  # noqa: E402
 from deltatron.kernels.utils import num_sms, seq_info  # noqa: E402
 from deltatron.reference import chunk_delta_rule_reference  # noqa: E402
 
@@ -101,6 +107,36 @@ def compare(cfg: bench.Config, device: torch.device, measure, partitions) -> boo
     return agree
 
 
+def compare_pass1(cfg: bench.Config, device: torch.device, measure, partitions) -> bool:
+    """With the split on: prints the plan, whether o and the final state are bitwise equal with pass 1 with and
+    without outputs, and the readings of pass 1 (with the combine) and of the forward under each; whether equal."""
+    x = bench.make_inputs(cfg, device, seed=0)
+    varlen = dict(cu_seqlens=x.get("cu_seqlens"), cu_seqlens_cpu=x.get("cu_seqlens_cpu"))
+    info = seq_info(cfg.B, cfg.T, device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))
+    C = 64
+
+    def switch(output_free, fn):
+        return with_split(True, partitions, lambda: with_settings(seq_split, dict(PASS1_OUTPUT_FREE=output_free), fn))
+
+    def forward():
+        with torch.no_grad():
+            return deltatron.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], output_final_state=True, **varlen)
+
+    print("\n" + describe(cfg, x, device, partitions))
+    outs = {s: switch(s, forward) for s in SETTINGS}
+    same = all(torch.equal(a, b) for a, b in zip(outs[True], outs[False]))
+    print(f"  PASS1_OUTPUT_FREE True against False: o and final state bitwise {same}"
+          + ("  OK" if same else "  DIFFER"))
+    phases = {"forward": forward}
+    plan = with_split(True, partitions, lambda: seq_split.plan_for(x["k"], x["v"], info, C))
+    if plan is not None:
+        _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C, store_tinv=False)
+        phases = {"pass 1 + combine": lambda: seq_split.partition_states(x["q"], x["k"], w, u, None, plan, C),
+                  **phases}
+    interleaved(measure, switch, phases, "PASS1_OUTPUT_FREE")
+    return same
+
+
 def precision(tokens: int) -> None:
     """Rel RMS of o and the final state against the float64 chunkwise oracle, unsplit and split (P = 3, 4), one
     sequence of `tokens` tokens, one head, K = V = 128, C = 64, in the interpreter."""
@@ -129,6 +165,8 @@ def main() -> int:
                         help="the count True forces (default: the rule's, at least 3)")
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes: the flow runs")
     parser.add_argument("--precision", action="store_true", help="CPU, interpreter: the split's error")
+    parser.add_argument("--pass1", action="store_true",
+                        help="pass 1 with outputs against without (PASS1_OUTPUT_FREE), the split on")
     parser.add_argument("--tokens", type=int, default=8192, help="--precision's sequence length")
     args = parser.parse_args()
     if args.precision:
@@ -139,7 +177,8 @@ def main() -> int:
         seq_split.SPLIT_MIN_TOKENS = 128
     else:
         device, configs = gpu_configs(args.configs)
-    return run_configs(lambda cfg, device, measure: compare(cfg, device, measure, args.partitions), device, configs,
+    probe = compare_pass1 if args.pass1 else compare
+    return run_configs(lambda cfg, device, measure: probe(cfg, device, measure, args.partitions), device, configs,
                        args.smoke)
 
 

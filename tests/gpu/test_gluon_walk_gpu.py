@@ -3,11 +3,14 @@ state.gluon_walk_pays) against the Triton fused walk (state.state_output_fwd wit
 off) on the same W, U: sm_90 only, 16-bit,
 K = V = 128, C = 64, each check for both V-block widths (block_v 128: one program a sequence and head; 64:
 two, each walking half of S^T's rows). Both walks round S and V' to the input dtype at the same points, so they
-differ by the order of fp32 sums, and through it by a rounding of the dtype here and there.
+differ by the order of fp32 sums, and through it by a rounding of the dtype here and there. The walk without its
+output (gluon_state_final_fwd, the sequence split's pass 1) against the walk with it: the same final states, bit
+for bit.
 
 The kernel's partitions wait on each other through mbarriers: a wrong phase hangs the GPU rather than
 failing a test, and would take the whole GPU suite (tests/gpu/run_suite.py) with it. So the first use of
-the fixture runs one small call of each V-block width, each in a child process under a time limit
+the fixture runs one small call of each V-block width (with and without the output), each in a child process
+under a time limit
 (gluon_smoke); if one hangs or crashes, its child is killed and every test of that width (and those of
 none) fails with its output, without a launch in this process."""
 import pytest
@@ -35,9 +38,10 @@ info = seq_info(B, T, torch.device("cuda"), None, None)
 _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
 o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
                                          block_v=block_v)
+s_only = gluon_walk.gluon_state_final_fwd(x["k"], w, u, x["initial_state"], info, block_v=block_v)
 torch.cuda.synchronize()
-print(f"gluon walk smoke call (block_v {block_v}) done, finite:",
-      bool(torch.isfinite(o).all() and torch.isfinite(s).all()))
+print(f"gluon walk smoke calls (block_v {block_v}, with and without the output) done, finite:",
+      bool(torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(s_only).all()))
 """
 
 
@@ -151,3 +155,39 @@ def test_gluon_walk_no_tokens(poison, gluon_walk, lengths, block_v):
     assert o.shape == x["v"].shape and torch.equal(s, x["initial_state"])
     _, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, True, info, block_v=block_v)
     assert s.shape == (len(lengths), H, D, D) and not s.any()
+
+
+def check_final_only(gluon_walk, x, w, u, info, block_v):
+    """The walk without its output gives the walk with it's final states bit for bit (from the initial state and
+    from zero), and the same bits again on a second run."""
+    for h0 in (x["initial_state"], None):
+        _, s_ref = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info, block_v=block_v)
+        s = gluon_walk.gluon_state_final_fwd(x["k"], w, u, h0, info, block_v=block_v)
+        assert torch.isfinite(s).all()
+        assert torch.equal(s, s_ref), (block_v, h0 is None, float((s - s_ref).abs().max()))
+        assert torch.equal(gluon_walk.gluon_state_final_fwd(x["k"], w, u, h0, info, block_v=block_v), s)
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+def test_gluon_walk_final_only_b1_t32768_h16(poison, gluon_walk, block_v):
+    # the shape of the sequence split's pass 1 (b1-t32768-h16, where split_v runs block_v 64)
+    x = make_inputs(1, 32768, 16, D, D, torch.bfloat16, device="cuda", initial_state=True, seed=4)
+    info = seq_info(1, 32768, torch.device("cuda"), None, None)
+    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
+    check_final_only(gluon_walk, x, w, u, info, block_v)
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_walk_final_only_varlen(poison, gluon_walk, dtype, block_v):
+    # empty sequences (their state passed through), partial last chunks whose tiles read the next sequence's rows,
+    # and pass 1's walk on W (U := W: a K x K "state" from zero)
+    g = torch.Generator().manual_seed(8)
+    lengths = [0, 1, C - 1, C, C + 1, 9000] + torch.randint(1, 3000, (10,), generator=g).tolist()
+    TT, H = sum(lengths), 16
+    x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=6)
+    cu = random_cu_seqlens(lengths, "cuda")
+    info = seq_info(1, TT, torch.device("cuda"), cu, cu.cpu())
+    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
+    check_final_only(gluon_walk, x, w, u, info, block_v)
+    check_final_only(gluon_walk, x, w, w, info, block_v)

@@ -1,7 +1,8 @@
 """The chunk forward's sequence split (deltatron/kernels/chunk/seq_split.py) at realistic sizes: the benchmark's
 b1-t32768-h16 (where the rule splits on the H200) and a varlen batch with long and short sequences, split against
 unsplit and both against the float64 chunkwise oracle; the pass-1 walks counted and the walk on W seen on the side
-stream; the gradients (the backward is the unsplit one) bitwise equal with and without the split."""
+stream; the gradients (the backward is the unsplit one) bitwise equal with and without the split; pass 1 without
+outputs (seq_split.PASS1_OUTPUT_FREE) against pass 1 with them: the same split forward, bit for bit."""
 import pytest
 import torch
 
@@ -25,23 +26,43 @@ def oracle(x, scale, cu_seqlens=None):
                                       cu_seqlens=cu_seqlens, chunk_size=64)
 
 
-def forward(x, info, switch, partitions=None):
-    """chunk.forward with SEQ_SPLIT = switch (and SPLIT_PARTITIONS), restored after: (o, final, the pass-1 walks
-    [(sequences, stream)])."""
-    walks, walk = [], state.state_output_fwd
+def forward(x, info, switch, partitions=None, output_free=True):
+    """chunk.forward with SEQ_SPLIT = switch (and SPLIT_PARTITIONS, PASS1_OUTPUT_FREE = output_free), restored
+    after: (o, final, the pass-1 walks [(sequences, stream)])."""
+    walks, walk = [], seq_split.walk_final_states
 
-    def spy(*args):  # pass 1 calls it through the module; the forward's own walk is bound at import
+    def spy(*args):  # pass 1's walks, each called through the module
         walks.append((args[-2].num_seqs, torch.cuda.current_stream()))
         return walk(*args)
 
-    saved = seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, state.state_output_fwd
-    seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, state.state_output_fwd = switch, partitions, spy
+    saved = seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, seq_split.PASS1_OUTPUT_FREE, seq_split.walk_final_states
+    seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, seq_split.PASS1_OUTPUT_FREE = switch, partitions, output_free
+    seq_split.walk_final_states = spy
     try:
         o, final, _, _ = chunk.forward(x["q"], x["k"], x["v"], x["beta"], 128 ** -0.5, x.get("initial_state"), True,
                                        info, chunk_size=64)
     finally:
-        seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, state.state_output_fwd = saved
+        (seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, seq_split.PASS1_OUTPUT_FREE,
+         seq_split.walk_final_states) = saved
     return o, final, walks
+
+
+def assert_pass1_output_free_same_bits(monkeypatch, x, info, switch, partitions):
+    """The split forward with pass 1 walking without outputs (the default) gives the same o and final states, bit
+    for bit, as with pass 1 on the forward's walk, its outputs dropped; where the Gluon walk runs, pass 1 ran its
+    walk without the output twice (walk on U, walk on W)."""
+    final_only = []
+    if state.gluon_walk_applies(x["k"], x["v"], 64):
+        from deltatron.kernels.chunk import gluon_walk
+
+        walk = gluon_walk.gluon_state_final_fwd
+        monkeypatch.setattr(gluon_walk, "gluon_state_final_fwd",
+                            lambda *a, **kw: final_only.append(1) or walk(*a, **kw))
+    o_old, final_old, _ = forward(x, info, switch, partitions, output_free=False)
+    assert final_only == []
+    o, final, walks = forward(x, info, switch, partitions)
+    assert len(walks) == 2 and final_only == ([1, 1] if state.gluon_walk_applies(x["k"], x["v"], 64) else [])
+    assert torch.equal(o, o_old) and torch.equal(final, final_old)
 
 
 @pytest.mark.parametrize("partitions", [None, 4])
@@ -128,3 +149,26 @@ def test_split_gradients_equal_unsplit(monkeypatch, request):
         results[split] = (o, torch.autograd.grad(o, [x[n] for n in ("q", "k", "v", "beta")], do))
     assert rel_rms(results[True][0], results[False][0]) < BOUNDS[torch.bfloat16]
     assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
+
+
+def test_pass1_output_free_b1_t32768_h16(poison, monkeypatch, request):
+    # the rule's split where the Gluon walk runs (P = 3 on the H200), else P = 3 forced on the Triton walk
+    x = make_inputs(1, 32768, 16, 128, 128, torch.bfloat16, device="cuda", initial_state=True, seed=12)
+    info = seq_info(1, 32768, torch.device("cuda"), None, None)
+    if state.gluon_walk_applies(x["k"], x["v"], 64):
+        request.getfixturevalue("gluon_walk_runs")
+        assert_pass1_output_free_same_bits(monkeypatch, x, info, None, None)
+    else:
+        assert_pass1_output_free_same_bits(monkeypatch, x, info, True, 3)
+
+
+def test_pass1_output_free_varlen(poison, monkeypatch, request):
+    # test_split_varlen's batch (two long sequences split at P = 3 forced, fillers in pass 1, short and empty ones)
+    lengths = [20000, 0, 1, 63, 64, 65, 9000, 3000]
+    TT, N = sum(lengths), len(lengths)
+    x = make_inputs(1, TT, 16, 128, 128, torch.bfloat16, device="cuda", initial_state=True, N=N, seed=5)
+    cu = random_cu_seqlens(lengths, "cuda")
+    info = seq_info(1, TT, torch.device("cuda"), cu, cu.cpu())
+    if state.gluon_walk_applies(x["k"], x["v"], 64):
+        request.getfixturevalue("gluon_walk_runs")
+    assert_pass1_output_free_same_bits(monkeypatch, x, info, True, 3)

@@ -162,6 +162,28 @@ def test_no_sequence_long_enough(poison, split):
     assert torch.equal(o, o2) and torch.equal(final, final2)
 
 
+def test_pass1_output_free_same_bits(poison, split, monkeypatch):
+    # pass 1 through state.state_final_fwd (PASS1_OUTPUT_FREE, the default) or state_output_fwd, its outputs
+    # dropped: the same final states, so the same split forward bit for bit (here on the Triton walk, whose final
+    # states state_final_fwd takes from state_output_fwd; the Gluon walk's: tests/gpu/test_seq_split_gpu.py)
+    split(4, 32)
+    calls = []
+    final_fwd = state.state_final_fwd
+    monkeypatch.setattr(state, "state_final_fwd", lambda *a: calls.append(a[-2].num_seqs) or final_fwd(*a))
+    lengths = [150, 1, 100]
+    inp = make_inputs(1, sum(lengths), 2, 16, 24, torch.float16, device=DEVICE, seed=6, initial_state=True,
+                      N=len(lengths))
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
+    args = (inp["q"], inp["k"], inp["v"], inp["beta"], 0.25, inp["initial_state"], True, info)
+    results = {}
+    for output_free in (False, True):
+        monkeypatch.setattr(seq_split, "PASS1_OUTPUT_FREE", output_free)
+        results[output_free] = chunk.forward(*args, needs_backward=False, chunk_size=16)[:2]
+        assert len(calls) == (2 if output_free else 0)  # the walks on U and on W
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
 def test_no_side_stream_off_cuda(poison, split, monkeypatch):
     # the walk on W runs beside the walk on U on a side CUDA stream; on CPU tensors (the interpreter) never

@@ -19,6 +19,12 @@ So the serial chain S -> W S -> V' -> K^T V' -> S runs only its two products, wh
 the loads of the next chunks run in the other warps (plain Triton 3.6 waits on every product in program
 order, so there all five products of a chunk are serial within a program).
 
+Without its output (WITH_OUTPUT = False; gluon_state_final_fwd, run by state.state_final_fwd for the sequence
+split's pass 1, which needs only final states): the loader and the chain alone; no Q tiles in the ring, no S^T /
+V'^T hand-off, no o; each ring slot released by the chain only. The chain's products and roundings are the same
+instructions on the same operands, so its final states are the full walk's bit for bit (the hand-off only copies
+S^T and V'^T out). A slot is then 40 KiB at BV = 64 and 48 KiB at 128, so the ring holds 5 and 4 slots (WALK_CONFIGS).
+
 Packed sequences: the descriptors span all B*T rows; a sequence's partial last chunk reads rows of the next
 sequence (or TMA's zero fill past the end), which touch only V' rows past the end: those are zeroed before
 K^T V' (so the final state is right) and O rows past the end are not stored (causal M keeps them out of the
@@ -62,6 +68,15 @@ start and end, and each wgmma.wait_group waits on its own warp group's products 
 BV = 128): tests/gpu's checks pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns
 bitwise equal).
 
+Offline, the walk without its output (session 14, bf16, with and without the initial state, the same numbers):
+BV = 64: 8 warps (4 + 1 padded to 4), 255 registers at launch, setmaxnreg 256 (chain) / 24 (loader), no spills,
+shared memory 205,036 B (5 ring slots 204,800), 12 wgmma instructions (the chain's two products), 5 TMA boxes a
+slot (W, K two each, U one); BV = 128: 12 warps (8 + 1 padded to 4), 168 registers at launch, setmaxnreg 240 / 24
+(no spills: the 12 B the chain spills at 176 with the states are gone with the output's registers), 196,820 B (4
+slots 196,608), 12 wgmma, 6 boxes a slot. The walk with its output compiles to the same PTX as before the flag
+(and so does gluon_reverse.py, which shares the loader), debug lines apart. Not run on a GPU yet
+(tests/gpu/test_gluon_walk_gpu.py checks its final states bitwise against the full walk's).
+
 Imported only where it can run (state.gluon_walk_applies imports it lazily, on a CUDA sm_90 device): Gluon
 does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
 from __future__ import annotations
@@ -87,6 +102,7 @@ class WalkConfig(NamedTuple):
     chain_warps: int  # BV / 16: the chain's S^T rows are split 16 a warp
     output_regs: int  # the output partition's setmaxnreg; the chain gets what is left
     stages: int  # ring slots of W, U, K, Q tiles
+    final_only_stages: int  # ring slots of W, U, K tiles in the walk without its output (no Q tile, no S^T, V'^T)
 
 
 # per V-block width BV (the S^T rows a program walks), registers a thread per partition (setmaxnreg: the
@@ -98,8 +114,14 @@ class WalkConfig(NamedTuple):
 # BV = 64: 12 warps (4 + 4 + 1 padded to 4), 168 registers a thread at launch: loader 24, output 128 and the
 #     chain setmaxnreg's maximum, 256 (what is left, 64,512 - 128 (24 + 128) over 128 threads, is more); no
 #     spills with or without the states. 3 slots (56 KiB a slot at bf16: W, K, Q [64, 128], U [64, 64]).
-WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2),
-                64: WalkConfig(chain_warps=4, output_regs=128, stages=3)}
+# The walk without its output (final states only) holds only the ring (and its barriers): a slot is W, K
+# [64, 128] and U [64, BV] at 16 bits, 48 KiB at BV = 128 and 40 KiB at 64, so of sm_90's 232,448 B 4 slots fit
+# at BV = 128 (196,608 B; 5 would be 245,760) and 5 at BV = 64 (204,800 B; 6 would be 245,760): the loader
+# runs further ahead of the chain at no cost, one program an SM either way (the pass-1 grids fit one wave).
+WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2, final_only_stages=4),
+                64: WalkConfig(chain_warps=4, output_regs=128, stages=3, final_only_stages=5)}
+
+
 def split_v(num_seq_heads: int, sms: int) -> int:
     """The V-block a program walks: 64 (two programs a head) while the doubled grid still fits one wave of the
     GPU's SMs (2 x sequences x heads <= sms), else 128. Measured on the H200 (132 SMs; benchmarks/diagnostics/
@@ -140,11 +162,13 @@ def register_operand(accumulator):
 @gluon.jit
 def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr,
                      REVERSE: gl.constexpr = False):
-    """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once both consumers
-    released it (REVERSE, for gluon_reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
-    sequence walked backwards, and dO's V-block [C, BV] takes U's place)."""
-    w_desc, u_desc, k_desc, q_desc = descs
-    w_ring, u_ring, k_ring, q_ring = ring
+    """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once its consumers
+    released it; descs and ring are (W, U, K, Q), or (W, U, K) where no partition reads Q (the walk without its
+    output). REVERSE, for gluon_reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
+    sequence walked backwards, and dO's V-block [C, BV] takes U's place."""
+    w_desc, u_desc, k_desc = descs[0], descs[1], descs[2]
+    w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
+    LOAD_Q: gl.constexpr = len(descs) == 4
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_desc.block_type.shape[1]
     for t in range(num_chunks):
@@ -153,21 +177,25 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl
         # the consumers read U from this slot through the generic proxy: order it before TMA's writes
         fence_async_shared()
         bar = ready.index(s)
-        mbarrier.expect(bar, 3 * w_desc.block_type.nbytes + u_desc.block_type.nbytes)
+        mbarrier.expect(bar, (2 + LOAD_Q) * w_desc.block_type.nbytes + u_desc.block_type.nbytes)
         row = bos + ((num_chunks - 1 - t) if REVERSE else t) * C
         tma.async_copy_global_to_shared(w_desc, [row, i_h * D], bar, w_ring.index(s))
         tma.async_copy_global_to_shared(u_desc, [row, i_h * D + i_v * BV], bar, u_ring.index(s))
         tma.async_copy_global_to_shared(k_desc, [row, i_h * D], bar, k_ring.index(s))
-        tma.async_copy_global_to_shared(q_desc, [row, i_h * D], bar, q_ring.index(s))
+        if LOAD_Q:
+            tma.async_copy_global_to_shared(descs[3], [row, i_h * D], bar, ring[3].index(s))
 
 
 @gluon.jit
-def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, i_v, bos, eos,
-                    num_chunks, C: gl.constexpr, D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C: gl.constexpr,
+                    D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
                     num_warps: gl.constexpr):
     """The serial chain on the V-block i_v of S^T, [BV, D] fp32 (rows V, columns K), both products with the
-    rounded S^T or V'^T as the register operand; S^T and V'^T of each chunk go to the output partition."""
-    w_ring, u_ring, k_ring, q_ring = ring
+    rounded S^T or V'^T as the register operand; WITH_OUTPUT: S^T and V'^T of each chunk go to the output
+    partition through handoff (st_bufs, vt_bufs, sv_ready, sv_empty; () without the output). The hand-off
+    only copies operands the products have already taken: the chain's arithmetic, so the final state, is the
+    same bit for bit either way."""
+    w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
@@ -184,25 +212,29 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
     else:
         b_st = gl.zeros([BV, D], gl.float32, layout=s_layout)
     tokens = gl.arange(0, C, layout=gl.SliceLayout(0, vn_layout))
+    if WITH_OUTPUT:
+        st_bufs, vt_bufs, sv_ready, sv_empty = handoff
 
     for t in range(num_chunks):
         s = t % NS
-        b = t % 2
+        b = t % 2  # the hand-off's buffer (WITH_OUTPUT)
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         b_sd = b_st.to(dt)
         b_wst = warpgroup_mma(gl.convert_layout(b_sd, sd_operand), w_ring.index(s).permute((1, 0)),
                               gl.zeros([BV, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
-        # while S^T W^T runs: hand S^T to the output (once it is done with the buffer two chunks back)
-        mbarrier.wait(sv_empty.index(b), ((t // 2) & 1) ^ 1)
-        st_bufs.index(b).store(b_sd)
+        if WITH_OUTPUT:
+            # while S^T W^T runs: hand S^T to the output (once it is done with the buffer two chunks back)
+            mbarrier.wait(sv_empty.index(b), ((t // 2) & 1) ^ 1)
+            st_bufs.index(b).store(b_sd)
         b_ut = u_ring.index(s).permute((1, 0)).load(vn_layout).to(gl.float32)
         b_wst = warpgroup_mma_wait(num_outstanding=0, deps=(b_wst, ))
         # V' rows past the sequence's end (the next sequence's tokens) must not reach the state
         b_vnt = gl.where(tokens[None, :] < eos - bos - t * C, b_ut - b_wst, 0.0).to(dt)
         b_st = warpgroup_mma(gl.convert_layout(b_vnt, vn_operand), k_ring.index(s), b_st, is_async=True)
-        vt_bufs.index(b).store(b_vnt)
-        fence_async_shared()  # the output reads both buffers through wgmma (the async proxy)
-        mbarrier.arrive(sv_ready.index(b), count=1)
+        if WITH_OUTPUT:
+            vt_bufs.index(b).store(b_vnt)
+            fence_async_shared()  # the output reads both buffers through wgmma (the async proxy)
+            mbarrier.arrive(sv_ready.index(b), count=1)
         b_st = warpgroup_mma_wait(num_outstanding=0, deps=(b_st, ))
         mbarrier.arrive(empty.index(s), count=1)
 
@@ -211,11 +243,12 @@ def chain_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0
 
 
 @gluon.jit
-def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o, scale, bos, eos, num_chunks, i_h,
-                     i_v, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr):
+def output_partition(ring, ready, empty, handoff, o, scale, bos, eos, num_chunks, i_h, i_v, H: gl.constexpr,
+                     C: gl.constexpr, D: gl.constexpr):
     """O's columns of V-block i_v, scale (Q S + (Q K^T ⊙ M) V') [C, BV] of each chunk, from the ring's Q, K
     and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it)."""
     w_ring, u_ring, k_ring, q_ring = ring
+    st_bufs, vt_bufs, sv_ready, sv_empty = handoff
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
     dt: gl.constexpr = w_ring.dtype
@@ -252,14 +285,18 @@ def output_partition(ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o
 
 @gluon.jit
 def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqlens, H: gl.constexpr,
-                      HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, LOADER_REGS: gl.constexpr,
-                      OUTPUT_WARPS: gl.constexpr, OUTPUT_REGS: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
+                      LOADER_REGS: gl.constexpr, OUTPUT_WARPS: gl.constexpr, OUTPUT_REGS: gl.constexpr,
+                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """WITH_OUTPUT: the forward's walk (o written); else the final states only (STORE_HT): no output partition,
+    no Q tiles (q_desc, o and scale unused), no S^T / V'^T hand-off, the ring's empties released by the chain
+    alone; the chain's arithmetic as with the output, so the same final states bit for bit."""
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
     NV: gl.constexpr = D // BV
     gl.static_assert(NV * BV == D and num_warps * 16 == BV, "the chain's warps hold 16 rows of S^T each")
+    gl.static_assert(WITH_OUTPUT or STORE_HT, "a walk without its output stores the final states")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
     # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
@@ -272,27 +309,39 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
 
     tile: gl.constexpr = w_desc.layout
     ring = (gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, BV], u_desc.layout),
-            gl.allocate_shared_memory(dt, [NS, C, D], tile), gl.allocate_shared_memory(dt, [NS, C, D], tile))
-    st_bufs = gl.allocate_shared_memory(dt, [2, BV, D], gl.NVMMASharedLayout.get_default_for([BV, D], dt))
-    vt_bufs = gl.allocate_shared_memory(dt, [2, BV, C], gl.NVMMASharedLayout.get_default_for([BV, C], dt))
+            gl.allocate_shared_memory(dt, [NS, C, D], tile))
+    descs = (w_desc, u_desc, k_desc)
+    if WITH_OUTPUT:
+        ring = ring + (gl.allocate_shared_memory(dt, [NS, C, D], tile), )
+        descs = descs + (q_desc, )
+        st_bufs = gl.allocate_shared_memory(dt, [2, BV, D], gl.NVMMASharedLayout.get_default_for([BV, D], dt))
+        vt_bufs = gl.allocate_shared_memory(dt, [2, BV, C], gl.NVMMASharedLayout.get_default_for([BV, C], dt))
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    sv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    sv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    CONSUMERS: gl.constexpr = 2 if WITH_OUTPUT else 1  # of each ring slot: the chain (and the output)
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # the chain and the output
-    for i in gl.static_range(2):
-        mbarrier.init(sv_ready.index(i), count=1)
-        mbarrier.init(sv_empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
 
-    gl.warp_specialize([
-        (chain_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, h0, ht, i_nh, i_v, bos, eos,
-                           num_chunks, C, D, HAS_H0, STORE_HT, num_warps)),
-        (output_partition, (ring, ready, empty, st_bufs, vt_bufs, sv_ready, sv_empty, o, scale, bos, eos, num_chunks,
-                            i_h, i_v, H, C, D)),
-        (loader_partition, ((w_desc, u_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
-    ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
+    if WITH_OUTPUT:
+        sv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        sv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(sv_ready.index(i), count=1)
+            mbarrier.init(sv_empty.index(i), count=1)
+        handoff = (st_bufs, vt_bufs, sv_ready, sv_empty)
+        gl.warp_specialize([
+            (chain_partition, (ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
+                               STORE_HT, WITH_OUTPUT, num_warps)),
+            (output_partition, (ring, ready, empty, handoff, o, scale, bos, eos, num_chunks, i_h, i_v, H, C, D)),
+            (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
+        ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (chain_partition, (ring, ready, empty, (), h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
+                               STORE_HT, WITH_OUTPUT, num_warps)),
+            (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
+        ], [1], [LOADER_REGS])
 
 
 def check_inputs(kernel: str, tensors: Dict[str, torch.Tensor], info: SeqInfo) -> None:
@@ -333,24 +382,29 @@ def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor
         out.zero_()
 
 
-def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
-                      scale: float, initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
-                      info: SeqInfo, block_v: int = D_WALK, checked: bool = False):
+def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                      o: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+                      final_state: Optional[torch.Tensor], info: SeqInfo, block_v: int = D_WALK,
+                      checked: bool = False):
     """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
     128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
     r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
-    head (WALK_CONFIGS' V-block widths). With no tokens at all (TT = 0, where a TMA descriptor cannot be built:
-    its shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
+    head (WALK_CONFIGS' V-block widths). o None: the walk without its output, into final_state only (q and
+    scale unused, q may be None). With no tokens at all (TT = 0, where a TMA descriptor cannot be built: its
+    shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
     shipped walk's programs without chunks store it. checked: the caller has made check_inputs' checks (the
-    chunk forward's state.state_output_fwd: the API's shapes and dtypes, gluon_walk_applies, contiguity and
-    alignment), so they are not made again."""
+    chunk forward's state.state_output_fwd and state_final_fwd: the API's shapes and dtypes,
+    gluon_walk_applies, contiguity and alignment), so they are not made again."""
+    with_output = o is not None
     if not checked:
-        check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u), info)
+        check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
     if block_v not in WALK_CONFIGS:
         raise ValueError(f"gluon_walk: block_v (the V-block a program walks) must be one of "
                          f"{sorted(WALK_CONFIGS)}, got {block_v}")
-    if not o.is_contiguous() or o.shape != u.shape:
+    if with_output and (not o.is_contiguous() or o.shape != u.shape):
         raise ValueError(f"gluon_walk: o must be contiguous in u's shape {tuple(u.shape)}, got {tuple(o.shape)}")
+    if not with_output and final_state is None:
+        raise ValueError("gluon_walk: a walk without its output (o None) must store the final states")
     TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
     if initial_state is not None and (tuple(initial_state.shape) != (N, H, D, D) or not initial_state.is_contiguous()):
         raise ValueError(f"gluon_walk: initial_state must be contiguous [{N}, {H}, {D}, {D}], got "
@@ -359,13 +413,16 @@ def gluon_walk_launch(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
         pass_state_through(final_state, initial_state)
         return
     # [TT, H * 128] per tensor (all B * T rows, whatever B is), tile [C, 128] at (row, head * 128), U's
-    # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill
-    descs = tma_descriptors(((w, D), (u, block_v), (k, D), (q, D)), TT, H)
+    # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill. No Q tile
+    # without the output
+    tiles = ((w, D), (u, block_v), (k, D)) + (((q, D), ) if with_output else ())
+    w_desc, u_desc, k_desc, *q_desc = tma_descriptors(tiles, TT, H)
     cfg = WALK_CONFIGS[block_v]
     grid = (N * H * (D // block_v), )
-    launch(gluon_walk_kernel, grid, *descs, o, initial_state, final_state, scale, info.cu_seqlens, H,
-           initial_state is not None, final_state is not None, LOADER_REGS, OUTPUT_WARPS, cfg.output_regs,
-           cfg.stages, num_warps=cfg.chain_warps)
+    launch(gluon_walk_kernel, grid, w_desc, u_desc, k_desc, q_desc[0] if with_output else None, o, initial_state,
+           final_state, scale, info.cu_seqlens, H, initial_state is not None, final_state is not None, with_output,
+           LOADER_REGS, OUTPUT_WARPS, cfg.output_regs, cfg.stages if with_output else cfg.final_only_stages,
+           num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
@@ -375,13 +432,28 @@ def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
     C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
     split_v chooses unless given; checked as gluon_walk_launch's."""
-    if chunk_size != C_WALK:
-        raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
     # contiguous: u is (checked by the caller, or by gluon_walk_launch before o is used)
     o = torch.empty_like(u)
+    final_state = run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked)
+    return o, final_state
+
+
+def gluon_state_final_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
+                          info: SeqInfo, chunk_size: int = C_WALK, block_v: Optional[int] = None,
+                          checked: bool = False) -> torch.Tensor:
+    """state.state_final_fwd's contract (the final states [N, H, 128, 128] fp32 of gluon_state_output_fwd's walk,
+    bit for bit, without its output: no Q read, no O written) on the Gluon walk; arguments as there."""
+    return run_walk(None, k, w, u, None, 1.0, initial_state, True, info, chunk_size, block_v, checked)
+
+
+def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked):
+    """Both wrappers' launch: the final state allocated (if asked for), the initial state as fp32, split_v's
+    V-block unless one is given."""
+    if chunk_size != C_WALK:
+        raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     block_v = split_v(N * H, num_sms(u.device)) if block_v is None else block_v
     gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked)
-    return o, final_state
+    return final_state

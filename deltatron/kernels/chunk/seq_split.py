@@ -9,9 +9,10 @@ partial one) has, per partition, S_out = M_p S_in + B_p with M_p the product of 
 state from a zero start. The forward (chunk.forward, after wy_fwd; W, U and T~ do not change: the partitions
 have the same chunks) then runs:
 
-    pass 1, two walks at once (the second on a side CUDA stream), each the forward's own fused walk
-    (state.state_output_fwd: the Gluon kernel where it applies) on the partitions it needs as packed sequences,
-    keeping their final states and dropping their outputs:
+    pass 1, two walks at once (the second on a side CUDA stream), each the forward's own walk for its final
+    states only (walk_final_states: state.state_final_fwd, state_output_fwd's final states bit for bit; where the
+    Gluon kernel runs, its walk without the output partition, so no Q loads, output products or O stores; else
+    the Triton fused walk, its outputs dropped) on the partitions it needs as packed sequences:
         on U:  partitions 0..P-2, partition 0 from the sequence's initial state, the others from zero: their
                final states are S_1 (the state entering partition 1) and B_1..B_{P-2};
         on W:  partitions 1..P-2 with U := W (a K x K "state"), from zero. With U = W the walk's update is
@@ -77,7 +78,12 @@ three readings were erratic, 1.099, 1.511 and 0.893 ms (unsplit 1.105-1.113; ano
 shared host meanwhile; not investigated), its forward+backward steady at 3.272-3.275; forced where the rule says
 no: b1-t32768-h64 2.176 / 3.200 and 10.261 / 11.183 (slower, as predicted), b2-t8192-h32 0.545 / 1.047 and
 2.568 / 3.027 (slower); varlen20-t32768-h16 (nothing split) 0.674 / 0.674. The benchmark (run 192239, with the
-segmented backward) read 0.854 / 3.083 ms at b1-t32768-h16."""
+segmented backward) read 0.854 / 3.083 ms at b1-t32768-h16.
+
+Pass 1 without outputs (session 14, PASS1_OUTPUT_FREE; the prediction above was for the walks with outputs, their
+2 x 128 MiB at b1-t32768-h16 written and dropped): on the Gluon walk neither output is written or allocated, and
+each program loads 40 KiB a chunk instead of 56 (BV = 64); predicted pass 1 and forward 0.02-0.05 ms faster
+(benchmarks/NOTES.md, 2026-11-30 session 14 helper), not run on a GPU yet."""
 from __future__ import annotations
 
 import functools
@@ -98,6 +104,10 @@ SPLIT_MIN_STATES, SPLIT_MAX_STATES = 16, 64  # sequences x heads the rule splits
 SPLIT_MIN_PARTITION_TOKENS = 2048  # the rule's partitions at least this long on average (32 chunks of 64)
 SPLIT_MAX_PARTITIONS = 16
 GLUON_V_BLOCKS = 2  # programs a head of the Gluon walk at these counts (gluon_walk.split_v: 2 x states <= SMs)
+# Whether pass 1 walks without outputs (state.state_final_fwd: the Gluon walk without its output partition where
+# it runs) rather than with the forward's walk, its outputs dropped (state.state_output_fwd): the same final states
+# bit for bit; False for benchmarks/diagnostics/seq_split.py's comparison
+PASS1_OUTPUT_FREE = True
 
 
 def split_partitions(num_seqs: int, heads: int, tokens: int, sms: int, v_blocks: int = GLUON_V_BLOCKS) -> int:
@@ -234,6 +244,15 @@ def plan_for(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -
     return split_plan(tuple(info.cu_seqlens_cpu.tolist()), P, SPLIT_MIN_TOKENS, chunk_size, k.device)
 
 
+def walk_final_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                      initial_state: Optional[torch.Tensor], walk: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """One walk of pass 1: the final states of the forward's walk on walk's sequences (its outputs unused), the
+    same bits either way of PASS1_OUTPUT_FREE."""
+    if PASS1_OUTPUT_FREE:
+        return state.state_final_fwd(q, k, w, u, initial_state, walk, chunk_size)
+    return state.state_output_fwd(q, k, w, u, 1.0, initial_state, True, walk, chunk_size)[1]
+
+
 def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                      initial_state: Optional[torch.Tensor], plan: SplitPlan, chunk_size: int) -> torch.Tensor:
     """Pass 1 and the combine: the state entering each of plan.parts' sequences, [len(parts), H, K, V] fp32 (a
@@ -245,23 +264,22 @@ def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
         put(h0_u, plan.rows_u[0], take(initial_state, plan.split_seqs).float())
 
     def walk_on_w():
-        # the outputs, [T, H, K] here and [T, H, V] on U, are dropped
-        return state.state_output_fwd(q, k, w, w, 1.0, None, True, plan.walk_w, chunk_size)[1]
+        return walk_final_states(q, k, w, w, None, plan.walk_w, chunk_size)
 
     if plan.walk_w is None:
         finals_w = None
-        finals_u = state.state_output_fwd(q, k, w, u, 1.0, h0_u, True, plan.walk_u, chunk_size)[1]
+        finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
     elif two_streams(k):
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # W is written
-        finals_u = state.state_output_fwd(q, k, w, u, 1.0, h0_u, True, plan.walk_u, chunk_size)[1]
+        finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
         with torch.cuda.stream(side):
             finals_w = walk_on_w()
         main.wait_stream(side)
         # made on the side stream, read on main: its memory waits for main's work queued before its release
         finals_w.record_stream(main)
     else:
-        finals_u = state.state_output_fwd(q, k, w, u, 1.0, h0_u, True, plan.walk_u, chunk_size)[1]
+        finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
         finals_w = walk_on_w()
 
     if initial_state is None:

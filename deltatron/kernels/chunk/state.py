@@ -29,7 +29,8 @@ step; the second program an SM holds (16-bit, K <= 128) is what can fill the ten
 fused walk has a variant on S^T (transposed_walk), run where transposed_walk_pays, in which two of its five
 products are left in flight; on Hopper, from 16 sequences x heads, state_output_fwd runs gluon_walk.py's
 warp-specialized kernel instead (gluon_walk_pays), where the chain's two products, the output's three and the
-loads run in separate warps."""
+loads run in separate warps. state_final_fwd (the sequence split's pass 1) gives state_output_fwd's final states
+alone: from that kernel without its output partition where it runs, else from state_output_fwd itself."""
 from __future__ import annotations
 
 import functools
@@ -328,6 +329,14 @@ def gluon_walk_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size:
     return info.num_seqs * k.shape[2] >= GLUON_WALK_MIN_PROGRAMS if GLUON_WALK is None else GLUON_WALK
 
 
+def gluon_walk_runs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, info: SeqInfo,
+                    chunk_size: int) -> bool:
+    """Whether state_output_fwd (and state_final_fwd) run the Gluon kernel: where gluon_walk_pays, on tensors TMA
+    takes (contiguous, 16-byte aligned)."""
+    return gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
+                                                           for x in (q, k, w, u))
+
+
 def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
     """Whether the forward runs the fused walk (state_output_fwd) rather than state_fwd + output_fwd. Measured
     on the H200 (stage_times, bf16, 2026-11-30), fused against plain, ms: at K = V = 128, 0.181 / 0.243 with
@@ -380,8 +389,7 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
     state_fwd's). The same o as output.output_fwd on state_fwd's h and v_new, up to the order of fp32
     sums over K. As the Gluon kernel where gluon_walk_pays (TMA: q, k, w, u contiguous and 16-byte aligned,
     else the Triton walk)."""
-    if gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
-                                                       for x in (q, k, w, u)):
+    if gluon_walk_runs(q, k, w, u, info, chunk_size):
         from .gluon_walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
                                       checked=True)
@@ -389,3 +397,15 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
                               None, o)
     return o, final_state
+
+
+def state_final_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                    initial_state: Optional[torch.Tensor], info: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """state_output_fwd's final states [N, H, K, V] fp32, bit for bit, where no output is needed (the sequence
+    split's pass 1). Where the Gluon kernel runs, its walk without the output (gluon_walk.gluon_state_final_fwd:
+    no Q read, no output products, no O written); elsewhere state_output_fwd itself, its o dropped: the Triton
+    walk has no variant that stores only the final state (the plain one writes h and V', more than o)."""
+    if gluon_walk_runs(q, k, w, u, info, chunk_size):
+        from .gluon_walk import gluon_state_final_fwd
+        return gluon_state_final_fwd(k, w, u, initial_state, info, chunk_size, checked=True)
+    return state_output_fwd(q, k, w, u, 1.0, initial_state, True, info, chunk_size)[1]
