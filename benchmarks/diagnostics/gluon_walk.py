@@ -5,8 +5,9 @@ makes of it offline.
 On the GPU, per config (transposed_walk.py's inputs: W, U from wy.wy_fwd as the forward makes them, a random
 fp32 initial state), for each V-block width of the Gluon walk (block_v 128: a program a sequence and head;
 64: two): o and the final state against the Triton walk's (relative RMS: o within one bf16 rounding, < 1e-2;
-the state fp32 summation order apart), then the walks timed as the forward runs them (no final state), then
-the whole forward with each. The Gluon walk runs twice: no atomics, so the second run must give the same bits.
+the state fp32 summation order apart), then the walks timed as the forward runs them (no final state) and the
+walk without its output (the final states only: the chain alone), then the whole forward with each. The Gluon
+walk runs twice: no atomics, so the second run must give the same bits.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
 and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
@@ -67,6 +68,10 @@ def compare(cfg: bench.Config, measure) -> None:
     for block_v in widths:
         runs[f"gluon walk, block_v {block_v}"] = functools.partial(
             gluon_walk.gluon_state_output_fwd, q, k, w, u, scale, None, False, info, block_v=block_v)
+    # the chain alone (the sequence split's pass 1): how much of the walk's time its output partition sets
+    for block_v in widths:
+        runs[f"gluon walk without output, block_v {block_v}"] = functools.partial(
+            gluon_walk.gluon_state_final_fwd, k, w, u, None, info, block_v=block_v)
     for name, fn in runs.items():
         print(f"  {name:<32} {measure(fn):8.3f} ms", flush=True)
     # the whole forward (no backward: Tinv not stored), each walk twice, interleaved against drift: without the
