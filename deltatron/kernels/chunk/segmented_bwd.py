@@ -51,9 +51,12 @@ threshold, gluon_reverse_pays). S = 2 there, 1 (off) elsewhere.
 Risks: the grad stage's programs might take SMs before the next reverse pass does (launch order is main's rev
 first, but a side kernel already running is not preempted); the grad stage might slow the latency-bound reverse
 pass through shared L2 and HBM bandwidth; bitwise equality of the Gluon pass restarted from an fp32 dht (its
-state gradient is fp32, as the Triton pass's is: expected equal, not checked on a GPU); extra memory: every
-segment's dh and dV' stay alive until the streams join (the same total as the unsegmented dh and dV'), and so do
-W, h and v_new, which the unsegmented backward releases before the WY backward."""
+state gradient is fp32, as the Triton pass's is: expected equal; the GPU tests found it so).
+
+Memory: session 13's version kept U, W and every segment's dh and dV' until the streams joined, which raised
+1 x 16 heads, T = 32768's forward+backward peak from 1.50 GiB to 1.82 (over fla's 1.81). backward.segmented_backward
+now releases each after its last reader is queued, so the peak is one segment's grad stage beside the next
+reverse pass: 1.564 GiB measured (session 14; benchmarks/NOTES.md), h and v_new held to the end as before."""
 from __future__ import annotations
 
 import bisect
