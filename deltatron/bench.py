@@ -566,12 +566,16 @@ competitors as optional imports. Through the team's device tool, from the checko
 3. Device call right after (the machine stays warm), carry `[".whl-tl"]`:
    `python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-tl/*.whl`
 4. Device call, timeout 600:
-   `PYTHONPATH=/tmp/site python3 benchmarks/run.py --out $OUT --plot`
-   (FlashQLA compiles its TileLang kernels on first use, 2-3 minutes, and fla-core autotunes 100-130 s on
-   each new shape; rows not started after `--budget-s`, default 480 s, are recorded as not run, but a row
-   that starts runs to its end. A whole run needs more than one 600 s call: split it with `--configs`,
-   one process per GPU on a 2-GPU machine (`CUDA_VISIBLE_DEVICES`), with nothing else running on the
-   host. fla-core imports einops: it must be in the image or in /tmp/site.)
+   `PYTHONPATH=/tmp/site BENCH_ARGS="--configs ..." bash benchmarks/device_session.sh bench`
+   (it runs `benchmarks/run.py --out $OUT --plot`). FlashQLA compiles its TileLang kernels on first use, 1-3
+   minutes a shape, and fla-core autotunes 80-130 s on each new shape, unless their caches apply: the bench
+   step restores both from `benchmarks/device_cache/` (made in session 14 with torch 2.11, triton 3.6,
+   fla-core 0.6.0 and TileLang 0.1.15 on the H200) and returns the grown autotuning cache as
+   `$OUT/triton-autotune.tar.gz`. Rows not started after `--budget-s`, default 480 s, are recorded as not
+   run, but a row that starts runs to its end. A whole run needs more than one 600 s call: split it with
+   `--configs`, one process per GPU on a 2-GPU machine (`CUDA_VISIBLE_DEVICES`), with nothing else running on
+   the host (a compile or autotuning on the other GPU slows the host-bound rows). fla-core imports einops: it
+   must be in the image or in /tmp/site.
 5. Copy the returned `<gpu>-<date>.json` / `.png` into `benchmarks/results/`, commit them, and regenerate
    this page: `python benchmarks/run.py --report benchmarks/results/<gpu>-<date>.json [<more runs>.json]`
    (several runs are merged, each configuration's rows from one run).

@@ -3,8 +3,10 @@ must produce the JSON the GPU run produces, with rows for every form of ours."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -329,8 +331,31 @@ def test_device_session_script_parses_and_names_real_files():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     for path in ("tests/gpu/run_suite.py", "benchmarks/diagnostics/stage_times.py",
-                 "benchmarks/diagnostics/decode_configs.py", "benchmarks/diagnostics/stage_configs.py"):
+                 "benchmarks/diagnostics/decode_configs.py", "benchmarks/diagnostics/stage_configs.py",
+                 "benchmarks/device_cache/triton-autotune.tar.gz", "benchmarks/device_cache/tilelang.tar.xz"):
         assert path in text and (ROOT / path).exists()
+
+
+def test_device_session_caches_round_trip(tmp_path):
+    """The bench step's restore_caches unpacks fla's autotuning results and TileLang's kernels into the cache
+    folders, and save_autotuning packs the autotuning results again in the committed archive's layout."""
+    functions = "\n".join(re.search(rf"^{name}\(\) \{{.*?^\}}", (ROOT / "benchmarks" / "device_session.sh").read_text(),
+                                     re.S | re.M).group(0) for name in ("restore_caches", "save_autotuning"))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, HOME=str(tmp_path / "home"), OUT=str(out))
+    env.pop("TRITON_CACHE_DIR", None)
+    env.pop("TILELANG_CACHE_DIR", None)
+    script = functions + "\nrestore_caches\nsave_autotuning\nfind \"$TRITON_CACHE_DIR\" -name '*.autotune.json' | wc -l\n"
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    restored = int(done.stdout.split()[-1])
+    with tarfile.open(ROOT / "benchmarks" / "device_cache" / "triton-autotune.tar.gz") as committed, \
+            tarfile.open(out / "triton-autotune.tar.gz") as saved:
+        names = sorted(m.name for m in committed.getmembers() if m.name.endswith(".autotune.json"))
+        assert restored == len(names) > 0
+        assert sorted(m.name for m in saved.getmembers() if m.isfile()) == names
+    assert any((tmp_path / "home" / ".tilelang" / "cache").iterdir())
 
 
 def test_tril_precision_emulation():
