@@ -122,18 +122,19 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     once its grad stage is, so that at most two segments' dh and dV' are alive (the segment whose grad stage runs
     and the one whose reverse pass runs beside it), not every segment's until the end.
 
-    Stream safety: a tensor of the current stream that the side stream reads (W, U, a segment's dh and dV') is
-    released through release(): recorded on the side stream, its memory goes back to the current stream's
-    allocations only after the side stream's work queued before the release. The inputs and the gradients, which
-    the segments write into, stay referenced until the current stream has joined the side stream at the end. What
-    the side stream allocates and the current stream reads (h, v_new) is recorded on the current stream."""
+    Stream safety: a tensor of the current stream that the side stream reads (U and W where state_fwd runs there,
+    the dh and dV' of segments 1..S-1) is released through release(): recorded on the side stream, its memory goes
+    back to the current stream's allocations only after the side stream's work queued before the release. The
+    inputs and the gradients, which the segments write into, stay referenced until the current stream has joined
+    the side stream at the end. What the side stream allocates and the current stream reads (h, v_new) is
+    recorded on the current stream."""
     shapes = q.shape, k.shape, v.shape, beta.shape
     q, k, v, beta, tinv, do = (segmented_bwd.packed(x) for x in (q, k, v, beta, tinv, do))
     streams = two_streams(k)
     main = torch.cuda.current_stream(k.device) if streams else None
     side = side_stream(k.device.index) if streams else None
 
-    def release(*tensors):  # the caller drops its references right after
+    def release(*tensors):  # read on the side stream; the caller drops its references right after
         if streams:
             for x in tensors:
                 x.record_stream(side)
@@ -153,10 +154,11 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
     def rev(s, next_dh0):
         return segmented_bwd.reverse_segment(plan[s], q, k, w, do, dht, next_dh0, scale, has_h0, gluon, chunk_size)
 
-    def grad(s):
+    def grad(s):  # segment 0's on the current stream, the others' on the side stream (under streams)
         dh, dv, dh0 = revs[s]
         segmented_bwd.grad_segment(plan[s], q, k, v, beta, tinv, v_new, h, do, dh, dv, scale, chunk_size, grads)
-        release(dh, dv)
+        if s > 0:
+            release(dh, dv)
         revs[s] = None, None, dh0
 
     last = len(plan) - 1
@@ -173,14 +175,16 @@ def segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info,
         revs[last] = rev(last, None)
     else:
         revs[last] = rev(last, None)
-    if u is not None:
-        release(u)
+    if u is not None:  # state_fwd is its only reader
+        if fwd_done is not None:  # on the side stream
+            release(u)
         del u
     for s in range(last - 1, -1, -1):
         rev_done = main.record_event() if streams else None  # after the reverse pass of segment s + 1
         revs[s] = rev(s, revs[s + 1][2])
-        if s == 0:  # the last reader of W queued (state_fwd before it)
-            release(w)
+        if s == 0:  # the last reader of W queued: this reverse pass, and state_fwd (if any) before it
+            if fwd_done is not None:  # state_fwd read it on the side stream
+                release(w)
             w = None
         if streams:
             side.wait_event(rev_done)

@@ -33,7 +33,8 @@ ms at 100/132 speed does 0.40 ms of grad(2)'s 0.555; then 0.15 + grad(1) 0.555 o
 serial part from the reverse pass on: 1.214 + 0.71 = 1.92 against 1.214 + 1.11 = 2.32 ms, so 0.40 ms saved (the
 segments write their gradients into views of the batch's: no concatenation), less one more Gluon launch (host,
 hidden while the GPU is the bottleneck): forward+backward 3.49 -> about 3.10-3.15 ms (3.10-3.20 with the
-concatenation of the first version, ~0.05 ms for about 100 MiB read and written). If the grad stage is bandwidth- rather than SM-bound, 100 SMs do more than 100/132 of it: up to 0.53 ms saved.
+concatenation of the first version, ~0.05 ms for about 100 MiB read and written). If the grad stage is bandwidth-
+rather than SM-bound, 100 SMs do more than 100/132 of it: up to 0.53 ms saved.
 MEASURED (H200, session 13, benchmarks/diagnostics/seg_bwd.py on the branch's tree, bf16, forward+backward
 through the API, switch off / on, three interleaved readings, fastest; gradients bitwise equal in every case):
 1 x 16 heads, T = 32768 (S = 2 by the rule): 3.474 / 3.262 ms, 0.21 ms saved where 0.34-0.39 were predicted;
