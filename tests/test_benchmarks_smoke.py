@@ -315,6 +315,21 @@ def test_seq_split_pass1_diagnostic_runs(tmp_path):
     assert out.count("pass 1 + combine") == 2 * 3 + 1 and out.count("forward") == 2 * 3 + 1 + 2 * 3
 
 
+def test_kernel_breakdown_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/kernel_breakdown.py (each implementation's kernels timed under torch.profiler, for
+    the GPU) runs its smoke mode: our forward and forward+backward on the CPU, their ops listed and saved, the
+    competitors said to be unavailable."""
+    out = tmp_path / "kb.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diagnostics" / "kernel_breakdown.py"), "--smoke", "--out",
+           str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "deltatron.chunk fwd:" in proc.stdout and "deltatron.chunk fwdbwd:" in proc.stdout
+    results = json.loads(out.read_text())
+    assert sorted(results) == ["b2-t40-h1-k16 deltatron.chunk fwd", "b2-t40-h1-k16 deltatron.chunk fwdbwd"]
+    assert all(ms >= 0 and launches > 0 for rows in results.values() for ms, launches in rows.values())
+
+
 def test_seg_bwd_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/seg_bwd.py (forward+backward with the backward unsegmented and segmented, for the GPU)
     runs its smoke mode: on one sequence and a varlen batch, each cut into 2 segments run on one stream on the CPU,

@@ -73,3 +73,16 @@ def test_launch_choices_at_head_size_128():
     assert [int(re.search(r"regs +(\d+)", r).group(1)) == 168 for r in one_wave if "wy_kernel" in r] == [True]
     few_heads = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "wy_kernel", "--batch-heads", "1", "16")
     assert sorted(int(re.search(r"regs +(\d+)", r).group(1)) == 168 for r in few_heads) == [False, True]
+
+
+def test_sass_lines_attribute_instructions_to_source():
+    # --sass-lines: the WY forward's SASS counted by source line (nvdisasm's line table); its inverse and its
+    # products are among the lines, and the listed counts add up to at most the total
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--heads", "64", "--forms", "chunk", "--kernels", "wy_kernel",
+                           "--sass-lines", "6"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    total = int(re.search(r"(\d+) SASS instructions", proc.stdout).group(1))
+    listed = re.findall(r"^ +(\d+)  (\w+\.py):(\d+)", proc.stdout, re.M)
+    assert len(listed) == 6 and sum(int(n) for n, _, _ in listed) <= total
+    assert {"solve_tril.py", "utils.py"} <= {name for _, name, _ in listed}

@@ -8,10 +8,17 @@ the same specialization a GPU launch would get, by whatever triton is importable
 (nothing runs), so a host step that reads them is not meaningful; the kernels are what is looked at.
 
     python benchmarks/diagnostics/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
+        [--kernels wy_kernel ...] [--sass-lines N]
+
+--sass-lines N also lists, per compiled kernel, the N source lines with the most SASS instructions (nvdisasm's
+line table) and their commonest opcodes. A kernel without loops over chunks or tiles (the WY forward) runs each
+instruction about once a program, so the count is close to the work a program issues: session 15 found the
+products' operand conversions and the inverse's masks and block reshapes there, not the products themselves.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -78,9 +85,10 @@ class OfflineLaunches:
     """While active, a Triton launch compiles its kernel for sm_90 instead of running it; one row per
     distinct compilation."""
 
-    def __init__(self, kernels=None):
+    def __init__(self, kernels=None, sass_lines=0):
         self.backend = make_backend(H200)
         self.kernels = kernels  # names of the kernels to compile (None: all)
+        self.sass_lines = sass_lines  # source lines to list by SASS instructions (0: none)
         self.rows, self.seen = [], set()
 
     def __enter__(self):
@@ -123,6 +131,8 @@ class OfflineLaunches:
             row.update(**ptxas_usage(ptx), shared=md.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                        mma=len(re.findall(r"\bmma\.sync", ptx)))
             row["blocks"] = blocks_per_sm(row["regs"], md.shared, options.num_warps)
+            if self.sass_lines:
+                row["sass"] = sass_by_line(compiled.asm["cubin"])
             if md.shared > SHARED_LIMIT:
                 row.update(error=f"shared memory {md.shared} > {SHARED_LIMIT}")
         row["seconds"] = time.perf_counter() - start
@@ -144,6 +154,34 @@ def ptxas_usage(ptx: str) -> dict:
                 spills = re.search(r"(\d+) bytes spill stores", out)
                 return dict(regs=int(regs.group(1)), spills=int(spills.group(1)) if spills else 0)
     return dict(regs=-1, spills=-1)
+
+
+def sass_by_line(cubin: bytes) -> dict:
+    """{(file, line): Counter of opcodes} of the kernel's SASS, from nvdisasm's line table (triton's own nvdisasm;
+    triton compiles with line info unless TRITON_DISABLE_LINE_INFO is set)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", "-g", f.name], capture_output=True, text=True, check=True).stdout
+    lines, where = collections.defaultdict(collections.Counter), ("?", 0)
+    for text in sass.splitlines():
+        source = re.search(r'//## File "([^"]+)", line (\d+)', text)
+        if source:
+            where = (os.path.basename(source.group(1)), int(source.group(2)))
+            continue
+        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+        if op:
+            lines[where][op.group(1)] += 1
+    return lines
+
+
+def print_sass_lines(lines: dict, top: int) -> None:
+    total = sum(sum(ops.values()) for ops in lines.values())
+    print(f"    {total} SASS instructions; the {top} source lines with the most:")
+    for (name, line), ops in sorted(lines.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
+        mix = " ".join(f"{op} {n}" for op, n in ops.most_common(5))
+        print(f"    {sum(ops.values()):>6}  {name}:{line:<5} {mix}")
 
 
 def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
@@ -182,6 +220,8 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", help="compile only these kernels (e.g. state_bwd_kernel)")
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
+    parser.add_argument("--sass-lines", type=int, default=0, metavar="N",
+                        help="also list each kernel's N source lines with the most SASS instructions")
     args = parser.parse_args()
     for module in (fused_recurrent, chunk.state_bwd):  # their V-blocks depend on the SM count
         module.num_sms = lambda device: H200_SMS
@@ -191,7 +231,7 @@ def main() -> int:
         x = inputs(B, 128, H, D, D, DTYPES[args.dtype])
         info = seq_info(B, 128, torch.device("cpu"), None, None)
         for name in args.forms:
-            with OfflineLaunches(args.kernels) as offline:
+            with OfflineLaunches(args.kernels, args.sass_lines) as offline:
                 run_form(FORMS[name], x, info)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
@@ -203,6 +243,8 @@ def main() -> int:
                 else:
                     print(f"{head}  {usage(r)}  wgmma {r['wgmma']:>3}  mma.sync {r['mma']:>3}  "
                           f"({r['seconds']:.0f} s)", flush=True)
+                    if "sass" in r:
+                        print_sass_lines(r["sass"], args.sass_lines)
     print(f"triton {triton.__version__}, target sm_90, {args.dtype}")
     return 1 if failed else 0
 
