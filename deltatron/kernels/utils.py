@@ -60,6 +60,22 @@ def mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def tf32_high(x):
+    """x with the 13 mantissa bits that tf32 drops cleared: x = tf32_high(x) + (x - tf32_high(x)) exactly."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mm_split_tf32(a, b):
+    """a @ b for fp32 a, b at about fp32 accuracy from three tf32 products: a = a_hi + a_lo, b = b_hi + b_lo split
+    by truncation, a_lo b_lo dropped. What input_precision="tf32x3" computes, with the split by a bit mask instead
+    of tf32 rounding, which the sm_90 compile expands into compare-and-select sequences (offline SASS, session 15)."""
+    a_hi = tf32_high(a)
+    b_hi = tf32_high(b)
+    return mm(a_hi, b - b_hi, "tf32") + mm(a - a_hi, b_hi, "tf32") + mm(a_hi, b_hi, "tf32")
+
+
+@triton.jit
 def tile_offsets(row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.constexpr):
     """Offsets and mask of the [BR, BC] tile x[row0 + i, col0 + j] of a row-major view whose rows are
     `stride` elements apart; rows at or past row_end and columns at or past col_end are masked. Row offsets

@@ -28,8 +28,17 @@ import triton
 import triton.language as tl
 
 from ..launch import launch
-from ..utils import PIPELINE_STAGES, SeqInfo, mm, store_rows, tril_precision
+from ..utils import PIPELINE_STAGES, SeqInfo, mm, mm_split_tf32, store_rows, tril_precision
 from .kkt import chunk_span, kkt_tile
+
+
+@triton.jit
+def below_diagonal_blocks(rows, cols, S: tl.constexpr):
+    """Mask of the entries (rows[i], cols[j]) that lie below the diagonal S-blocks inside a diagonal 2S-block: row
+    S-block 2m + 1, column S-block 2m. One compare an entry (an odd row block against the column block + 1)."""
+    row_block = rows // S
+    odd_row_block = tl.where(row_block % 2 == 1, row_block, -1)
+    return odd_row_block[:, None] == (cols // S + 1)[None, :]
 
 
 @triton.jit
@@ -45,12 +54,11 @@ def invert_diagonal_blocks(a, C: tl.constexpr, B: tl.constexpr, PRECISION: tl.co
     same_block = nb[:, None, None, None] == nb[None, None, :, None]
     # d[b, i, j] = a[b*B + i, b*B + j]
     d = tl.sum(tl.where(same_block, tl.reshape(a, (NB, B, NB, B)), 0.0), axis=2)
-    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    t = tl.zeros((NB, B, B), dtype=tl.float32) + eye[None, :, :]
-    S: tl.constexpr = 1
-    for _ in tl.static_range(0, 4):  # S = 1, 2, 4, 8
-        below = ((i[:, None] // (2 * S)) == (i[None, :] // (2 * S))) & ((i[:, None] // S) > (i[None, :] // S))
-        t = t - mm(t, mm(tl.where(below, d, 0.0), t, PRECISION), PRECISION)
+    # the first level (S = 1) needs no product: from T = I it gives T = I - E
+    t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)[None, :, :] - tl.where(below_diagonal_blocks(i, i, 1), d, 0.0)
+    S: tl.constexpr = 2
+    for _ in tl.static_range(0, 3):  # S = 2, 4, 8
+        t = t - mm(t, mm(tl.where(below_diagonal_blocks(i, i, S), d, 0.0), t, PRECISION), PRECISION)
         S = S * 2
     return tl.reshape(tl.where(same_block, tl.expand_dims(t, 2), 0.0), (C, C))
 
@@ -60,8 +68,7 @@ def merge_diagonal_blocks(t, a, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.
     """From t = inverse of the S-block diagonal part of I + a to that of its 2S-block diagonal part:
     t - t e t, e = the blocks of a below the diagonal S-blocks inside each diagonal 2S-block."""
     r = tl.arange(0, C)
-    e = tl.where((r[:, None] // (2 * S) == r[None, :] // (2 * S)) & (r[:, None] // S > r[None, :] // S), a, 0.0)
-    return t - mm(t, mm(e, t, PRECISION), PRECISION)
+    return t - mm(t, mm(tl.where(below_diagonal_blocks(r, r, S), a, 0.0), t, PRECISION), PRECISION)
 
 
 @triton.jit
@@ -87,7 +94,7 @@ def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexp
         # T <- T + T R, R = I - (I + A) T: squares T's relative error. R is a small difference of O(1)
         # terms, so (I + A) T needs fp32 accuracy (tf32x3); T R, a small correction, does not.
         r = tl.arange(0, C)
-        residual = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - t - mm(b_a, t, "tf32x3")
+        residual = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - t - mm_split_tf32(b_a, t)
         t = t + mm(t, residual, TRIL_PREC)
     return t
 
