@@ -10,12 +10,16 @@ applied to every 2S-block at once as T <- T - T E T, with E the A21 blocks of th
 diagonal, so T E T has exactly the T22 A21 T11 blocks). Starting from T = I (1-blocks):
 
 1. S = 1, 2, 4, 8 on the C/16 diagonal 16-blocks taken out as a batch [C/16, 16, 16] (batched products
-   of 16 x 16 tiles instead of whole-tile ones);
+   of 16 x 16 tiles instead of whole-tile ones; S = 1 needs none: from T = I it gives I - E);
 2. S = 16, 32 on the whole tile;
 3. with tril_precision's tf32_newton (the 16-bit default) the products are tf32 and one Newton step
-   T <- T + T (I - (I + A) T) follows, its residual's product in tf32x3: it squares the relative error
-   that tf32 leaves (1e-2 with nearly parallel keys, where the products cancel heavily). fp32 inputs run
-   every product in ieee.
+   T <- T + T (I - (I + A) T) follows, its residual's product at fp32 accuracy (utils.mm_split_tf32: three
+   tf32 products): it squares the relative error that tf32 leaves (1e-2 with nearly parallel keys, where the
+   products cancel heavily). fp32 inputs run every product in ieee.
+
+In the WY forward this kernel's time follows its instruction count more than its products (session 15: the
+products' operand conversions and the whole-tile masks and reshapes are most of its SASS; benchmarks/NOTES.md),
+hence the product-free first level, the one-compare block masks and the bit-mask split.
 
 That is 6 dependent levels instead of C - 1 row steps, everything in fp32. The jit helper tril_inverse
 works on register tiles so that fused kernels can use it: with FROM_K=True it builds A straight from K and
@@ -92,7 +96,7 @@ def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexp
         t = merge_diagonal_blocks(t, b_a, C, 32, TRIL_PREC)
     if NEWTON:
         # T <- T + T R, R = I - (I + A) T: squares T's relative error. R is a small difference of O(1)
-        # terms, so (I + A) T needs fp32 accuracy (tf32x3); T R, a small correction, does not.
+        # terms, so (I + A) T needs fp32 accuracy (three tf32 products); T R, a small correction, does not.
         r = tl.arange(0, C)
         residual = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - t - mm_split_tf32(b_a, t)
         t = t + mm(t, residual, TRIL_PREC)
