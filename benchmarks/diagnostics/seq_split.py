@@ -23,6 +23,8 @@ measures the split's error against the unsplit forward's, both against the float
 sequence of realistic inputs (unit keys, beta = sigmoid(randn)) at K = V = 128 in fp32, fp16 and bf16.
 
     python benchmarks/diagnostics/seq_split.py [--configs b1-t32768-h16-k128 ...] [--partitions P] [--pass1]
+        [--min-tokens N]   (N: the shortest sequence the split takes, seq_split.SPLIT_MIN_TOKENS; e.g. to split the
+                            two longest of varlen20's sequences, 7158 and 5720 tokens, with --min-tokens 4096)
     python benchmarks/diagnostics/seq_split.py --smoke [--pass1]
     python benchmarks/diagnostics/seq_split.py --precision [--tokens 8192]
 """
@@ -168,7 +170,11 @@ def main() -> int:
     parser.add_argument("--pass1", action="store_true",
                         help="pass 1 with outputs against without (PASS1_OUTPUT_FREE), the split on")
     parser.add_argument("--tokens", type=int, default=8192, help="--precision's sequence length")
+    parser.add_argument("--min-tokens", type=int, default=None,
+                        help="seq_split.SPLIT_MIN_TOKENS for the run: the shortest sequence True splits")
     args = parser.parse_args()
+    if args.min_tokens is not None:
+        seq_split.SPLIT_MIN_TOKENS = args.min_tokens
     if args.precision:
         precision(args.tokens)
         return 0
