@@ -604,8 +604,9 @@ def merge_runs(runs: Sequence[dict]) -> dict:
 
 def render_report(results: Optional[dict], json_path: Optional[Path], png_path: Optional[Path], md_path: Path,
                   more_json: Sequence[Path] = ()) -> str:
-    """BENCHMARKS.md: the committed run's table and plot, its hand-written notes (<results>.notes.md beside
-    the JSON, if any), and how to reproduce it. more_json: further runs merged into the table (merge_runs)."""
+    """BENCHMARKS.md: the committed run's table and plot, the hand-written notes of each run (<results>.notes.md
+    beside its JSON, if any; the last run's first), and how to reproduce it. more_json: further runs merged into
+    the table (merge_runs)."""
     parts = ["# Benchmarks\n",
              "deltatron's chunk, fused_chunk and fused_recurrent delta rule against fla-core's chunk_delta_rule "
              "and FlashQLA's chunk_gated_delta_rule with g = 0, forward and forward+backward, bf16, with the "
@@ -623,10 +624,13 @@ def render_report(results: Optional[dict], json_path: Optional[Path], png_path: 
         parts.append(legend(meta) + "\n")
         if png_path is not None:
             parts.append(f"![speedup over fla]({rel(png_path)})\n")
-        notes = json_path.with_suffix(".notes.md")  # what the numbers alone do not say, written by hand
-        if notes.exists():
-            parts.append(f"### About this run ([{notes.name}]({rel(notes)}))\n")
-            parts.append(notes.read_text().strip() + "\n")
+        # what the numbers alone do not say, written by hand beside each run's JSON; the last run first (its rows
+        # replace the earlier runs' where both timed a configuration)
+        for path in reversed([json_path, *more_json]):
+            notes = path.with_suffix(".notes.md")
+            if notes.exists():
+                parts.append(f"### About run {path.stem} ([{notes.name}]({rel(notes)}))\n")
+                parts.append(notes.read_text().strip() + "\n")
     parts.append(REPRODUCE)
     return "\n".join(parts)
 
