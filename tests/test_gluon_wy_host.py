@@ -116,15 +116,19 @@ def test_launch(monkeypatch, D, store_tinv):
     ((grid, args, kwargs), ) = kernel.launches
     chunks = info.chunks(C)
     assert grid == (chunks.num_chunks, H) == (2 + 1 + 2, H)
-    k_desc, v_desc, beta, tinv_arg, w_arg, u_arg, cu_arg, chunk_indices, H_arg, store = args
+    k_desc, v_desc, beta, tinv_arg, w_arg, u_arg, cu_arg, chunk_indices, H_arg, store, blocked = args
     for desc, x_ in ((k_desc, x["k"]), (v_desc, x["v"])):
         assert desc.base.data_ptr() == x_.data_ptr() and list(desc.shape) == [TT, H * D]
         assert list(desc.strides) == [H * D, 1] and list(desc.block_shape) == [C, D]
     assert beta is x["beta"] and w_arg is w and u_arg is u and cu_arg is info.cu_seqlens
     assert torch.equal(chunk_indices, chunks.chunk_indices) and (H_arg, store) == (H, store_tinv)
+    assert blocked is gluon_wy.BLOCKED_DIAGONAL
     assert (tinv_arg is tinv) and ((tinv.shape == (1, TT, H, C) and tinv.dtype == torch.float32) if store_tinv
                                    else tinv is None)
-    assert kwargs == dict(num_warps=4) and w.shape == x["k"].shape and u.shape == x["v"].shape
+    assert kwargs == dict(num_warps=4, maxnreg=gluon_wy.MAX_REGISTERS)
+    assert w.shape == x["k"].shape and u.shape == x["v"].shape
+    gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, C, store_tinv, blocked_diagonal=not blocked)
+    assert kernel.launches[-1][1][-1] is (not blocked)
 
 
 TRITON36 = os.environ.get("DELTATRON_TRITON36")
@@ -133,7 +137,7 @@ TRITON36 = os.environ.get("DELTATRON_TRITON36")
 @pytest.mark.skipif(not TRITON36, reason="DELTATRON_TRITON36 (a folder holding triton 3.6) not set")
 def test_compiles_offline_for_sm90():
     # benchmarks/diagnostics/gluon_wy.py --offline with triton 3.6 first on the path: every variant compiles within
-    # sm_90's shared memory, without spills
+    # sm_90's shared memory, 3 programs an SM at K = V = 128; the whole-tile levels without spills
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "gluon_wy.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real kernels, not the interpreter
     env["PYTHONPATH"] = os.pathsep.join([TRITON36, str(script.parents[2])])
@@ -141,5 +145,7 @@ def test_compiles_offline_for_sm90():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("gluon_wy_kernel")]
-    assert len(rows) == 4 and all(" 0 B of spills" in row for row in rows), proc.stdout
+    assert len(rows) == 8 and all("blocks an SM" in row for row in rows), proc.stdout
+    assert all(" 0 B of spills" in row for row in rows if "blocked_diagonal False" in row), proc.stdout
+    assert all(", 3 blocks an SM" in row for row in rows if "K=V=128" in row), proc.stdout
     assert "triton 3.6" in proc.stdout

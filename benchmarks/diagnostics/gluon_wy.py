@@ -3,10 +3,11 @@ and times on the GPU, or what triton 3.6 makes of it offline.
 
 On the GPU, per config (bench.make_inputs' K, V, beta, packed as the forward packs them): Tinv, W and U of the
 Gluon kernel against wy_kernel's (relative RMS: Tinv within fp32-level agreement, < 1e-4; W, U within a rounding
-of the input dtype, < 1e-2), rerun bitwise (no atomics: a race shows as a change), then both timed with Tinv
-stored (the training forward) and without (inference).
+of the input dtype, < 1e-2), rerun bitwise (no atomics: a race shows as a change), for both placements of the
+diagonal levels (blocked_diagonal), then all timed with Tinv stored (the training forward) and without (inference).
 
---offline compiles the Gluon kernel for sm_90 (bf16 and fp16 at K = V = 128, bf16 at 64, with and without Tinv)
+--offline compiles the Gluon kernel for sm_90 (bf16 and fp16 at K = V = 128, bf16 at 64, with and without Tinv;
+each with the diagonal levels on the whole tile and on the 16-blocks, blocked_diagonal)
 on a machine without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared
 memory, blocks an SM, the PTX's wgmma and barrier counts and the SASS instructions by source line (--sass-lines;
 wy_kernel's come from offline_compile.py --forms chunk --kernels wy_kernel --sass-lines N).
@@ -17,7 +18,7 @@ wy_kernel's come from offline_compile.py --forms chunk --kernels wy_kernel --sas
 from __future__ import annotations
 
 import argparse
-import collections
+import functools
 import os
 import re
 import sys
@@ -46,19 +47,23 @@ def compare(cfg: bench.Config, measure) -> None:
     info = seq_info(1, cfg.B * cfg.T, k.device, cu, cu)
     wy.GLUON_WY = False
     ref = wy.wy_fwd(k, v, beta, info, C)
-    got = gluon_wy.gluon_wy_fwd(k, v, beta, info, C)
-    again = gluon_wy.gluon_wy_fwd(k, v, beta, info, C)
-    same = all(torch.equal(a, b) for a, b in zip(got, again))
-    errs = [rel_rms(a, b) for a, b in zip(got, ref)]
-    finite = all(torch.isfinite(a).all() for a in got)
-    ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
-    print(f"\n{cfg.name}: gluon_wy against wy_kernel: Tinv rel RMS {errs[0]:.1e}, W {errs[1]:.1e}, U {errs[2]:.1e}, "
-          f"rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
-    runs = {"wy_kernel (wy.wy_fwd)": lambda store: wy.wy_fwd(k, v, beta, info, C, store),
-            "gluon_wy": lambda store: gluon_wy.gluon_wy_fwd(k, v, beta, info, C, store)}
+    print(f"\n{cfg.name}:")
+    for blocked in (False, True):
+        got = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_diagonal=blocked)
+        again = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_diagonal=blocked)
+        same = all(torch.equal(a, b) for a, b in zip(got, again))
+        errs = [rel_rms(a, b) for a, b in zip(got, ref)]
+        finite = all(torch.isfinite(a).all() for a in got)
+        ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
+        print(f"  gluon_wy (blocked_diagonal {blocked}) against wy_kernel: Tinv rel RMS {errs[0]:.1e}, "
+              f"W {errs[1]:.1e}, U {errs[2]:.1e}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+    runs = {"wy_kernel (wy.wy_fwd)": lambda store: wy.wy_fwd(k, v, beta, info, C, store)}
+    for blocked in (False, True):
+        runs[f"gluon_wy blocked_diagonal {blocked}"] = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C,
+                                                                         blocked_diagonal=blocked)
     for store in (True, False):
         for name, fn in runs.items():
-            print(f"  {name:<24} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
+            print(f"  {name:<32} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
 
 
 def offline(dump, sass_lines: int) -> int:
@@ -72,18 +77,20 @@ def offline(dump, sass_lines: int) -> int:
 
     B, T, H = 8, 256, 16
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    variants = [("bf16", torch.bfloat16, 128, True), ("fp16", torch.float16, 128, True),
-                ("bf16", torch.bfloat16, 128, False), ("bf16", torch.bfloat16, 64, True)]
+    variants = [(name, dtype, D, store, blocked) for blocked in (False, True)
+                for name, dtype, D, store in [("bf16", torch.bfloat16, 128, True), ("fp16", torch.float16, 128, True),
+                                              ("bf16", torch.bfloat16, 128, False), ("bf16", torch.bfloat16, 64, True)]]
     with compiling_for_sm90() as compiled:
-        for _, dtype, D, store in variants:
+        for _, dtype, D, store, blocked in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
-            gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, C, store)
+            gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, C, store, blocked)
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
-    for (name, _, D, store), kernel in zip(variants, compiled):
+    for (name, _, D, store, blocked), kernel in zip(variants, compiled):
         ptx = kernel.asm["ptx"]
         usage = oc.ptxas_usage(ptx)
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
-        print(f"\ngluon_wy_kernel {name} K=V={D} C={C} Tinv stored {store}: {warps} warps, ptxas {usage['regs']} "
+        print(f"\ngluon_wy_kernel {name} K=V={D} C={C} Tinv stored {store} blocked_diagonal {blocked}: {warps} warps, "
+              f"ptxas {usage['regs']} "
               f"registers, {usage['spills']} B of spills, shared {shared} B, "
               f"{oc.blocks_per_sm(usage['regs'], shared, warps)} blocks an SM")
         print("  PTX: wgmma.mma_async", len(re.findall(r"wgmma\.mma_async", ptx)), " wgmma.wait_group",
@@ -99,7 +106,8 @@ def offline(dump, sass_lines: int) -> int:
         if dump:
             os.makedirs(dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(dump, f"gluon_wy_{name}_k{D}_tinv{int(store)}.{ext}"), "w") as f:
+                with open(os.path.join(dump, f"gluon_wy_{name}_k{D}_tinv{int(store)}_blocked{int(blocked)}.{ext}"),
+                          "w") as f:
                     f.write(kernel.asm[ext])
     print(f"triton {triton.__version__}, target sm_90")
     return 0

@@ -8,6 +8,8 @@ tiles hold the next sequence's rows), T = 1, packed sequences with empty ones, a
 The kernel waits on TMA through mbarriers: a wrong byte count hangs the GPU rather than failing a test, so the
 first use of the fixture runs one small call in a child process under a time limit (gluon_smoke), and every
 test fails with its output if that hangs or crashes."""
+import functools
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from . import gluon_smoke, require_smoke_passed
 pytestmark = pytest.mark.gpu
 
 C = 64
+BLOCKED = [False, True]  # gluon_wy_fwd's blocked_diagonal: the diagonal levels on the whole tile or the 16-blocks
 SMOKE = """
 import torch
 from deltatron.kernels.chunk import gluon_wy
@@ -30,11 +33,12 @@ from deltatron.kernels.utils import seq_info
 from tests.helpers import make_inputs
 B, T, H = 2, 200, 2
 for D in gluon_wy.HEAD_SIZES:
+  for blocked in (False, True):
     x = make_inputs(B, T, H, D, D, torch.bfloat16, device="cuda", seed=0)
     info = seq_info(B, T, torch.device("cuda"), None, None)
-    tinv, w, u = gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info)
+    tinv, w, u = gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, blocked_diagonal=blocked)
     torch.cuda.synchronize()
-    print(f"gluon_wy smoke call (K = V = {D}) done, finite:",
+    print(f"gluon_wy smoke call (K = V = {D}, blocked_diagonal {blocked}) done, finite:",
           bool(torch.isfinite(tinv).all() and torch.isfinite(w).all() and torch.isfinite(u).all()))
 """
 
@@ -58,11 +62,13 @@ def packed_inputs(lengths, H, D, dtype, seed):
     return x["k"], x["v"], x["beta"], seq_info(1, sum(lengths), torch.device("cuda"), cu, cu.cpu())
 
 
-def check(gluon_wy, k, v, beta, info, lengths, tinv_bound=1e-5, wu_bound=None):
+def check(gluon_wy, k, v, beta, info, lengths, blocked, tinv_bound=1e-5, wu_bound=None):
     """Tinv, W, U against wy_kernel's and the oracle's (lengths: the sequences' tokens, for the oracle), the
-    outputs without Tinv the same bits, and a rerun the same bits."""
+    outputs without Tinv the same bits, and a rerun the same bits; blocked: the diagonal levels on the 16-blocks
+    (else on the whole tile)."""
     dtype = k.dtype
-    tinv, w, u = gluon_wy.gluon_wy_fwd(k, v, beta, info, C)
+    run = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C, blocked_diagonal=blocked)
+    tinv, w, u = run()
     tinv_ref, w_ref, u_ref = wy.wy_fwd(k, v, beta, info, C)
     _, T_o, w_o, u_o = per_sequence_chunks(lengths, C, intra_chunk_wy, *(x.cpu().double() for x in (k, v, beta)))
     errs = dict(tinv=rel_rms(tinv, tinv_ref), w=rel_rms(w, w_ref), u=rel_rms(u, u_ref), tinv_oracle=rel_rms(tinv, T_o),
@@ -72,45 +78,49 @@ def check(gluon_wy, k, v, beta, info, lengths, tinv_bound=1e-5, wu_bound=None):
     assert max(errs["w"], errs["u"]) < (wu_bound or ONE_ROUNDING[dtype])
     assert max(errs["w_oracle"], errs["u_oracle"]) < (wu_bound or STAGE_BOUNDS[dtype])
     # no atomics, no cross-program work: a second run gives the same bits; without Tinv, W and U are unchanged
-    again = gluon_wy.gluon_wy_fwd(k, v, beta, info, C)
+    again = run()
     assert all(torch.equal(a, b) for a, b in zip(again, (tinv, w, u)))
-    none, w2, u2 = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, store_tinv=False)
+    none, w2, u2 = run(store_tinv=False)
     assert none is None and torch.equal(w2, w) and torch.equal(u2, u)
 
 
+@pytest.mark.parametrize("blocked", BLOCKED)
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B, T, H", [(8, 2048, 16), (2, 1000, 4), (3, 64, 2), (3, 1, 3)])
-def test_fixed_length(poison, gluon_wy, dtype, D, B, T, H):
+def test_fixed_length(poison, gluon_wy, dtype, D, B, T, H, blocked):
     # T = 1000: a partial last chunk whose TMA tiles read the next sequence's rows; T = 1: every chunk one token;
     # T = 64: exactly one chunk. As packed [1, B * T] and as [B, T]: the same bits
     k, v, beta, info = packed_inputs([T] * B, H, D, dtype, seed=T + D)
-    check(gluon_wy, k, v, beta, info, [T] * B)
+    check(gluon_wy, k, v, beta, info, [T] * B, blocked)
     unpacked = [x.reshape(B, T, *x.shape[2:]) for x in (k, v, beta)]
-    got = gluon_wy.gluon_wy_fwd(*unpacked, seq_info(B, T, torch.device("cuda"), None, None), C)
-    packed = gluon_wy.gluon_wy_fwd(k, v, beta, info, C)
+    unpacked_info = seq_info(B, T, torch.device("cuda"), None, None)
+    got = gluon_wy.gluon_wy_fwd(*unpacked, unpacked_info, C, blocked_diagonal=blocked)
+    packed = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_diagonal=blocked)
     assert all(torch.equal(a.reshape(b.shape), b) for a, b in zip(got, packed))
 
 
+@pytest.mark.parametrize("blocked", BLOCKED)
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_varlen_with_empty_sequences(poison, gluon_wy, dtype, D):
+def test_varlen_with_empty_sequences(poison, gluon_wy, dtype, D, blocked):
     g = torch.Generator().manual_seed(7)
     lengths = [0, 1, C - 1, C, C + 1, 0] + torch.randint(1, 1500, (11,), generator=g).tolist()
     lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]
     k, v, beta, info = packed_inputs(lengths, 8, D, dtype, seed=3)
-    check(gluon_wy, k, v, beta, info, lengths)
+    check(gluon_wy, k, v, beta, info, lengths, blocked)
 
 
+@pytest.mark.parametrize("blocked", BLOCKED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_nearly_parallel_keys(poison, gluon_wy, dtype):
+def test_nearly_parallel_keys(poison, gluon_wy, dtype, blocked):
     # beta near 2 and almost equal keys: the inverse's products and W's rows cancel heavily (the Newton step and
     # the hi + lo pair are what keep them within bounds; tests/gpu/test_chunk_forward_gpu.py has wy_kernel's
     # numbers). T within 1e-3 of the oracle, W and U within the dtype's bound
     lengths, H, D = [512, 200, 61], 4, 128
     k, v, beta, info = packed_inputs(lengths, H, D, dtype, seed=11)
     k, beta = nearly_parallel_keys(k.shape, 1.95, dtype, "cuda", seed=11)
-    check(gluon_wy, k, v, beta, info, lengths, tinv_bound=1e-3, wu_bound=BOUNDS[dtype])
+    check(gluon_wy, k, v, beta, info, lengths, blocked, tinv_bound=1e-3, wu_bound=BOUNDS[dtype])
 
 
 def test_refuses_other_shapes(gluon_wy):

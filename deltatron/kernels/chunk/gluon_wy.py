@@ -37,7 +37,8 @@ from typing import Optional, Tuple
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..launch import launch
@@ -46,6 +47,13 @@ from .gluon_walk import accumulator_layout, register_operand, tile_layout
 
 C_WY = 64  # chunk size of this kernel
 HEAD_SIZES = (64, 128)  # K = V of this kernel
+# Whether the doubling levels inside the diagonal 16-blocks (S = 2, 4, 8) run on the blocks (diagonal_level: a
+# quarter of the tensor work, through shared-memory subviews) or on the whole tile (fewer shared-memory round
+# trips; the simpler one, default until the two are measured on a GPU: benchmarks/diagnostics/gluon_wy.py)
+BLOCKED_DIAGONAL = False
+# registers a thread: 3 programs of 4 warps an SM (shared memory allows 3 at D = 128 anyway). Offline sm_90: the
+# whole-tile levels need 166 (no spills), the blocked ones 183 uncapped and spill 64 B at this cap
+MAX_REGISTERS = 168
 TF32_HI_MASK = gl.constexpr(-8192)  # 0xFFFFE000: fp32 bits that tf32 keeps (sign, exponent, 10 mantissa bits)
 
 
@@ -77,8 +85,40 @@ def product_tf32(x, y, operands, acc, use_acc: gl.constexpr = True):
 
 
 @gluon.jit
+def diagonal_level(ne, t, operands, num_warps: gl.constexpr):
+    """T + T (ne T) for T and ne block diagonal in 16-blocks ([C, C] tiles in the accumulator layout): each
+    product as four [C, 16] x [16, 16] ones on the 16-blocks (shared-memory subviews of the operand tiles), a
+    quarter of the whole tile's tensor work; the pieces go back into the tile through shared memory."""
+    lhs, rhs = operands
+    C: gl.constexpr = lhs.shape[0]
+    B: gl.constexpr = 16
+    NB: gl.constexpr = C // B
+    piece: gl.constexpr = tf32_accumulator_layout(num_warps, B)
+    lhs.store(ne)
+    rhs.store(t)
+    fence_async_shared()
+    nets = ()
+    for b in gl.static_range(NB):
+        nets = nets + (warpgroup_mma(lhs.slice(b * B, B, dim=1), rhs.slice(b * B, B, dim=0).slice(b * B, B, dim=1),
+                                     gl.zeros([C, B], gl.float32, layout=piece), use_acc=False, is_async=True), )
+    nets = warpgroup_mma_wait(num_outstanding=0, deps=nets)
+    lhs.store(t)
+    for b in gl.static_range(NB):
+        rhs.slice(b * B, B, dim=1).store(nets[b])
+    fence_async_shared()
+    ts = ()
+    for b in gl.static_range(NB):
+        ts = ts + (warpgroup_mma(lhs.slice(b * B, B, dim=1), rhs.slice(b * B, B, dim=0).slice(b * B, B, dim=1),
+                                 lhs.slice(b * B, B, dim=1).load(piece), is_async=True), )
+    ts = warpgroup_mma_wait(num_outstanding=0, deps=ts)
+    for b in gl.static_range(NB):
+        lhs.slice(b * B, B, dim=1).store(ts[b])
+    return lhs.load(t.type.layout)
+
+
+@gluon.jit
 def gluon_wy_kernel(k_desc, v_desc, beta, tinv, w, u, cu_seqlens, chunk_indices, H: gl.constexpr,
-                    STORE_TINV: gl.constexpr, num_warps: gl.constexpr):
+                    STORE_TINV: gl.constexpr, BLOCKED_DIAGONAL: gl.constexpr, num_warps: gl.constexpr):
     C: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
@@ -122,12 +162,15 @@ def gluon_wy_kernel(k_desc, v_desc, beta, tinv, w, u, cu_seqlens, chunk_indices,
 
     # level S = 1 from T = I: T = I - E_1; then T <- T + T (-E_S T)
     t = eye + gl.where((ri[:, None] // 2 == cj[None, :] // 2) & (ri[:, None] > cj[None, :]), na, 0.0)
-    for level in gl.static_range(1, 6):  # S = 2, 4, 8 (the diagonal 16-blocks), 16, 32 (the merges)
+    for level in gl.static_range(1, 6):  # S = 2, 4, 8 (inside the diagonal 16-blocks), 16, 32 (the merges)
         S = 1 << level
         ne = gl.where((ri[:, None] // (2 * S) == cj[None, :] // (2 * S)) & (ri[:, None] // S > cj[None, :] // S),
                       na, 0.0)
-        net = product_tf32(ne, t, operands, t, use_acc=False)
-        t = product_tf32(t, net, operands, t)
+        if BLOCKED_DIAGONAL and S < 16:
+            t = diagonal_level(ne, t, operands, num_warps)
+        else:
+            net = product_tf32(ne, t, operands, t, use_acc=False)
+            t = product_tf32(t, net, operands, t)
 
     # Newton: R = I - T - A T with A T in tf32x3 (R is a small difference of O(1) terms), then T + T R in tf32
     # (tf32_hi keeps the sign: the hi and lo parts of -A are those of A negated)
@@ -194,11 +237,13 @@ def check_inputs(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: Seq
 
 
 def gluon_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int = C_WY,
-                 store_tinv: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+                 store_tinv: bool = True, blocked_diagonal: Optional[bool] = None
+                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """wy.wy_fwd's contract ((Tinv [B, T, H, C] fp32 or None without store_tinv, w, u)) on the Gluon kernel: k, v
     [B, T, H, D] or packed [1, TT, H, D] (cu_seqlens in info), 16-bit, D = K = V in HEAD_SIZES, C = 64. Rows past
     each sequence's end are not written (Tinv's rows there stay as allocated). With no chunk at all nothing is
-    launched (a TMA descriptor's shape must be positive)."""
+    launched (a TMA descriptor's shape must be positive). blocked_diagonal: the diagonal levels on the 16-blocks
+    (diagonal_level) or on the whole tile; BLOCKED_DIAGONAL unless given."""
     check_inputs(k, v, beta, info, chunk_size)
     H, D = k.shape[2], k.shape[3]
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
@@ -210,6 +255,7 @@ def gluon_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: Seq
         # TMA's zero fill
         k_desc, v_desc = (TensorDescriptor(x, [TT, H * D], [H * D, 1], [C_WY, D], tile_layout(x.dtype, C_WY, D))
                           for x in (k, v))
+        blocked = BLOCKED_DIAGONAL if blocked_diagonal is None else blocked_diagonal
         launch(gluon_wy_kernel, (chunks.num_chunks, H), k_desc, v_desc, beta, tinv, w, u, info.cu_seqlens,
-               chunks.chunk_indices, H, store_tinv, num_warps=4)
+               chunks.chunk_indices, H, store_tinv, blocked, num_warps=4, maxnreg=MAX_REGISTERS)
     return tinv, w, u

@@ -8,7 +8,8 @@ Three entry points share one kernel:
                                                           the backward) Tinv are written;
     tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input).
 W and U have the input dtype: they feed 16-bit dots in the state pass. The products that make them
-(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk."""
+(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk.
+wy_fwd's 16-bit case has a Gluon kernel for Hopper too (gluon_wy.py), run only where GLUON_WY is True."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 
 from ..launch import launch
-from ..utils import INTERPRET, WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows, tril_precision
+from ..utils import (INTERPRET, WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows,
+                     tril_precision)
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
 
