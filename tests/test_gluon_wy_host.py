@@ -122,12 +122,12 @@ def test_launch(monkeypatch, D, store_tinv):
         assert list(desc.strides) == [H * D, 1] and list(desc.block_shape) == [C, D]
     assert beta is x["beta"] and w_arg is w and u_arg is u and cu_arg is info.cu_seqlens
     assert torch.equal(chunk_indices, chunks.chunk_indices) and (H_arg, store) == (H, store_tinv)
-    assert blocked is gluon_wy.BLOCKED_DIAGONAL
+    assert blocked is gluon_wy.BLOCKED_LEVELS
     assert (tinv_arg is tinv) and ((tinv.shape == (1, TT, H, C) and tinv.dtype == torch.float32) if store_tinv
                                    else tinv is None)
     assert kwargs == dict(num_warps=4, maxnreg=gluon_wy.MAX_REGISTERS)
     assert w.shape == x["k"].shape and u.shape == x["v"].shape
-    gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, C, store_tinv, blocked_diagonal=not blocked)
+    gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, C, store_tinv, blocked_levels=not blocked)
     assert kernel.launches[-1][1][-1] is (not blocked)
 
 
@@ -146,6 +146,6 @@ def test_compiles_offline_for_sm90():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("gluon_wy_kernel")]
     assert len(rows) == 8 and all("blocks an SM" in row for row in rows), proc.stdout
-    assert all(" 0 B of spills" in row for row in rows if "blocked_diagonal False" in row), proc.stdout
+    assert all(" 0 B of spills" in row for row in rows if "blocked_levels False" in row), proc.stdout
     assert all(", 3 blocks an SM" in row for row in rows if "K=V=128" in row), proc.stdout
     assert "triton 3.6" in proc.stdout

@@ -3,11 +3,12 @@ and times on the GPU, or what triton 3.6 makes of it offline.
 
 On the GPU, per config (bench.make_inputs' K, V, beta, packed as the forward packs them): Tinv, W and U of the
 Gluon kernel against wy_kernel's (relative RMS: Tinv within fp32-level agreement, < 1e-4; W, U within a rounding
-of the input dtype, < 1e-2), rerun bitwise (no atomics: a race shows as a change), for both placements of the
-diagonal levels (blocked_diagonal), then all timed with Tinv stored (the training forward) and without (inference).
+of the input dtype, < 1e-2), rerun bitwise (no atomics: a race shows as a change), for both forms of the doubling
+levels (blocked_levels: the whole tile, or pieces of their nonzero blocks), then all timed with Tinv stored (the
+training forward) and without (inference).
 
 --offline compiles the Gluon kernel for sm_90 (bf16 and fp16 at K = V = 128, bf16 at 64, with and without Tinv;
-each with the diagonal levels on the whole tile and on the 16-blocks, blocked_diagonal)
+each with the doubling levels on the whole tile and on pieces of their nonzero blocks, blocked_levels)
 on a machine without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared
 memory, blocks an SM, the PTX's wgmma and barrier counts and the SASS instructions by source line (--sass-lines;
 wy_kernel's come from offline_compile.py --forms chunk --kernels wy_kernel --sass-lines N).
@@ -49,18 +50,18 @@ def compare(cfg: bench.Config, measure) -> None:
     ref = wy.wy_fwd(k, v, beta, info, C)
     print(f"\n{cfg.name}:")
     for blocked in (False, True):
-        got = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_diagonal=blocked)
-        again = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_diagonal=blocked)
+        got = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_levels=blocked)
+        again = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_levels=blocked)
         same = all(torch.equal(a, b) for a, b in zip(got, again))
         errs = [rel_rms(a, b) for a, b in zip(got, ref)]
         finite = all(torch.isfinite(a).all() for a in got)
         ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
-        print(f"  gluon_wy (blocked_diagonal {blocked}) against wy_kernel: Tinv rel RMS {errs[0]:.1e}, "
+        print(f"  gluon_wy (blocked_levels {blocked}) against wy_kernel: Tinv rel RMS {errs[0]:.1e}, "
               f"W {errs[1]:.1e}, U {errs[2]:.1e}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
     runs = {"wy_kernel (wy.wy_fwd)": lambda store: wy.wy_fwd(k, v, beta, info, C, store)}
     for blocked in (False, True):
-        runs[f"gluon_wy blocked_diagonal {blocked}"] = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C,
-                                                                         blocked_diagonal=blocked)
+        runs[f"gluon_wy blocked_levels {blocked}"] = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C,
+                                                                         blocked_levels=blocked)
     for store in (True, False):
         for name, fn in runs.items():
             print(f"  {name:<32} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
@@ -89,7 +90,7 @@ def offline(dump, sass_lines: int) -> int:
         ptx = kernel.asm["ptx"]
         usage = oc.ptxas_usage(ptx)
         warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
-        print(f"\ngluon_wy_kernel {name} K=V={D} C={C} Tinv stored {store} blocked_diagonal {blocked}: {warps} warps, "
+        print(f"\ngluon_wy_kernel {name} K=V={D} C={C} Tinv stored {store} blocked_levels {blocked}: {warps} warps, "
               f"ptxas {usage['regs']} "
               f"registers, {usage['spills']} B of spills, shared {shared} B, "
               f"{oc.blocks_per_sm(usage['regs'], shared, warps)} blocks an SM")

@@ -25,7 +25,7 @@ from . import gluon_smoke, require_smoke_passed
 pytestmark = pytest.mark.gpu
 
 C = 64
-BLOCKED = [False, True]  # gluon_wy_fwd's blocked_diagonal: the diagonal levels on the whole tile or the 16-blocks
+BLOCKED = [False, True]  # gluon_wy_fwd's blocked_levels: the doubling levels on the whole tile or on pieces
 SMOKE = """
 import torch
 from deltatron.kernels.chunk import gluon_wy
@@ -36,9 +36,9 @@ for D in gluon_wy.HEAD_SIZES:
   for blocked in (False, True):
     x = make_inputs(B, T, H, D, D, torch.bfloat16, device="cuda", seed=0)
     info = seq_info(B, T, torch.device("cuda"), None, None)
-    tinv, w, u = gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, blocked_diagonal=blocked)
+    tinv, w, u = gluon_wy.gluon_wy_fwd(x["k"], x["v"], x["beta"], info, blocked_levels=blocked)
     torch.cuda.synchronize()
-    print(f"gluon_wy smoke call (K = V = {D}, blocked_diagonal {blocked}) done, finite:",
+    print(f"gluon_wy smoke call (K = V = {D}, blocked_levels {blocked}) done, finite:",
           bool(torch.isfinite(tinv).all() and torch.isfinite(w).all() and torch.isfinite(u).all()))
 """
 
@@ -64,10 +64,10 @@ def packed_inputs(lengths, H, D, dtype, seed):
 
 def check(gluon_wy, k, v, beta, info, lengths, blocked, tinv_bound=1e-5, wu_bound=None):
     """Tinv, W, U against wy_kernel's and the oracle's (lengths: the sequences' tokens, for the oracle), the
-    outputs without Tinv the same bits, and a rerun the same bits; blocked: the diagonal levels on the 16-blocks
-    (else on the whole tile)."""
+    outputs without Tinv the same bits, and a rerun the same bits; blocked: the doubling levels on pieces of their
+    nonzero blocks (else on the whole tile)."""
     dtype = k.dtype
-    run = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C, blocked_diagonal=blocked)
+    run = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C, blocked_levels=blocked)
     tinv, w, u = run()
     tinv_ref, w_ref, u_ref = wy.wy_fwd(k, v, beta, info, C)
     _, T_o, w_o, u_o = per_sequence_chunks(lengths, C, intra_chunk_wy, *(x.cpu().double() for x in (k, v, beta)))
@@ -95,8 +95,8 @@ def test_fixed_length(poison, gluon_wy, dtype, D, B, T, H, blocked):
     check(gluon_wy, k, v, beta, info, [T] * B, blocked)
     unpacked = [x.reshape(B, T, *x.shape[2:]) for x in (k, v, beta)]
     unpacked_info = seq_info(B, T, torch.device("cuda"), None, None)
-    got = gluon_wy.gluon_wy_fwd(*unpacked, unpacked_info, C, blocked_diagonal=blocked)
-    packed = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_diagonal=blocked)
+    got = gluon_wy.gluon_wy_fwd(*unpacked, unpacked_info, C, blocked_levels=blocked)
+    packed = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_levels=blocked)
     assert all(torch.equal(a.reshape(b.shape), b) for a, b in zip(got, packed))
 
 

@@ -15,7 +15,9 @@ program (one warp group) per chunk and head:
         the per-block one, and the blocks never leave the tile (wy_kernel's extraction and reassembly of the
         16-blocks were 450 of its 3,496 SASS instructions). Level S = 1 starts from T = I: T = I - E_1, no
         product. The products are tf32 wgmma with both operands stored from registers into fp32 shared-memory
-        tiles, the right one K-major (wgmma's rule for tf32);
+        tiles, the right one K-major (wgmma's rule for tf32). With BLOCKED_LEVELS, each level's products run on
+        16-column pieces and only the blocks that can be nonzero (shared-memory subviews), under a quarter of the
+        levels' tensor work, the pieces put back into the tile through shared memory;
     one Newton step T <- T + T R, R = I - (I + A) T, the product A T in tf32x3 (A_hi T_hi + A_lo T_hi +
         A_hi T_lo, the hi parts by masking the low 13 mantissa bits: exact, no rounding), T R in tf32;
     Tb = T diag(beta) as a 16-bit pair hi + lo, W = hi K + lo K, U = hi V + lo V (16-bit wgmma, fp32
@@ -47,12 +49,14 @@ from .gluon_walk import accumulator_layout, register_operand, tile_layout
 
 C_WY = 64  # chunk size of this kernel
 HEAD_SIZES = (64, 128)  # K = V of this kernel
-# Whether the doubling levels inside the diagonal 16-blocks (S = 2, 4, 8) run on the blocks (diagonal_level: a
-# quarter of the tensor work, through shared-memory subviews) or on the whole tile (fewer shared-memory round
-# trips; the simpler one, default until the two are measured on a GPU: benchmarks/diagnostics/gluon_wy.py)
-BLOCKED_DIAGONAL = False
+# Whether the doubling levels S = 2 .. 32 run on 16-column pieces with only their nonzero blocks (blocked_level:
+# 18 tf32 m64n64k8-equivalents instead of 80, through shared-memory subviews and more shared-memory round trips)
+# or on the whole tile (the simpler one; the default until the two are measured on a GPU:
+# benchmarks/diagnostics/gluon_wy.py)
+BLOCKED_LEVELS = False
 # registers a thread: 3 programs of 4 warps an SM (shared memory allows 3 at D = 128 anyway). Offline sm_90: the
-# whole-tile levels need 166 (no spills), the blocked ones 183 uncapped and spill 64 B at this cap
+# whole-tile levels take 166 without a cap (no spills), the blocked ones 208 under a cap of 255 and spill 64 B at
+# this one
 MAX_REGISTERS = 168
 TF32_HI_MASK = gl.constexpr(-8192)  # 0xFFFFE000: fp32 bits that tf32 keeps (sign, exponent, 10 mantissa bits)
 
@@ -84,41 +88,78 @@ def product_tf32(x, y, operands, acc, use_acc: gl.constexpr = True):
     return warpgroup_mma(lhs, rhs, acc, use_acc=use_acc)  # fp32 operands: tf32 (the default precision)
 
 
+@gluon.constexpr_function
+def piece_updated(c, S, P):
+    """Whether column piece c (P wide) of ne T is nonzero at level S: ne's columns are nonzero only in the first
+    S-block of each 2S-block (in every 16-block below S = 16)."""
+    return S < P or (c * P // S) % 2 == 0
+
+
+@gluon.constexpr_function
+def piece_index(c, S, P):
+    """The position of column piece c among the updated ones (piece_updated) at level S."""
+    return sum(piece_updated(j, S, P) for j in range(c))
+
+
+@gluon.constexpr_function
+def t_rows(S, P):
+    """The rows of T that a column piece of ne T reads (from the piece's own block on): T is block diagonal in
+    max(S, P)-blocks."""
+    return max(S, P)
+
+
+@gluon.constexpr_function
+def net_rows(c, S, P):
+    """The first row where column piece c of ne T can be nonzero (net_size rows from it): its own P-block below
+    S = P, else the second S-block of its 2S-block."""
+    return c * P if S < P else c * P // (2 * S) * (2 * S) + S
+
+
 @gluon.jit
-def diagonal_level(ne, t, operands, num_warps: gl.constexpr):
-    """T + T (ne T) for T and ne block diagonal in 16-blocks ([C, C] tiles in the accumulator layout): each
-    product as four [C, 16] x [16, 16] ones on the 16-blocks (shared-memory subviews of the operand tiles), a
-    quarter of the whole tile's tensor work; the pieces go back into the tile through shared memory."""
+def blocked_level(ne, t, operands, LEVEL: gl.constexpr, num_warps: gl.constexpr):
+    """The doubling level S = 2^LEVEL, T + T (ne T), on [C, 16] column pieces of the result, each product taking only
+    the part of its inner dimension where its operands can be nonzero (shared-memory subviews of the operand tiles; t_rows, net_rows):
+    [C, max(S, 16)] x [max(S, 16), 16] and [C, S] x [S, 16] (16 x 16 below S = 16) instead of [C, C] x [C, 16];
+    pieces where ne T is zero keep T's columns (piece_updated). ne, t and the result are [C, C] tiles in the
+    accumulator layout; the pieces go back into the tile through shared memory."""
     lhs, rhs = operands
     C: gl.constexpr = lhs.shape[0]
-    B: gl.constexpr = 16
-    NB: gl.constexpr = C // B
-    piece: gl.constexpr = tf32_accumulator_layout(num_warps, B)
+    S: gl.constexpr = 1 << LEVEL
+    P: gl.constexpr = 16
+    G: gl.constexpr = t_rows(S, P)
+    R: gl.constexpr = P if S < P else S  # rows of ne T's nonzero block in a piece
+    piece: gl.constexpr = tf32_accumulator_layout(num_warps, P)
     lhs.store(ne)
     rhs.store(t)
     fence_async_shared()
     nets = ()
-    for b in gl.static_range(NB):
-        nets = nets + (warpgroup_mma(lhs.slice(b * B, B, dim=1), rhs.slice(b * B, B, dim=0).slice(b * B, B, dim=1),
-                                     gl.zeros([C, B], gl.float32, layout=piece), use_acc=False, is_async=True), )
+    for c in gl.static_range(C // P):
+        if piece_updated(c, S, P):
+            nets = nets + (warpgroup_mma(lhs.slice(c * P // G * G, G, dim=1),
+                                         rhs.slice(c * P // G * G, G, dim=0).slice(c * P, P, dim=1),
+                                         gl.zeros([C, P], gl.float32, layout=piece), use_acc=False, is_async=True), )
     nets = warpgroup_mma_wait(num_outstanding=0, deps=nets)
     lhs.store(t)
-    for b in gl.static_range(NB):
-        rhs.slice(b * B, B, dim=1).store(nets[b])
+    for c in gl.static_range(C // P):
+        if piece_updated(c, S, P):
+            rhs.slice(c * P, P, dim=1).store(nets[piece_index(c, S, P)])
     fence_async_shared()
     ts = ()
-    for b in gl.static_range(NB):
-        ts = ts + (warpgroup_mma(lhs.slice(b * B, B, dim=1), rhs.slice(b * B, B, dim=0).slice(b * B, B, dim=1),
-                                 lhs.slice(b * B, B, dim=1).load(piece), is_async=True), )
+    for c in gl.static_range(C // P):
+        if piece_updated(c, S, P):
+            ts = ts + (warpgroup_mma(lhs.slice(net_rows(c, S, P), R, dim=1),
+                                     rhs.slice(net_rows(c, S, P), R, dim=0).slice(c * P, P, dim=1),
+                                     lhs.slice(c * P, P, dim=1).load(piece), is_async=True), )
     ts = warpgroup_mma_wait(num_outstanding=0, deps=ts)
-    for b in gl.static_range(NB):
-        lhs.slice(b * B, B, dim=1).store(ts[b])
+    for c in gl.static_range(C // P):
+        if piece_updated(c, S, P):
+            lhs.slice(c * P, P, dim=1).store(ts[piece_index(c, S, P)])
     return lhs.load(t.type.layout)
 
 
 @gluon.jit
 def gluon_wy_kernel(k_desc, v_desc, beta, tinv, w, u, cu_seqlens, chunk_indices, H: gl.constexpr,
-                    STORE_TINV: gl.constexpr, BLOCKED_DIAGONAL: gl.constexpr, num_warps: gl.constexpr):
+                    STORE_TINV: gl.constexpr, BLOCKED_LEVELS: gl.constexpr, num_warps: gl.constexpr):
     C: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
@@ -132,7 +173,8 @@ def gluon_wy_kernel(k_desc, v_desc, beta, tinv, w, u, cu_seqlens, chunk_indices,
 
     k_smem = gl.allocate_shared_memory(dt, [C, K], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dt, [C, V], v_desc.layout)
-    # the right operand of the tf32 products, [k, n] stored K-major (wgmma takes fp32 operands K-major only)
+    # the tf32 products' operands: the left [m, k] row-major, the right [k, n] K-major (wgmma takes fp32 operands
+    # K-major only)
     operands = (gl.allocate_shared_memory(gl.float32, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], gl.float32)),
                 gl.allocate_shared_memory(gl.float32, [C, C],
                                           gl.NVMMASharedLayout.get_default_for([C, C], gl.float32, transposed=True)))
@@ -166,8 +208,8 @@ def gluon_wy_kernel(k_desc, v_desc, beta, tinv, w, u, cu_seqlens, chunk_indices,
         S = 1 << level
         ne = gl.where((ri[:, None] // (2 * S) == cj[None, :] // (2 * S)) & (ri[:, None] // S > cj[None, :] // S),
                       na, 0.0)
-        if BLOCKED_DIAGONAL and S < 16:
-            t = diagonal_level(ne, t, operands, num_warps)
+        if BLOCKED_LEVELS:
+            t = blocked_level(ne, t, operands, level, num_warps)
         else:
             net = product_tf32(ne, t, operands, t, use_acc=False)
             t = product_tf32(t, net, operands, t)
@@ -237,13 +279,13 @@ def check_inputs(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: Seq
 
 
 def gluon_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int = C_WY,
-                 store_tinv: bool = True, blocked_diagonal: Optional[bool] = None
+                 store_tinv: bool = True, blocked_levels: Optional[bool] = None
                  ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """wy.wy_fwd's contract ((Tinv [B, T, H, C] fp32 or None without store_tinv, w, u)) on the Gluon kernel: k, v
     [B, T, H, D] or packed [1, TT, H, D] (cu_seqlens in info), 16-bit, D = K = V in HEAD_SIZES, C = 64. Rows past
     each sequence's end are not written (Tinv's rows there stay as allocated). With no chunk at all nothing is
-    launched (a TMA descriptor's shape must be positive). blocked_diagonal: the diagonal levels on the 16-blocks
-    (diagonal_level) or on the whole tile; BLOCKED_DIAGONAL unless given."""
+    launched (a TMA descriptor's shape must be positive). blocked_levels: the doubling levels on pieces of their
+    nonzero blocks (blocked_level) or on the whole tile; BLOCKED_LEVELS unless given."""
     check_inputs(k, v, beta, info, chunk_size)
     H, D = k.shape[2], k.shape[3]
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
@@ -255,7 +297,7 @@ def gluon_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: Seq
         # TMA's zero fill
         k_desc, v_desc = (TensorDescriptor(x, [TT, H * D], [H * D, 1], [C_WY, D], tile_layout(x.dtype, C_WY, D))
                           for x in (k, v))
-        blocked = BLOCKED_DIAGONAL if blocked_diagonal is None else blocked_diagonal
+        blocked = BLOCKED_LEVELS if blocked_levels is None else blocked_levels
         launch(gluon_wy_kernel, (chunks.num_chunks, H), k_desc, v_desc, beta, tinv, w, u, info.cu_seqlens,
                chunks.chunk_indices, H, store_tinv, blocked, num_warps=4, maxnreg=MAX_REGISTERS)
     return tinv, w, u
