@@ -54,9 +54,8 @@ HEAD_SIZES = (64, 128)  # K = V of this kernel
 # or on the whole tile (the simpler one; the default until the two are measured on a GPU:
 # benchmarks/diagnostics/gluon_wy.py)
 BLOCKED_LEVELS = False
-# registers a thread: 3 programs of 4 warps an SM (shared memory allows 3 at D = 128 anyway). Offline sm_90: the
-# whole-tile levels take 166 without a cap (no spills), the blocked ones 208 under a cap of 255 and spill 64 B at
-# this one
+# registers a thread: 3 programs of 4 warps an SM (shared memory allows 3 at D = 128 anyway). Offline sm_90: no
+# spills at this cap with either form of the levels; at 128 (4 programs an SM at D = 64) they spill 60-68 B
 MAX_REGISTERS = 168
 TF32_HI_MASK = gl.constexpr(-8192)  # 0xFFFFE000: fp32 bits that tf32 keeps (sign, exponent, 10 mantissa bits)
 
@@ -215,12 +214,19 @@ def gluon_wy_kernel(k_desc, v_desc, beta, tinv, w, u, cu_seqlens, chunk_indices,
             t = product_tf32(t, net, operands, t)
 
     # Newton: R = I - T - A T with A T in tf32x3 (R is a small difference of O(1) terms), then T + T R in tf32
-    # (tf32_hi keeps the sign: the hi and lo parts of -A are those of A negated)
+    # (tf32_hi keeps the sign: the hi and lo parts of -A are those of A negated). The lo part of -A goes first, so
+    # that -A is dead after it; each later term changes one operand tile only (-A_hi T_hi: T_hi still in rhs;
+    # -A_hi T_lo: -A_hi still in lhs)
+    lhs, rhs = operands
     na_hi = tf32_hi(na)
     t_hi = tf32_hi(t)
-    residual = product_tf32(na_hi, t_hi, operands, eye - t)
-    residual = product_tf32(na - na_hi, t_hi, operands, residual)
-    residual = product_tf32(na_hi, t - t_hi, operands, residual)
+    residual = product_tf32(na - na_hi, t_hi, operands, eye - t)
+    lhs.store(na_hi)
+    fence_async_shared()
+    residual = warpgroup_mma(lhs, rhs, residual)
+    rhs.store(t - t_hi)
+    fence_async_shared()
+    residual = warpgroup_mma(lhs, rhs, residual)
     t = product_tf32(t, residual, operands, t)
 
     if STORE_TINV:
