@@ -4,8 +4,9 @@ and times on the GPU, or what triton 3.6 makes of it offline.
 On the GPU, per config (bench.make_inputs' K, V, beta, packed as the forward packs them): Tinv, W and U of the
 Gluon kernel against wy_kernel's (relative RMS: Tinv within fp32-level agreement, < 1e-4; W, U within a rounding
 of the input dtype, < 1e-2), rerun bitwise (no atomics: a race shows as a change), for both forms of the doubling
-levels (blocked_levels: the whole tile, or pieces of their nonzero blocks), then all timed with Tinv stored (the
-training forward) and without (inference).
+levels (blocked_levels: the whole tile, or pieces of their nonzero blocks) at the shipped register cap and at 128,
+then all timed with Tinv stored (the training forward) and without (inference), then the whole forward
+(chunk.forward, no backward) with wy.GLUON_WY off and on.
 
 --offline compiles the Gluon kernel for sm_90 (bf16 and fp16 at K = V = 128, bf16 at 64, with and without Tinv;
 each with the doubling levels on the whole tile and on pieces of their nonzero blocks, blocked_levels)
@@ -29,6 +30,7 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 from deltatron import bench  # noqa: E402
+from deltatron.kernels import chunk  # noqa: E402
 from deltatron.kernels.chunk import wy  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 
@@ -43,28 +45,45 @@ def compare(cfg: bench.Config, measure) -> None:
     from deltatron.kernels.chunk import gluon_wy
 
     x = bench.make_inputs(cfg, torch.device("cuda"), seed=0)
-    k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("k", "v", "beta"))
+    q, k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
     cu = torch.arange(0, cfg.B + 1, device=k.device, dtype=torch.int32) * cfg.T
     info = seq_info(1, cfg.B * cfg.T, k.device, cu, cu)
-    wy.GLUON_WY = False
-    ref = wy.wy_fwd(k, v, beta, info, C)
-    print(f"\n{cfg.name}:")
-    for blocked in (False, True):
-        got = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_levels=blocked)
-        again = gluon_wy.gluon_wy_fwd(k, v, beta, info, C, blocked_levels=blocked)
-        same = all(torch.equal(a, b) for a, b in zip(got, again))
-        errs = [rel_rms(a, b) for a, b in zip(got, ref)]
-        finite = all(torch.isfinite(a).all() for a in got)
-        ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
-        print(f"  gluon_wy (blocked_levels {blocked}) against wy_kernel: Tinv rel RMS {errs[0]:.1e}, "
-              f"W {errs[1]:.1e}, U {errs[2]:.1e}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
-    runs = {"wy_kernel (wy.wy_fwd)": lambda store: wy.wy_fwd(k, v, beta, info, C, store)}
-    for blocked in (False, True):
-        runs[f"gluon_wy blocked_levels {blocked}"] = functools.partial(gluon_wy.gluon_wy_fwd, k, v, beta, info, C,
-                                                                         blocked_levels=blocked)
-    for store in (True, False):
-        for name, fn in runs.items():
-            print(f"  {name:<32} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
+    shipped_cap = gluon_wy.MAX_REGISTERS
+    # both forms of the levels, at the shipped register cap and at 128 (4 programs an SM where shared memory
+    # allows it: K = V = 64)
+    variants = [(blocked, cap) for blocked in (False, True) for cap in (shipped_cap, 128)]
+
+    def gluon(blocked, cap, store=True):
+        gluon_wy.MAX_REGISTERS = cap
+        return gluon_wy.gluon_wy_fwd(k, v, beta, info, C, store, blocked)
+
+    try:
+        wy.GLUON_WY = False
+        ref = wy.wy_fwd(k, v, beta, info, C)
+        print(f"\n{cfg.name}:")
+        for blocked, cap in variants:
+            got, again = gluon(blocked, cap), gluon(blocked, cap)
+            same = all(torch.equal(a, b) for a, b in zip(got, again))
+            errs = [rel_rms(a, b) for a, b in zip(got, ref)]
+            finite = all(torch.isfinite(a).all() for a in got)
+            ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
+            print(f"  gluon_wy (blocked_levels {blocked}, maxnreg {cap}) against wy_kernel: Tinv rel RMS "
+                  f"{errs[0]:.1e}, W {errs[1]:.1e}, U {errs[2]:.1e}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+        runs = {"wy_kernel (wy.wy_fwd)": lambda store: wy.wy_fwd(k, v, beta, info, C, store)}
+        for blocked, cap in variants:
+            runs[f"gluon_wy blocked {blocked!s:<5} maxnreg {cap}"] = functools.partial(gluon, blocked, cap)
+        for store in (True, False):
+            for name, fn in runs.items():
+                print(f"  {name:<36} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
+        # the whole forward (no backward: Tinv not stored) with the switch off and on (the shipped form and cap),
+        # twice, interleaved against drift
+        gluon_wy.MAX_REGISTERS = shipped_cap
+        for switch in (False, True) * 2:
+            wy.GLUON_WY = switch
+            ms = measure(lambda: chunk.forward(q, k, v, beta, cfg.K ** -0.5, None, False, info, needs_backward=False))
+            print(f"  forward, GLUON_WY {switch!s:<5} {ms:8.3f} ms", flush=True)
+    finally:
+        gluon_wy.MAX_REGISTERS, wy.GLUON_WY = shipped_cap, False
 
 
 def offline(dump, sass_lines: int) -> int:
