@@ -30,8 +30,9 @@ tf32 product's operands pass through in turn: 64 KiB, so 3 programs an SM at D =
 memory; registers allow 3 either way). Not warp-specialized and not persistent: the products of a program are
 serial, and the SM overlaps programs. Offline numbers and the prediction are in benchmarks/NOTES.md (session 15).
 
-Imported only where it can run (wy.gluon_wy_runs imports it lazily, on a CUDA sm_90 device): Gluon does not
-run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
+Imported only where it can run (wy.wy_fwd imports it lazily where wy.gluon_wy_applies: a CUDA sm_90 device, not
+the interpreter, a triton with Gluon's Hopper API): Gluon does not run in TRITON_INTERPRET, and CI's triton may
+lack its Hopper API."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
