@@ -47,7 +47,7 @@ def compare(cfg: bench.Config, measure) -> None:
     x = bench.make_inputs(cfg, torch.device("cuda"), seed=0)
     q, k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
     cu = torch.arange(0, cfg.B + 1, device=k.device, dtype=torch.int32) * cfg.T
-    info = seq_info(1, cfg.B * cfg.T, k.device, cu, cu)
+    info = seq_info(1, cfg.B * cfg.T, k.device, cu, cu.cpu())
     shipped_cap = gluon_wy.MAX_REGISTERS
     # both forms of the levels, at the shipped register cap and at 128 (4 programs an SM where shared memory
     # allows it: K = V = 64)
