@@ -146,3 +146,7 @@ def test_forward_with_the_switch_on(poison, gluon_wy, monkeypatch, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, direct))
     o, s, _, _ = chunk.forward(*args)
     assert rel_rms(o, o_ref) < BOUNDS[dtype] and rel_rms(s, s_ref) < BOUNDS[dtype]
+    # its products are tf32 with the Newton step: another DELTATRON_TRIL_PRECISION keeps wy_kernel
+    assert wy.gluon_wy_applies(x["k"], x["v"], x["beta"], C)
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32x3")
+    assert not wy.gluon_wy_applies(x["k"], x["v"], x["beta"], C)

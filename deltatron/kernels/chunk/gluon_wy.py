@@ -118,8 +118,9 @@ def net_rows(c, S, P):
 @gluon.jit
 def blocked_level(ne, t, operands, LEVEL: gl.constexpr, num_warps: gl.constexpr):
     """The doubling level S = 2^LEVEL, T + T (ne T), on [C, 16] column pieces of the result, each product taking only
-    the part of its inner dimension where its operands can be nonzero (shared-memory subviews of the operand tiles; t_rows, net_rows):
-    [C, max(S, 16)] x [max(S, 16), 16] and [C, S] x [S, 16] (16 x 16 below S = 16) instead of [C, C] x [C, 16];
+    the part of its inner dimension where its operands can be nonzero (shared-memory subviews of the operand tiles;
+    t_rows, net_rows): [C, max(S, 16)] x [max(S, 16), 16] and [C, S] x [S, 16] (16 x 16 below S = 16) instead of
+    [C, C] x [C, 16];
     pieces where ne T is zero keep T's columns (piece_updated). ne, t and the result are [C, C] tiles in the
     accumulator layout; the pieces go back into the tile through shared memory."""
     lhs, rhs = operands

@@ -37,12 +37,13 @@ from .kkt import chunk_span, kkt_tile
 
 
 @triton.jit
-def below_diagonal_blocks(rows, cols, S: tl.constexpr):
-    """Mask of the entries (rows[i], cols[j]) that lie below the diagonal S-blocks inside a diagonal 2S-block: row
-    S-block 2m + 1, column S-block 2m. One compare an entry (an odd row block against the column block + 1)."""
-    row_block = rows // S
-    odd_row_block = tl.where(row_block % 2 == 1, row_block, -1)
-    return odd_row_block[:, None] == (cols // S + 1)[None, :]
+def below_diagonal_blocks(idx, S: tl.constexpr):
+    """Mask [n, n] of the entries (idx[i], idx[j]) of a tile that lie below the diagonal S-blocks inside a diagonal
+    2S-block: row S-block 2m + 1, column S-block 2m. One compare an entry (an odd row block against the column
+    block + 1)."""
+    block = idx // S
+    odd_block = tl.where(block % 2 == 1, block, -1)
+    return odd_block[:, None] == (block + 1)[None, :]
 
 
 @triton.jit
@@ -59,10 +60,10 @@ def invert_diagonal_blocks(a, C: tl.constexpr, B: tl.constexpr, PRECISION: tl.co
     # d[b, i, j] = a[b*B + i, b*B + j]
     d = tl.sum(tl.where(same_block, tl.reshape(a, (NB, B, NB, B)), 0.0), axis=2)
     # the first level (S = 1) needs no product: from T = I it gives T = I - E
-    t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)[None, :, :] - tl.where(below_diagonal_blocks(i, i, 1), d, 0.0)
+    t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)[None, :, :] - tl.where(below_diagonal_blocks(i, 1), d, 0.0)
     S: tl.constexpr = 2
     for _ in tl.static_range(0, 3):  # S = 2, 4, 8
-        t = t - mm(t, mm(tl.where(below_diagonal_blocks(i, i, S), d, 0.0), t, PRECISION), PRECISION)
+        t = t - mm(t, mm(tl.where(below_diagonal_blocks(i, S), d, 0.0), t, PRECISION), PRECISION)
         S = S * 2
     return tl.reshape(tl.where(same_block, tl.expand_dims(t, 2), 0.0), (C, C))
 
@@ -72,7 +73,7 @@ def merge_diagonal_blocks(t, a, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.
     """From t = inverse of the S-block diagonal part of I + a to that of its 2S-block diagonal part:
     t - t e t, e = the blocks of a below the diagonal S-blocks inside each diagonal 2S-block."""
     r = tl.arange(0, C)
-    return t - mm(t, mm(tl.where(below_diagonal_blocks(r, r, S), a, 0.0), t, PRECISION), PRECISION)
+    return t - mm(t, mm(tl.where(below_diagonal_blocks(r, S), a, 0.0), t, PRECISION), PRECISION)
 
 
 @triton.jit

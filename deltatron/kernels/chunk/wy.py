@@ -140,13 +140,15 @@ GLUON_WY: Optional[bool] = False
 def gluon_wy_applies(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, chunk_size: int) -> bool:
     """Where the Gluon WY kernel can run: a Hopper GPU (sm_90: wgmma, TMA; not the interpreter), k and v of one
     16-bit dtype, C = 64, K = V in gluon_wy.HEAD_SIZES (64, 128), k and v contiguous and 16-byte aligned (TMA),
-    beta contiguous, and a triton with Gluon's Hopper API."""
+    beta contiguous, the default precision of the inverse (tril_precision's tf32_newton: the kernel's products are
+    fixed), and a triton with Gluon's Hopper API."""
     from .state import _is_sm90, gluon_importable  # (state imports this module)
 
     return (k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype
             and chunk_size == 64 and k.shape[3] == v.shape[3] and k.shape[3] in (64, 128)
             and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (k, v)) and beta.is_contiguous()
-            and _is_sm90(k.device.index) and gluon_importable("gluon_wy"))
+            and tril_precision(k.dtype) == ("tf32", True) and _is_sm90(k.device.index)
+            and gluon_importable("gluon_wy"))
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
