@@ -32,10 +32,11 @@ import torch  # noqa: E402
 from deltatron import bench  # noqa: E402
 from deltatron.kernels import chunk  # noqa: E402
 from deltatron.kernels.chunk import wy  # noqa: E402
-from deltatron.kernels.utils import seq_info  # noqa: E402
+from deltatron.kernels.utils import packed_info, seq_info  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stage_configs import worst_difference as rel_rms  # noqa: E402
+from switch_probe import with_settings  # noqa: E402
 
 C = 64
 CONFIGS = ["b8-t2048-h16-k128", "b2-t8192-h32-k128", "b16-t2048-h8-k64"]
@@ -46,44 +47,40 @@ def compare(cfg: bench.Config, measure) -> None:
 
     x = bench.make_inputs(cfg, torch.device("cuda"), seed=0)
     q, k, v, beta = (x[n].detach().reshape(1, cfg.B * cfg.T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
-    cu = torch.arange(0, cfg.B + 1, device=k.device, dtype=torch.int32) * cfg.T
-    info = seq_info(1, cfg.B * cfg.T, k.device, cu, cu.cpu())
-    shipped_cap = gluon_wy.MAX_REGISTERS
+    info = packed_info(range(0, cfg.B * cfg.T + 1, cfg.T), cfg.B * cfg.T, k.device)
     # both forms of the levels, at the shipped register cap and at 128 (4 programs an SM where shared memory
     # allows it: K = V = 64)
-    variants = [(blocked, cap) for blocked in (False, True) for cap in (shipped_cap, 128)]
+    variants = [(blocked, cap) for blocked in (False, True) for cap in (gluon_wy.MAX_REGISTERS, 128)]
 
     def gluon(blocked, cap, store=True):
-        gluon_wy.MAX_REGISTERS = cap
-        return gluon_wy.gluon_wy_fwd(k, v, beta, info, C, store, blocked)
+        return with_settings(gluon_wy, dict(MAX_REGISTERS=cap),
+                             lambda: gluon_wy.gluon_wy_fwd(k, v, beta, info, C, store, blocked))
 
-    try:
-        wy.GLUON_WY = False
-        ref = wy.wy_fwd(k, v, beta, info, C)
-        print(f"\n{cfg.name}:")
-        for blocked, cap in variants:
-            got, again = gluon(blocked, cap), gluon(blocked, cap)
-            same = all(torch.equal(a, b) for a, b in zip(got, again))
-            errs = [rel_rms(a, b) for a, b in zip(got, ref)]
-            finite = all(torch.isfinite(a).all() for a in got)
-            ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
-            print(f"  gluon_wy (blocked_levels {blocked}, maxnreg {cap}) against wy_kernel: Tinv rel RMS "
-                  f"{errs[0]:.1e}, W {errs[1]:.1e}, U {errs[2]:.1e}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
-        runs = {"wy_kernel (wy.wy_fwd)": lambda store: wy.wy_fwd(k, v, beta, info, C, store)}
-        for blocked, cap in variants:
-            runs[f"gluon_wy blocked {blocked!s:<5} maxnreg {cap}"] = functools.partial(gluon, blocked, cap)
-        for store in (True, False):
-            for name, fn in runs.items():
-                print(f"  {name:<36} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
-        # the whole forward (no backward: Tinv not stored) with the switch off and on (the shipped form and cap),
-        # twice, interleaved against drift
-        gluon_wy.MAX_REGISTERS = shipped_cap
-        for switch in (False, True) * 2:
-            wy.GLUON_WY = switch
-            ms = measure(lambda: chunk.forward(q, k, v, beta, cfg.K ** -0.5, None, False, info, needs_backward=False))
-            print(f"  forward, GLUON_WY {switch!s:<5} {ms:8.3f} ms", flush=True)
-    finally:
-        gluon_wy.MAX_REGISTERS, wy.GLUON_WY = shipped_cap, False
+    def with_switch(on, fn):
+        return with_settings(wy, dict(GLUON_WY=on), fn)
+
+    ref = with_switch(False, lambda: wy.wy_fwd(k, v, beta, info, C))
+    print(f"\n{cfg.name}:")
+    for blocked, cap in variants:
+        got, again = gluon(blocked, cap), gluon(blocked, cap)
+        same = all(torch.equal(a, b) for a, b in zip(got, again))
+        errs = [rel_rms(a, b) for a, b in zip(got, ref)]
+        finite = all(torch.isfinite(a).all() for a in got)
+        ok = errs[0] < 1e-4 and max(errs[1:]) < 1e-2 and finite and same
+        print(f"  gluon_wy (blocked_levels {blocked}, maxnreg {cap}) against wy_kernel: Tinv rel RMS "
+              f"{errs[0]:.1e}, W {errs[1]:.1e}, U {errs[2]:.1e}, rerun bitwise {same}  {'OK' if ok else 'WRONG'}")
+    runs = {"wy_kernel (wy.wy_fwd)": lambda store: with_switch(False, lambda: wy.wy_fwd(k, v, beta, info, C, store))}
+    for blocked, cap in variants:
+        runs[f"gluon_wy blocked {blocked!s:<5} maxnreg {cap}"] = functools.partial(gluon, blocked, cap)
+    for store in (True, False):
+        for name, fn in runs.items():
+            print(f"  {name:<36} Tinv stored {store!s:<5} {measure(lambda: fn(store)):8.3f} ms", flush=True)
+    # the whole forward (no backward: Tinv not stored) with the switch off and on (the shipped form and cap), twice,
+    # interleaved against drift
+    for on in (False, True) * 2:
+        ms = with_switch(on, lambda: measure(
+            lambda: chunk.forward(q, k, v, beta, cfg.K ** -0.5, None, False, info, needs_backward=False)))
+        print(f"  forward, GLUON_WY {on!s:<5} {ms:8.3f} ms", flush=True)
 
 
 def offline(dump, sass_lines: int) -> int:

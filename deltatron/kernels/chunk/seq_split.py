@@ -266,24 +266,20 @@ def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
         h0_u = k.new_zeros(plan.walk_u.num_seqs, H, K, V, dtype=torch.float32)
         put(h0_u, plan.rows_u[0], take(initial_state, plan.split_seqs).float())
 
-    def walk_on_w():
-        return walk_final_states(q, k, w, w, None, plan.walk_w, chunk_size)
-
-    if plan.walk_w is None:
-        finals_w = None
-        finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
-    elif two_streams(k):
-        main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
+    # the walk on W on the side stream (where there is one) beside the walk on U
+    side = side_stream(k.device.index) if plan.walk_w is not None and two_streams(k) else None
+    if side is not None:
+        main = torch.cuda.current_stream(k.device)
         side.wait_stream(main)  # W is written
-        finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
-        with torch.cuda.stream(side):
-            finals_w = walk_on_w()
+    finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
+    finals_w = None
+    if plan.walk_w is not None:
+        with torch.cuda.stream(side):  # (None: the current stream)
+            finals_w = walk_final_states(q, k, w, w, None, plan.walk_w, chunk_size)
+    if side is not None:
         main.wait_stream(side)
         # made on the side stream, read on main: its memory waits for main's work queued before its release
         finals_w.record_stream(main)
-    else:
-        finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
-        finals_w = walk_on_w()
 
     if initial_state is None:
         h0 = k.new_zeros(N, H, K, V, dtype=torch.float32)
