@@ -8,8 +8,7 @@ Three entry points share one kernel:
                                                           the backward) Tinv are written;
     tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input).
 W and U have the input dtype: they feed 16-bit dots in the state pass. The products that make them
-(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk.
-wy_fwd's 16-bit case has a Gluon kernel for Hopper too (gluon_wy.py), run only where GLUON_WY is True."""
+(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..launch import launch
-from ..utils import (INTERPRET, WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows,
+from ..utils import (WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows,
                      tril_precision)
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
@@ -131,35 +130,10 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: to
     return _wy(k, v, beta, Tinv, False, info, chunk_size)
 
 
-# Whether wy_fwd runs gluon_wy.py's Hopper kernel where it applies (gluon_wy_applies): False never (the default:
-# not yet measured on a GPU), True wherever it applies (tests, benchmarks/diagnostics/gluon_wy.py). None is kept
-# for a measured rule and runs wy_kernel until there is one.
-GLUON_WY: Optional[bool] = False
-
-
-def gluon_wy_applies(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, chunk_size: int) -> bool:
-    """Where the Gluon WY kernel can run: a Hopper GPU (sm_90: wgmma, TMA; not the interpreter), k and v of one
-    16-bit dtype, C = 64, K = V in gluon_wy.HEAD_SIZES (64, 128), k and v contiguous and 16-byte aligned (TMA),
-    beta contiguous, the default precision of the inverse (tril_precision's tf32_newton: the kernel's products are
-    fixed), and a triton with Gluon's Hopper API."""
-    from .state import _is_sm90, gluon_importable  # (state imports this module)
-
-    return (k.is_cuda and not INTERPRET and k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype
-            and chunk_size == 64 and k.shape[3] == v.shape[3] and k.shape[3] in (64, 128)
-            and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (k, v)) and beta.is_contiguous()
-            and tril_precision(k.dtype) == ("tf32", True) and _is_sm90(k.device.index)
-            and gluon_importable("gluon_wy"))
-
-
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
            chunk_size: int, store_tinv: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
-    (inference: nothing needs it after W and U), w, u). As gluon_wy.py's kernel where GLUON_WY is True and it
-    applies."""
-    if GLUON_WY is True and gluon_wy_applies(k, v, beta, chunk_size):
-        from .gluon_wy import gluon_wy_fwd
-
-        return gluon_wy_fwd(k, v, beta, info, chunk_size, store_tinv)
+    (inference: nothing needs it after W and U), w, u)."""
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
     w, u = _wy(k, v, beta, tinv, True, info, chunk_size)
     return tinv, w, u
