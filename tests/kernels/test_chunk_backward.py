@@ -146,6 +146,7 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
     assert rel_rms(dh0, s0.grad) <= bound
     assert rel_rms(dv[0], u.grad) <= bound
     assert rel_rms(dq[0], q.grad) <= bound
+    assert dq.dtype == dk.dtype == dw.dtype == dtype  # the direct dK too: the WY backward adds it in fp32
     assert rel_rms(dk[0], k.grad) <= bound
     assert rel_rms(dw[0], w.grad) <= bound
     for n, L in enumerate(lengths):
@@ -223,11 +224,11 @@ def test_wy_bwd(dtype, C, lengths, K, V, parallel_keys, poison):
     w, u, tinv = wy_model(k, v, beta, lengths, C)
     g = torch.Generator().manual_seed(11)
     dw, du = (torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype).double() for x in (w, u))
-    dk_direct = torch.randn(k.shape, generator=g, dtype=torch.float64).float().double()
+    dk_direct = torch.randn(k.shape, generator=g, dtype=torch.float64).to(dtype).double()  # as dqkw stores it
     ((w * dw).sum() + (u * du).sum() + (k * dk_direct).sum()).backward()
 
     dk, dv, dbeta = wy_bwd.wy_bwd(inp["k"], inp["v"], inp["beta"], to_dev(tinv.detach(), torch.float32),
-                                  to_dev(dw, dtype), to_dev(du, dtype), to_dev(dk_direct, torch.float32), info, C)
+                                  to_dev(dw, dtype), to_dev(du, dtype), to_dev(dk_direct, dtype), info, C)
     bound = BOUNDS[dtype]
     assert dk.dtype == dtype and dv.dtype == dtype and dbeta.dtype == inp["beta"].dtype
     assert rel_rms(dk[0], k.grad) <= bound

@@ -132,8 +132,9 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None)
     in the kernel, so that the API returns it without a conversion launch).
 
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
-    the output and the state update (fp32). out: (dk, dv, dbeta) to write into (those shapes and dtypes,
-    contiguous: the segmented backward passes its segment's views of the batch's), else new tensors."""
+    the output and the state update (k's dtype, as output_bwd.dqkw stores it; added in fp32). out: (dk, dv,
+    dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
+    views of the batch's), else new tensors."""
     H, K, V = k.shape[-2], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
     if out is None:
