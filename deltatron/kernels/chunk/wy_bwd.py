@@ -61,10 +61,10 @@ def wy_da(b_tt, b_dt, C: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION: tl.constexpr):
     """One K tile of the WY terms of dK, beta (dKb + dA K) + dA^T (beta K) (fp32; dK = dK_direct + these),
-    and rowsum((dKb + dA K) ⊙ K) for dbeta. b_dw in the input dtype, b_k fp32."""
+    and rowsum((dKb + dA K) ⊙ K) for dbeta. b_dw in the input dtype, b_k fp32, b_dat = (beta dA)^T."""
     # dKb + dA K: both multiply beta_i k_i in A and W
     b_dkb = mm(b_tt_in, b_dw, PRECISION) + mm(b_da, b_k, PRECISION)
-    return b_beta[:, None] * b_dkb + mm(b_dat, b_k * b_beta[:, None], PRECISION), tl.sum(b_dkb * b_k, axis=1)
+    return b_beta[:, None] * b_dkb + mm(b_dat, b_k, PRECISION), tl.sum(b_dkb * b_k, axis=1)
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
         b_dbeta += b_dbeta_v
 
     b_da = wy_da(b_tt, b_dt, C, PRECISION)
-    b_dat = tl.trans(b_da)
+    b_dat = tl.trans(b_beta[:, None] * b_da)  # dA^T (beta K) = (beta dA)^T K: beta scales dA once, not each K tile
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32)
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
