@@ -7,7 +7,9 @@ for each V-block width of the Gluon pass (block_v 128: a program a sequence and 
 against the Triton pass's (relative RMS; both round dS_next, dV' and A^T to the input dtype at the same
 points, so they differ by fp32 summation order), a second Gluon run bitwise equal to the first (no atomics: a
 race between the partitions would show), the two widths against each other; then the Triton pass and both
-widths timed as the backward runs them (dht and dh0 as with a final and an initial state), twice, interleaved.
+widths timed as the backward runs them (dht and dh0 as with a final and an initial state), twice, interleaved;
+last, the whole forward+backward through the API (the benchmark's inputs) with state_bwd's rule (GLUON_REVERSE
+None) against the Gluon pass forced on (True): gradients compared, three interleaved readings each.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without dht / dh0, fp16 with them) on
 a machine without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared
@@ -34,6 +36,7 @@ from deltatron.kernels.utils import num_sms, seq_info  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_walk import compiling_for_sm90, probe_main, report_compiled  # noqa: E402
 from stage_configs import worst_difference as rel_rms  # noqa: E402
+from switch_probe import api_fwd_bwd, fwd_bwd_agree_and_time, with_settings  # noqa: E402
 from transposed_walk import walk_inputs  # noqa: E402
 
 CONFIGS = ["b8-t2048-h16-k128", "b4-t4096-h16-k128", "b2-t8192-h32-k128", "b1-t32768-h64-k128",
@@ -79,6 +82,11 @@ def compare(cfg: bench.Config, measure) -> None:
     for _ in range(2):  # interleaved, against drift
         for name, fn in runs.items():
             print(f"  {name:<32} {measure(fn):8.3f} ms", flush=True)
+    # the pass alone leaves out its launch's host cost, which decided the rule's length threshold: the whole call
+    print("  whole forward+backward, False: the rule (GLUON_REVERSE None), True: the Gluon pass forced")
+    _, fwd_bwd, _ = api_fwd_bwd(cfg, q.device)
+    fwd_bwd_agree_and_time(measure, lambda forced, fn: with_settings(
+        state_bwd, dict(GLUON_REVERSE=True if forced else None), fn), fwd_bwd, "forced")
 
 
 def gluon_reverse_default(q, k, w, do, info) -> bool:

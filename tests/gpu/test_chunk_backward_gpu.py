@@ -151,7 +151,7 @@ def test_backward_overlapping_state_passes(triton_backend, poison, monkeypatch, 
     # backward on one stream (the same kernels on the same inputs, only the streams differ); the stream each
     # state_fwd call ran on is recorded, to show that the overlap was taken, and W, U, h, v_new must be released
     # before the WY backward, as on one stream. The Gluon reverse pass forced where named (by default it runs only
-    # from 8,192 tokens a sequence), its launches counted
+    # from 2,048 tokens a sequence), its launches counted
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function
     varlen = isinstance(T_or_lengths, list)
     T, N = (sum(T_or_lengths), len(T_or_lengths)) if varlen else (T_or_lengths, 1)

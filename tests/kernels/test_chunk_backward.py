@@ -366,13 +366,13 @@ def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch, dtype,
 @pytest.mark.parametrize("N, T, H, forced, expected", [
     (2, 8192, 32, None, True), (1, 32768, 16, None, True), (1, 8192, 132, None, True), (16, 8192, 1, None, True),
     (1, 8192, 15, None, False), (1, 8192, 133, None, False), (20, 8192, 16, None, False),
-    (4, 4096, 16, None, False), (8, 2048, 16, None, False), (2, 8191, 16, None, False),
+    (4, 4096, 16, None, True), (8, 2048, 16, None, True), (16, 2047, 8, None, False), (8, 1024, 16, None, False),
     (4, 4096, 16, True, True), (2, 8192, 32, False, False)])
 def test_gluon_reverse_pays_from_16_to_one_wave_on_long_sequences(monkeypatch, N, T, H, forced, expected):
     # where the Gluon reverse pass applies (a Hopper GPU; faked here as the H200's 132 SMs), the backward takes
     # it from 16 sequences x heads (the fewest measured) while one program a sequence and head fits one wave
-    # (past it, the Triton pass was measured faster), on sequences of 8,192 tokens or more on average (shorter,
-    # the whole backward was measured slower with it), unless state_bwd.GLUON_REVERSE forces it either way
+    # (past it, the Triton pass was measured faster), on sequences of 2,048 tokens or more on average (the shortest
+    # the whole backward was measured faster with it), unless state_bwd.GLUON_REVERSE forces it either way
     monkeypatch.setattr(state_bwd, "gluon_reverse_applies", lambda *args: True)
     monkeypatch.setattr(state_bwd, "num_sms", lambda device: 132)
     monkeypatch.setattr(state_bwd, "GLUON_REVERSE", forced)
@@ -382,12 +382,12 @@ def test_gluon_reverse_pays_from_16_to_one_wave_on_long_sequences(monkeypatch, N
 
 
 @pytest.mark.parametrize("N, T, H, forced, asked", [
-    (2, 8192, 32, None, True), (8, 2048, 16, None, False), (1, 8192, 133, None, False), (8, 2048, 16, True, True),
+    (2, 8192, 32, None, True), (8, 1024, 16, None, False), (1, 8192, 133, None, False), (8, 1024, 16, True, True),
     (2, 8192, 32, False, False)])
 def test_gluon_reverse_pays_only_where_it_applies_and_asks_last(monkeypatch, N, T, H, forced, asked):
     # never where the Gluon reverse pass does not apply, even forced; and its applies check (four tensors' dtype,
-    # shape, layout and alignment) is made only once the rule (or GLUON_REVERSE=True) says yes: at the benchmark's
-    # b8-t2048-h16 the rule says no and the check is not made
+    # shape, layout and alignment) is made only once the rule (or GLUON_REVERSE=True) says yes: at 8 x 16 heads
+    # of 1,024 tokens the rule says no and the check is not made
     calls = []
     monkeypatch.setattr(state_bwd, "gluon_reverse_applies", lambda *args: calls.append(args) and False)
     monkeypatch.setattr(state_bwd, "num_sms", lambda device: 132)

@@ -46,8 +46,8 @@ S (S = 3: the same 1.92 ms); they add launches and host time. Hence MAX_SEGMENTS
 
 Rule (segmented_pays): the shapes where the reverse pass leaves SMs idle and is long: sequences x heads at most
 SEGMENT_MAX_STATES (32: the Gluon pass's 2 programs a head take 64 of the 132 SMs) and at least
-SEGMENT_MIN_TOKENS tokens a sequence on average (2 x 8192: each segment stays as long as the Gluon pass's own
-threshold, gluon_reverse_pays). S = 2 there, 1 (off) elsewhere.
+SEGMENT_MIN_TOKENS tokens a sequence on average (2 x 8192: each segment at least as long as the shortest sequences
+the Gluon pass was measured faster on in session 11, gluon_reverse_pays). S = 2 there, 1 (off) elsewhere.
 
 Risks: the grad stage's programs might take SMs before the next reverse pass does (launch order is main's rev
 first, but a side kernel already running is not preempted); the grad stage might slow the latency-bound reverse
