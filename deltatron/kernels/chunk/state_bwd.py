@@ -154,8 +154,9 @@ def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: to
         1 x 64 heads, T = 32768:  10.84-10.88 / 10.22-10.26
         1 x 16 heads, T = 32768:  4.303-4.306 / 4.171-4.179
     Since session 12 the Gluon pass launches through launch() with its descriptors cached per shape, and session
-    16 measured the whole call again (the last part of benchmarks/diagnostics/gluon_reverse.py's report, bf16,
-    the rule then at 8,192 tokens against GLUON_REVERSE = True, three interleaved readings each, ms):
+    16 measured the whole call again (bf16, the rule then at 8,192 tokens against GLUON_REVERSE = True, three
+    interleaved readings each, ms; an uncommitted script making the calls that benchmarks/diagnostics/
+    gluon_reverse.py's report now ends with, switch_probe.fwd_bwd_agree_and_time):
         8 x 16 heads, T = 2048:   1.201 / 1.181
         4 x 16 heads, T = 4096:   1.353 / 1.273-1.274
     Hence the length threshold at 2,048 tokens, the shortest measured; shorter sequences are not measured."""
