@@ -33,12 +33,13 @@ the rows of V' cancel in the state's update K^T V' (and likewise in the output's
 turns a 16-bit U, V' or Q K^T into error (unit keys spread over K dimensions give about 1).
 
     python benchmarks/diagnostics/ill_conditioned_accuracy.py [--betas 1.0 1.5 1.9 1.95 1.99] [--noises 1e-3]
-        [--T 512] [--H 2] [--K 64] [--V 64] [--chunk 64] [--seeds 0 1] [--ablation]
-        [--wy-stage]
+        [--T 512] [--H 2] [--K 64] [--V 64] [--chunk 64] [--seeds 0 1] [--dtype bf16]
+        [--ablation] [--wy-stage]
 
 Without a GPU it sets TRITON_INTERPRET=1 and DELTATRON_BACKEND=triton itself (unless already set), so the rows
 "deltatron" are the Triton kernels in the interpreter (where tf32 is exact fp32; deltatron's mm widens 16-bit
-operands to fp32 there, so bf16 products are right). The defaults take about 4 minutes on 2 CPU cores."""
+operands to fp32 there, so bf16 products are right). The defaults take about 4 minutes on 2 CPU cores.
+--dtype fp16 puts fp16 wherever this text says bf16 (the rows are named after the dtype)."""
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,10 @@ from deltatron.reference import recurrent_delta_rule  # noqa: E402
 from tests.helpers import rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the 16-bit dtype under study: bf16, or fp16 with --dtype fp16 (main sets it before any case runs)
 LOW = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BOUNDS = {torch.bfloat16: 1e-2, torch.float16: 3e-3}  # DESIGN.md §6
 RESULTS = ("o", "S", "dq", "dk", "dv", "dbeta")
 # (rounds the value in the forward, rounds its gradient in the backward) at each point (module docstring)
 POINTS = {"T16": (True, False), "W": (True, True), "U": (True, True), "h": (True, False),
@@ -85,8 +89,12 @@ def fla_chunk_delta_rule():
     return fla_chunk
 
 
+def low_name() -> str:
+    return next(name for name, dtype in DTYPES.items() if dtype == LOW)
+
+
 def to_low(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to bf16, in x's dtype."""
+    """x rounded to LOW, in x's dtype."""
     return x.to(LOW).to(x.dtype)
 
 
@@ -200,7 +208,7 @@ def results_of(run, inputs, d_o, d_state, dtype, device="cpu"):
 
 
 def rounded_results(res):
-    """o and the gradients rounded to bf16 (what a bf16 call returns; the state stays fp32)."""
+    """o and the gradients rounded to LOW (what a 16-bit call returns; the state stays fp32)."""
     return {n: (x.float() if n == "S" else to_low(x.double())) for n, x in res.items()}
 
 
@@ -226,15 +234,15 @@ def measure_case(T, H, K, V, chunk, beta_low, noise, seed, rows):
         return run
 
     exact = results_of(recurrence, rounded, d_o, d_state, torch.float64)
+    in_fp32 = results_of(deltatron, rounded, d_o, d_state, torch.float32, DEVICE)
     got = {"input rounding": results_of(recurrence, inputs, d_o, d_state, torch.float64),
-           "deltatron bf16": results_of(deltatron, rounded, d_o, d_state, LOW, DEVICE),
-           "deltatron fp32 -> bf16": rounded_results(results_of(deltatron, rounded, d_o, d_state, torch.float32,
-                                                                 DEVICE))}
+           f"deltatron {low_name()}": results_of(deltatron, rounded, d_o, d_state, LOW, DEVICE),
+           f"deltatron fp32 -> {low_name()}": rounded_results(in_fp32)}
     fla_chunk = fla_chunk_delta_rule()
     if fla_chunk is not None:
         def fla(q, k, v, beta):
             return fla_chunk(q, k, v, beta, scale, output_final_state=True)
-        got["fla-core bf16"] = results_of(fla, rounded, d_o, d_state, LOW, DEVICE)
+        got[f"fla-core {low_name()}"] = results_of(fla, rounded, d_o, d_state, LOW, DEVICE)
     for row, points in rows.items():
         got[row] = rounded_results(results_of(model(points), rounded, d_o, d_state, torch.float64))
     errors = {row: {n: rel_rms(res[n], exact[n]) for n in RESULTS} for row, res in got.items()}
@@ -242,8 +250,8 @@ def measure_case(T, H, K, V, chunk, beta_low, noise, seed, rows):
 
 
 def wy_stage_errors(T, H, K, V, chunk, beta_low, noise, seed):
-    """The WY backward stage alone (kernels/chunk/wy_bwd.py) in bf16, fed this case's own dW, dU (the loss's,
-    through the float64 model, rounded to bf16 as the backward stores them) and then random ones of the same
+    """The WY backward stage alone (kernels/chunk/wy_bwd.py) in LOW, fed this case's own dW, dU (the loss's,
+    through the float64 model, rounded to LOW as the backward stores them) and then random ones of the same
     RMS (what tests/kernels/test_chunk_backward.py::test_wy_bwd feeds): {feed: (dk, dv, dbeta) rel RMS} against
     autograd of the float64 W, U with the same rounded dW, dU."""
     from deltatron.kernels.chunk import wy_bwd
@@ -287,14 +295,18 @@ def main():
     parser.add_argument("--V", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64, choices=[16, 32, 64], help="chunk size C")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the 16-bit dtype under study")
     parser.add_argument("--ablation", action="store_true", help="also the model with each point alone")
     parser.add_argument("--wy-stage", action="store_true",
                         help="also the WY backward stage alone on the problem's dW, dU and on random ones")
     args = parser.parse_args()
+    global LOW
+    LOW = DTYPES[args.dtype]
     assert args.T % args.chunk == 0, "T must be a multiple of the chunk size"
     rows = {**MODELS, **(ABLATIONS if args.ablation else {})}
     print(f"T={args.T} H={args.H} K={args.K} V={args.V} C={args.chunk} seeds={args.seeds} device={DEVICE}; "
-          "rel RMS vs the float64 recurrence on the bf16-rounded inputs (bf16 bound 1e-2)")
+          f"rel RMS vs the float64 recurrence on the {args.dtype}-rounded inputs ({args.dtype} bound "
+          f"{BOUNDS[LOW]:.0e})")
     for noise in args.noises:
         for beta_low in args.betas:
             per_seed = [measure_case(args.T, args.H, args.K, args.V, args.chunk, beta_low, noise, s, rows)
@@ -311,7 +323,7 @@ def main():
             if args.wy_stage:
                 stage = [wy_stage_errors(args.T, args.H, args.K, args.V, args.chunk, beta_low, noise, s)
                          for s in args.seeds]
-                print("WY backward stage alone (wy_bwd, bf16), rel RMS dk / dv / dbeta:")
+                print(f"WY backward stage alone (wy_bwd, {args.dtype}), rel RMS dk / dv / dbeta:")
                 for feed in stage[0]:
                     mean = [sum(e[feed][i] for e in stage) / len(stage) for i in range(3)]
                     print(f"  {feed:22s} " + " / ".join(f"{x:.1e}" for x in mean))
