@@ -44,8 +44,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: deltatron and tests.helpers
 
 if not torch.cuda.is_available():  # before deltatron imports triton: the interpreter is chosen at its import
     os.environ.setdefault("TRITON_INTERPRET", "1")
