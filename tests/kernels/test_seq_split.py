@@ -89,6 +89,11 @@ def test_split_plan():
     assert w == [49, 97, 129, 177, 225, 239, 271, 303]
     assert plan.rows_w[0] is None and [rows(w[1:], r) for r in plan.rows_w[1:]] == [[0, 5], [1, 6]]
     assert [rows(range(11), r) for r in plan.rows_parts] == [[2, 7], [3, 8], [4, 9], [5, 10]]
+    assert plan.first_part.tolist() == [0, 1, 2, 6, 7]
+    # the backward's pass 1 (reverse_split.py): partitions 1..3, fillers over [151, 239)
+    rev = plan.walk_rev.cu_seqlens_cpu.tolist()
+    assert rev == [49, 97, 129, 151, 199, 239, 271, 303, 320]
+    assert plan.rows_rev[0] is None and [rows(rev[1:], r) for r in plan.rows_rev[1:]] == [[0, 5], [1, 6], [2, 7]]
     # P = 2: no walk on W; nothing long enough: no plan
     assert seq_split.split_plan(cu, 2, 64, 16, torch.device("cpu")).walk_w is None
     assert seq_split.split_plan(cu, 4, 151, 16, torch.device("cpu")) is None

@@ -90,7 +90,7 @@ chain alone takes half the time or less); the benchmark read the forward at 0.69
 from __future__ import annotations
 
 import functools
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -135,11 +135,17 @@ def partition_count(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size:
     if SEQ_SPLIT is False:
         return 1
     if SEQ_SPLIT:
-        rule = split_partitions(info.num_seqs, k.shape[2], info.total_tokens, num_sms(k.device))
-        return SPLIT_PARTITIONS or max(3, rule)
+        return forced_partitions(k, info)
     if not state.gluon_walk_applies(k, v, chunk_size):
         return 1
     return split_partitions(info.num_seqs, k.shape[2], info.total_tokens, num_sms(k.device))
+
+
+def forced_partitions(k: torch.Tensor, info: SeqInfo) -> int:
+    """The partitions a forced split runs (SEQ_SPLIT = True, and the backward's backward.REVERSE_SPLIT = True):
+    SPLIT_PARTITIONS, else the rule's count, at least 3."""
+    return SPLIT_PARTITIONS or max(3, split_partitions(info.num_seqs, k.shape[2], info.total_tokens,
+                                                        num_sms(k.device)))
 
 
 Rows = Union[slice, torch.Tensor]  # rows of a [N, H, K, V] state tensor: a slice (a view) or an index on the device
@@ -159,15 +165,18 @@ def put(x: torch.Tensor, rows: Rows, value: torch.Tensor) -> None:
 class SplitPlan(NamedTuple):
     """The packed sequences of each pass and where each partition's state is. Per split sequence i (in order) and
     partition j: walk_u's final state rows rows_u[j] (j = 0..P-2), walk_w's rows_w[j] (j = 1..P-2; None at j = 0),
-    parts' rows rows_parts[j] (j = 0..P-1)."""
+    walk_rev's rows rows_rev[j] (j = 1..P-1; None at j = 0), parts' rows rows_parts[j] (j = 0..P-1)."""
     parts: SeqInfo  # pass 2: every partition of a split sequence, the other sequences whole
     walk_u: SeqInfo  # pass 1 on U: partitions 0..P-2 of each split sequence (and fillers between, see _with_fillers)
     walk_w: Optional[SeqInfo]  # pass 1 on W: partitions 1..P-2 (None for P = 2)
+    walk_rev: SeqInfo  # the backward's pass 1 (reverse_split.py): partitions 1..P-1
     split_seqs: Rows  # the split sequences (rows of the original initial states)
     seq_of_part: torch.Tensor  # the original sequence of each of parts' sequences (device, int64)
+    first_part: torch.Tensor  # the row of parts of each original sequence's first partition (device, int64)
     last_part: torch.Tensor  # the row of parts of each original sequence's last partition (device, int64)
     rows_u: List[Rows]
     rows_w: List[Optional[Rows]]
+    rows_rev: List[Optional[Rows]]
     rows_parts: List[Rows]
 
 
@@ -191,6 +200,15 @@ def _with_fillers(ranges: Sequence[Tuple[int, int]], longest: int) -> Tuple[List
         index.append(len(bounds) - 1)
         bounds.append(end)
     return bounds, index
+
+
+def _partition_walk(cuts: Sequence[Sequence[int]], first: int, end: int, longest: int, total_tokens: int,
+                    device: torch.device) -> Tuple[SeqInfo, List[Rows]]:
+    """A pass-1 walk: the packed sequences of partitions first..end-1 of every split sequence (cuts: each one's
+    bounds), fillers between, and per partition j the rows of its sequences in it (list index j - first)."""
+    bounds, index = _with_fillers([(b[j], b[j + 1]) for b in cuts for j in range(first, end)], longest)
+    n = end - first
+    return packed_info(bounds, total_tokens, device), [_rows(index[j::n], device) for j in range(n)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -222,29 +240,35 @@ def split_plan(cu: Tuple[int, ...], partitions: int, min_tokens: int, chunk_size
         return None
     TT = cu[-1]
     longest = max(b[j + 1] - b[j] for b in cuts for j in range(P))
-    u_bounds, u_index = _with_fillers([(b[j], b[j + 1]) for b in cuts for j in range(P - 1)], longest)
-    rows_u = [_rows(u_index[j::P - 1], device) for j in range(P - 1)]
+    walk_u, rows_u = _partition_walk(cuts, 0, P - 1, longest, TT, device)
     walk_w, rows_w = None, [None]
     if P > 2:
-        w_bounds, w_index = _with_fillers([(b[j], b[j + 1]) for b in cuts for j in range(1, P - 1)], longest)
-        walk_w = packed_info(w_bounds, TT, device)
-        rows_w += [_rows(w_index[j - 1::P - 2], device) for j in range(1, P - 1)]
-    first = [last_part[n] - (P - 1) for n in split_seqs]  # each split sequence's partition 0 in parts
+        walk_w, rows = _partition_walk(cuts, 1, P - 1, longest, TT, device)
+        rows_w += rows
+    walk_rev, rows = _partition_walk(cuts, 1, P, longest, TT, device)
+    split = set(split_seqs)
+    first_part = [last - (P - 1 if n in split else 0) for n, last in enumerate(last_part)]
+    first = [first_part[n] for n in split_seqs]  # each split sequence's partition 0 in parts
+    as_index = lambda rows: torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     return SplitPlan(
-        parts=packed_info(parts_bounds, TT, device), walk_u=packed_info(u_bounds, TT, device), walk_w=walk_w,
-        split_seqs=_rows(split_seqs, device),
-        seq_of_part=torch.tensor(seq_of_part, dtype=torch.int64).to(device, non_blocking=True),
-        last_part=torch.tensor(last_part, dtype=torch.int64).to(device, non_blocking=True),
-        rows_u=rows_u, rows_w=rows_w, rows_parts=[_rows([f + j for f in first], device) for j in range(P)],
+        parts=packed_info(parts_bounds, TT, device), walk_u=walk_u, walk_w=walk_w, walk_rev=walk_rev,
+        split_seqs=_rows(split_seqs, device), seq_of_part=as_index(seq_of_part), first_part=as_index(first_part),
+        last_part=as_index(last_part), rows_u=rows_u, rows_w=rows_w, rows_rev=[None] + rows,
+        rows_parts=[_rows([f + j for f in first], device) for j in range(P)],
     )
 
 
 def plan_for(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> Optional[SplitPlan]:
     """The split this forward runs (partition_count's count), or None: no split, or no sequence long enough."""
-    P = partition_count(k, v, info, chunk_size)
-    if P < 2:
+    return plan_of(info, partition_count(k, v, info, chunk_size), chunk_size, k.device)
+
+
+def plan_of(info: SeqInfo, partitions: int, chunk_size: int, device: torch.device) -> Optional[SplitPlan]:
+    """info's sequences of SPLIT_MIN_TOKENS or more split into `partitions` (None: fewer than 2, or no sequence
+    long enough)."""
+    if partitions < 2:
         return None
-    return split_plan(tuple(info.cu_seqlens_cpu.tolist()), P, SPLIT_MIN_TOKENS, chunk_size, k.device)
+    return split_plan(tuple(info.cu_seqlens_cpu.tolist()), partitions, SPLIT_MIN_TOKENS, chunk_size, device)
 
 
 def walk_final_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
@@ -254,6 +278,26 @@ def walk_final_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torc
     if PASS1_OUTPUT_FREE:
         return state.state_final_fwd(q, k, w, u, initial_state, walk, chunk_size)
     return state.state_output_fwd(q, k, w, u, 1.0, initial_state, True, walk, chunk_size)[1]
+
+
+def beside_walk_on_w(walk: Callable[[], torch.Tensor], q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
+                     plan: SplitPlan, chunk_size: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Pass 1: walk() on the current stream and the walk on W beside it on the side stream (where there is one):
+    (walk()'s result, the walk on W's final states G_p = I - M_p of partitions 1..P-2, None for P = 2)."""
+    side = side_stream(k.device.index) if plan.walk_w is not None and two_streams(k) else None
+    if side is not None:
+        main = torch.cuda.current_stream(k.device)
+        side.wait_stream(main)  # W is written
+    result = walk()
+    finals_w = None
+    if plan.walk_w is not None:
+        with torch.cuda.stream(side):  # (None: the current stream)
+            finals_w = walk_final_states(q, k, w, w, None, plan.walk_w, chunk_size)
+    if side is not None:
+        main.wait_stream(side)
+        # made on the side stream, read on main: its memory waits for main's work queued before its release
+        finals_w.record_stream(main)
+    return result, finals_w
 
 
 def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
@@ -266,20 +310,8 @@ def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
         h0_u = k.new_zeros(plan.walk_u.num_seqs, H, K, V, dtype=torch.float32)
         put(h0_u, plan.rows_u[0], take(initial_state, plan.split_seqs).float())
 
-    # the walk on W on the side stream (where there is one) beside the walk on U
-    side = side_stream(k.device.index) if plan.walk_w is not None and two_streams(k) else None
-    if side is not None:
-        main = torch.cuda.current_stream(k.device)
-        side.wait_stream(main)  # W is written
-    finals_u = walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size)
-    finals_w = None
-    if plan.walk_w is not None:
-        with torch.cuda.stream(side):  # (None: the current stream)
-            finals_w = walk_final_states(q, k, w, w, None, plan.walk_w, chunk_size)
-    if side is not None:
-        main.wait_stream(side)
-        # made on the side stream, read on main: its memory waits for main's work queued before its release
-        finals_w.record_stream(main)
+    finals_u, finals_w = beside_walk_on_w(
+        lambda: walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size), q, k, w, plan, chunk_size)
 
     if initial_state is None:
         h0 = k.new_zeros(N, H, K, V, dtype=torch.float32)
