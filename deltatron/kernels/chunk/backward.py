@@ -9,7 +9,9 @@ h and v_new bit for bit. On that two-launch path the reverse pass needs W only, 
 v_new, so the two serial passes may run at once on two CUDA streams (OVERLAP_STATE_PASSES).
 
 SEGMENTED_BACKWARD runs the reverse pass and the grad stage segment by segment, a later segment's grad stage on
-the side stream beside an earlier segment's reverse pass (segmented_bwd.py)."""
+the side stream beside an earlier segment's reverse pass (segmented_bwd.py). REVERSE_SPLIT runs the reverse pass
+on partitions of the long sequences, from the gradients leaving them that two more walks and a small combine give
+(reverse_split.py); where it does, the backward is not segmented."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..utils import side_stream, two_streams
-from . import output_bwd, segmented_bwd, state, state_bwd, wy, wy_bwd
+from . import output_bwd, reverse_split, segmented_bwd, state, state_bwd, wy, wy_bwd
 
 # Whether the two-launch recompute runs state_fwd on a side stream beside the reverse state pass (CUDA only,
 # never in the interpreter): False never; True wherever it applies (tests,
@@ -69,6 +71,13 @@ def num_segments(k: torch.Tensor, info) -> int:
     return segmented_bwd.segmented_pays(info.num_seqs, k.shape[2], info.total_tokens)
 
 
+# Whether the reverse pass is split along long sequences (reverse_split.py): False never (the default: not measured
+# on a GPU yet); True on every sequence of seq_split.SPLIT_MIN_TOKENS tokens or more, in the partitions of a forced
+# forward split (seq_split.forced_partitions), the backward then unsegmented (tests,
+# benchmarks/diagnostics/reverse_split.py); None is kept for a rule once measured, and until then means False
+REVERSE_SPLIT: Optional[bool] = False
+
+
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
     """Gradients (dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None without initial_state)
     of the chunkwise delta rule; saved = (Tinv,) from the forward. Deterministic: no atomics.
@@ -76,12 +85,16 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     Each intermediate is released right after the last stage that reads it (`del`), so the peak is the set
     alive at the widest stage (dqkw), not every tensor of the backward at once."""
     (tinv,) = saved
-    S = num_segments(k, info)
+    split = reverse_split.plan_for(k, info, chunk_size) if REVERSE_SPLIT else None
+    S = num_segments(k, info) if split is None else 1
     plan = segmented_bwd.segment_plan(info, S, chunk_size) if S > 1 else None
     if plan is not None:
         return segmented_backward(q, k, v, beta, scale, initial_state, tinv, do, dht, info, plan, chunk_size)
 
     def reverse_pass(w):
+        if split is not None:
+            return reverse_split.split_state_bwd(q, k, w, do, dht, scale, initial_state is not None, split,
+                                                 chunk_size)
         return state_bwd.state_bwd(q, k, w, do, None, dht, scale, initial_state is not None, info, chunk_size)
 
     if state.wy_on_chip(k.shape[3], v.shape[3], info.num_seqs * k.shape[2], k.element_size()):

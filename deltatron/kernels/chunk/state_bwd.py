@@ -36,8 +36,9 @@ from .state import _is_sm90, gluon_importable
 def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                     FUSE_DV_LOCAL: tl.constexpr, PRECISION: tl.constexpr):
-    """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local."""
+                     STORE_OUTPUTS: tl.constexpr, FUSE_DV_LOCAL: tl.constexpr, PRECISION: tl.constexpr):
+    """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local.
+    STORE_OUTPUTS: dh and dv written; else not (dh, dv unused: the reverse split's pass 1, dh0 alone)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n)
@@ -54,7 +55,8 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
         start = bos + i_c * C
         n = eos - start  # tokens left in the sequence: rows from n on are masked
         c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
-        tl.store(dh + c_offs, b_dsn.to(dh.dtype.element_ty), mask=c_mask)
+        if STORE_OUTPUTS:
+            tl.store(dh + c_offs, b_dsn.to(dh.dtype.element_ty), mask=c_mask)
         b_k = load_rows(k, start, n, i_h, 0, H, K, C, BK)
         b_q = load_rows(q, start, n, i_h, 0, H, K, C, BK)
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
@@ -65,7 +67,8 @@ def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chun
             b_dv += mm(b_at, b_do, PRECISION)
         else:
             b_dv += load_rows(dv_local, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
-        store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
+        if STORE_OUTPUTS:
+            store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
         b_w = load_rows(w, start, n, i_h, 0, H, K, C, BK).to(dt)
         b_dsn += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_w), b_dv.to(dt), PRECISION)
     if STORE_DH0:
@@ -171,29 +174,32 @@ def gluon_reverse_pays(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: to
 
 
 def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
-              need_dh0: bool, info, chunk_size: int, gluon: Optional[bool] = None):
+              need_dh0: bool, info, chunk_size: int, gluon: Optional[bool] = None, store_outputs: bool = True):
     """Returns (dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (its consumer,
     dqkw, rounds it to that dtype before its products anyway), dv [1, TT, H, V] in do's dtype: the full
     dV', dh0 [N, H, K, V] fp32 or None). dv_local: the local dV' from output_bwd.dv_local, or None to
     compute it in this pass (fused: the backward's path; as the Gluon kernel where gluon_reverse_pays, or where
-    gluon says so: the segmented backward decides once for the whole batch and passes it to every segment)."""
+    gluon says so: the segmented backward decides once for the whole batch and passes it to every segment).
+    Without store_outputs dh and dv are neither allocated nor written (None, None, dh0): the reverse split's pass 1
+    (reverse_split.py), the same dh0 bit for bit."""
     if gluon is None:
         gluon = gluon_reverse_pays(q, k, w, do, dv_local, info, chunk_size)
     if gluon:
         from .gluon_reverse import gluon_state_bwd
-        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size, checked=True)
+        return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, chunk_size, checked=True,
+                               store_outputs=store_outputs)
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)
-    dh = q.new_empty(chunks.num_chunks, H, K, V)
-    dv = torch.empty_like(do)
+    dh = q.new_empty(chunks.num_chunks, H, K, V) if store_outputs else None
+    dv = torch.empty_like(do) if store_outputs else None
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV, warps = reverse_launch(K, V, N * H, q.element_size(), dv_local is None, num_sms(q.device))
     if N:
         launch(
             state_bwd_kernel, (cdiv(V, BV), N * H),
             q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
-            H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, dv_local is None,
+            H, K, V, chunk_size, head_block(K), BV, dht is not None, need_dh0, store_outputs, dv_local is None,
             dot_precision(q.dtype),
             num_warps=warps, num_stages=PIPELINE_STAGES,
         )
