@@ -315,6 +315,17 @@ def test_seq_split_pass1_diagnostic_runs(tmp_path):
     assert out.count("pass 1 + combine") == 2 * 3 + 1 and out.count("forward") == 2 * 3 + 1 + 2 * 3
 
 
+def test_reverse_split_diagnostic_runs(tmp_path):
+    """benchmarks/diagnostics/reverse_split.py (the reverse pass and forward+backward with the backward's reverse
+    split off and on, for the GPU) runs its smoke mode: a packed batch with two sequences split and one with none,
+    the split's gradients within the bf16 bound of the unsplit ones, the reverse pass and the forward+backward each
+    timed 3 times per setting."""
+    out = switch_probe_smoke(tmp_path, "reverse_split.py")
+    assert "True: P = 3, pass 1 reverse over 5 x 1" in out
+    assert "no sequence of 128 tokens: both settings run the same launches" in out
+    assert out.count("forward+backward") == 2 * (2 * 3 + 1) and out.count("reverse pass ") == 2 * (2 * 3 + 2)
+
+
 def test_kernel_breakdown_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/kernel_breakdown.py (each implementation's kernels timed under torch.profiler, for
     the GPU) runs its smoke mode: our forward and forward+backward on the CPU, their ops listed and saved, the
