@@ -100,7 +100,7 @@ def gluon_reverse_default(q, k, w, do, info) -> bool:
 
 def offline(dump) -> int:
     """Compiles the kernel for sm_90 (nothing runs) at 8 sequences x 16 heads, per V-block width: bf16 with and
-    without dht and dh0, fp16 with them."""
+    without dht and dh0, fp16 with them, and bf16 storing dh0 alone (the reverse split's pass 1)."""
     import triton
 
     import offline_compile as oc  # it refuses the interpreter: imported only here
@@ -108,20 +108,25 @@ def offline(dump) -> int:
 
     B, T, H, D = 8, 256, 16, gluon_reverse.D_WALK
     info = seq_info(B, T, torch.device("cpu"), None, None)
-    variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_reverse.REVERSE_CONFIGS, reverse=True)
-                for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
-                                            ("fp16", torch.float16, True)]]
+    # the last: the output-free pass (dh0 alone) of the backward's reverse split (reverse_split.py)
+    variants = [(name, dtype, states, outputs, block_v)
+                for block_v in sorted(gluon_reverse.REVERSE_CONFIGS, reverse=True)
+                for name, dtype, states, outputs in [("bf16", torch.bfloat16, False, True),
+                                                     ("bf16", torch.bfloat16, True, True),
+                                                     ("fp16", torch.float16, True, True),
+                                                     ("bf16", torch.bfloat16, True, False)]]
     with compiling_for_sm90() as compiled:
-        for _, dtype, states, block_v in variants:
+        for _, dtype, states, outputs, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
             gluon_reverse.gluon_state_bwd(q, k, k, q, x["h0"] if states else None, D ** -0.5, states, info,
-                                          block_v=block_v)
+                                          block_v=block_v, store_outputs=outputs)
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
-    for (name, _, states, block_v), kernel in zip(variants, compiled):
+    for (name, _, states, outputs, block_v), kernel in zip(variants, compiled):
         report_compiled(f"gluon_reverse_kernel {name} K=V={D} C={gluon_reverse.C_WALK} BV={block_v} "
-                        f"({gluon_reverse.REVERSE_CONFIGS[block_v]}), dht/dh0 {states}", kernel, dump,
-                        f"gluon_reverse_bv{block_v}_{name}_states{int(states)}")
+                        f"({gluon_reverse.REVERSE_CONFIGS[block_v]}), dht/dh0 {states}"
+                        f"{'' if outputs else ', dh0 alone (no dh, dv)'}", kernel, dump,
+                        f"gluon_reverse_bv{block_v}_{name}_states{int(states)}{'' if outputs else '_dh0only'}")
     print(f"triton {triton.__version__}, target sm_90")
     return 0
 
