@@ -30,7 +30,8 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 # switch_probe: same folder (sys.path[0] when run as a script)
-from switch_probe import SETTINGS, api_fwd_bwd, gpu_configs, interleaved, run_configs, with_settings  # noqa: E402
+from switch_probe import (SETTINGS, api_fwd_bwd, gpu_configs, interleaved, rel, run_configs,  # noqa: E402
+                          with_settings)
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels import chunk  # noqa: E402
@@ -43,12 +44,6 @@ SMOKE_CONFIGS = [bench.Config("varlen3-t353-h1-k16", 1, 353, 1, 16, 16, seqlens=
                  bench.dense(2, 40, 1, 16)]
 BOUND = 1e-2  # bf16's, DESIGN.md §6
 C = 64
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||; ||a - b|| where b is zero (dh of one-chunk sequences without dht)."""
-    diff, norm = (a.double() - b.double()).norm(), b.double().norm()
-    return float(diff / norm if norm > 0 else diff)
 
 
 def kernel_of(x, w, info) -> str:

@@ -43,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 
 # switch_probe: same folder (sys.path[0] when run as a script)
 from switch_probe import (  # noqa: E402
-    SETTINGS, gpu_configs, run_configs, interleaved, with_settings)
+    SETTINGS, gpu_configs, interleaved, rel, run_configs, with_settings)
 
 import deltatron  # noqa: E402
 from deltatron import bench  # noqa: E402
@@ -60,10 +60,6 @@ BOUND = 1e-2  # bf16's, DESIGN.md §6
 def with_split(split: bool, partitions, fn):
     """fn() with seq_split.SEQ_SPLIT = split (and SPLIT_PARTITIONS = partitions), restored after."""
     return with_settings(seq_split, dict(SEQ_SPLIT=split, SPLIT_PARTITIONS=partitions), fn)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def describe(cfg: bench.Config, x, device, partitions) -> str:

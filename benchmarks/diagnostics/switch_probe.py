@@ -18,6 +18,12 @@ READINGS = 3
 SETTINGS = (False, True)
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64; ||a - b|| where b is zero (e.g. dh of one-chunk sequences without dht)."""
+    diff, norm = (a.double() - b.double()).norm(), b.double().norm()
+    return float(diff / norm if norm > 0 else diff)
+
+
 def with_settings(module, values: Dict[str, object], fn: Callable[[], object]):
     """fn() with module's attributes set to values, restored after (also when fn raises)."""
     chosen = {name: getattr(module, name) for name in values}
