@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from deltatron.kernels.chunk import reverse_split, seq_split, state_bwd
+from deltatron.kernels.chunk import reverse_split, seq_split, state_bwd, wy
 from deltatron.kernels.utils import seq_info
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
@@ -71,7 +71,8 @@ def test_split_varlen(triton_backend, poison, monkeypatch, request, reverse):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_output_free_pass_same_dh0(poison, request, dtype):
     # the Gluon pass without dh and dV' (pass 1's store_outputs=False; both V-block widths): the full pass's dh0,
-    # bit for bit
+    # bit for bit, and finite. On the WY forward's W: a random W makes the reverse recurrence grow without bound (it
+    # overflowed fp16 to NaN over 9,000 tokens on the H200, session 17, where NaN != NaN failed the comparison)
     lengths = [9000, 0, 1, 3000]
     x = make_inputs(1, sum(lengths), 16, 128, 128, dtype, device="cuda", initial_state=True, N=len(lengths),
                     seed=23)
@@ -82,9 +83,10 @@ def test_gluon_output_free_pass_same_dh0(poison, request, dtype):
 
     cu = random_cu_seqlens(lengths, "cuda")
     info = seq_info(1, sum(lengths), torch.device("cuda"), cu, cu.cpu())
-    w = (torch.randn_like(x["k"]) * 0.1).to(dtype)
+    _, w, _ = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64, store_tinv=False)
     for block_v in (64, 128):
         args = (x["q"], x["k"], w, x["v"], x["initial_state"], 0.1, True, info)
         _, _, dh0 = gluon_reverse.gluon_state_bwd(*args, block_v=block_v)
         dh, dv, dh0_alone = gluon_reverse.gluon_state_bwd(*args, block_v=block_v, store_outputs=False)
         assert dh is None and dv is None and torch.equal(dh0_alone, dh0), block_v
+        assert torch.isfinite(dh0).all(), block_v
