@@ -111,7 +111,8 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
     assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
                for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
-    assert args[4].is_contiguous() and args[4].shape == u.shape  # o, from empty_like(u)
+    assert args[6].is_contiguous() and args[6].shape == u.shape  # o, from empty_like(u)
+    assert args[4] is args[5] is args[11] is None and args[16] is False  # no states saved
 
 
 @pytest.mark.parametrize("B, T, H, block_v, has_h0", [(2, 70, 3, 64, True), (2, 70, 3, 128, False),
@@ -131,12 +132,48 @@ def test_final_only_launch(monkeypatch, B, T, H, block_v, has_h0):
     (grid, args, kwargs), (grid2, args2, kwargs2) = kernel.launches
     assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
     assert_same_descriptors(args2[:3], args[:3])  # w, u, k
-    q_desc, o, _, final_state, scale = args2[3:8]
+    q_desc, o, final_state = args2[3], args2[6], args2[8]
     assert q_desc is None and o is None and final_state is s and s.shape == (B, H, D, D)
-    has_h0_flag, store_ht, with_output, stages = args2[10], args2[11], args2[12], args2[16]
-    assert (has_h0_flag, store_ht, with_output) == (has_h0, True, False) and args[12] is True
+    has_h0_flag, store_ht, with_output, stages = args2[13], args2[14], args2[15], args2[20]
+    assert (has_h0_flag, store_ht, with_output) == (has_h0, True, False) and args[15] is True
     cfg = gluon_walk.WALK_CONFIGS[args[1].block_shape[1]]
-    assert (args[16], stages) == (cfg.stages, cfg.final_only_stages)
+    assert (args[20], stages) == (cfg.stages, cfg.final_only_stages)
+
+
+@pytest.mark.parametrize("lengths, block_v", [([70, 0, 130], 64), ([70, 0, 130], 128), ([1], None)])
+def test_saves_states_through_their_descriptors(monkeypatch, lengths, block_v):
+    # states (state.states_buffers): their descriptors over [NT * H * 128, width] rows with the hand-off's blocks
+    # [block_v, width] (block_v rows of S^T or V'^T), the chunks' global numbering (chunk_offsets) and SAVE_STATES
+    from .test_gluon_reverse_host import LaunchRecorder
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
+    H, TT = 3, sum(lengths)
+    x = make_inputs(1, TT, H, D, D, torch.bfloat16)
+    cu = random_cu_seqlens(lengths)
+    info = seq_info(1, TT, torch.device("cpu"), cu, cu)
+    states = state.states_buffers(x["k"], x["v"], info, 64)
+    NT = info.chunks(64).num_chunks
+    assert [tuple(s.shape) for s in states] == [(NT, H, D, D), (NT, H, D, 64)]
+    gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info, block_v=block_v,
+                                      states=states)
+    ((grid, args, _), ) = kernel.launches
+    width = args[1].block_shape[1]  # the V-block the program walks
+    for desc, buf, cols in zip(args[4:6], states, (D, 64)):
+        assert desc.base is buf and list(desc.shape) == [NT * H * D, cols] and list(desc.strides) == [cols, 1]
+        assert list(desc.block_shape) == [width, cols] and desc.layout == gluon_walk.tile_layout(buf.dtype, width, cols)
+    assert torch.equal(args[11], info.chunks(64).chunk_offsets) and args[16] is True
+
+
+def test_refuses_states_it_cannot_save():
+    x = make_inputs(2, 64, 2, D, D, torch.bfloat16)
+    info = seq_info(2, 64, torch.device("cpu"), None, None)
+    q, k, v = x["q"], x["k"], x["v"]
+    st, vt = state.states_buffers(k, v, info, 64)
+    for bad in ((st[:1], vt), (st, vt[..., :32]), (st.float(), vt), (st.transpose(2, 3), vt)):
+        with pytest.raises(ValueError, match="states"):
+            gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, states=bad)
+    with pytest.raises(ValueError, match="states"):  # the walk without its output has no hand-off to save from
+        gluon_walk.gluon_walk_launch(None, k, k, v, None, 0.1, None, torch.empty(2, 2, D, D), info, states=(st, vt))
 
 
 def test_state_final_fwd_dispatch(monkeypatch):

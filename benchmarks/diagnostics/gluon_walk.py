@@ -10,7 +10,7 @@ walk without its output (the final states only: the chain alone), then the whole
 walk runs twice: no atomics, so the second run must give the same bits.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
-and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
+bf16 with them saving its per-chunk states for the backward (backward.SAVE_FORWARD_STATES), and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
 without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory, the
 setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits, and
 the PTX barriers.
@@ -151,7 +151,7 @@ def offline(dump) -> int:
     import triton
 
     import offline_compile as oc  # it refuses the interpreter: imported only here
-    from deltatron.kernels.chunk import gluon_walk
+    from deltatron.kernels.chunk import gluon_walk, state
     from deltatron.kernels.utils import seq_info
 
     B, T, H, D = 8, 256, 16, gluon_walk.D_WALK
@@ -160,7 +160,8 @@ def offline(dump) -> int:
     # states only, from zero and from an initial state
     variants = [(name, dtype, states, block_v) for block_v in sorted(gluon_walk.WALK_CONFIGS, reverse=True)
                 for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
-                                            ("fp16", torch.float16, True), ("bf16_final_only", torch.bfloat16, False),
+                                            ("fp16", torch.float16, True), ("bf16_saves_states", torch.bfloat16, True),
+                                            ("bf16_final_only", torch.bfloat16, False),
                                             ("bf16_final_only", torch.bfloat16, True)]]
     with compiling_for_sm90() as compiled:
         for name, dtype, states, block_v in variants:
@@ -170,7 +171,9 @@ def offline(dump) -> int:
             if name.endswith("final_only"):
                 gluon_walk.gluon_state_final_fwd(k, k, q, h0, info, block_v=block_v)
             else:
-                gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, h0, states, info, block_v=block_v)
+                saved = state.states_buffers(k, q, info, gluon_walk.C_WALK) if name.endswith("saves_states") else None
+                gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, h0, states, info, block_v=block_v,
+                                                  states=saved)
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
     for (name, _, states, block_v), kernel in zip(variants, compiled):
         cfg = gluon_walk.WALK_CONFIGS[block_v]

@@ -186,6 +186,47 @@ def test_backward_overlapping_state_passes(triton_backend, poison, monkeypatch, 
         assert torch.equal(got, want), f"d{n}: not bitwise equal, rel RMS {rel_rms(got, want):.2e}"
 
 
+@pytest.fixture(scope="module")
+def gluon_walk_runs():
+    # the Gluon walk's smoke calls (test_gluon_walk_gpu.py's, saving the states among them) in a child process first
+    from .test_gluon_walk_gpu import SMOKE
+
+    for block_v in ("128", "64"):
+        failure = gluon_smoke(SMOKE, block_v)
+        if failure:
+            pytest.fail(f"the Gluon walk's smoke call (block_v {block_v}) " + failure, pytrace=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, T_or_lengths, H", [(8, 300, 16), (1, [0, 1, 63, 64, 65, 700, 1500, 333, 2100, 20, 900,
+                                                                   64, 128, 5, 1000, 77], 4)])
+def test_backward_on_forward_states(triton_backend, poison, monkeypatch, request, dtype, B, T_or_lengths, H):
+    # backward.SAVE_FORWARD_STATES: the forward's Gluon walk keeps W and each chunk's S^T and V'^T, and the backward
+    # runs on them without a recompute walk (backward_on_forward_states, seen to run once). Against the fp64 oracle,
+    # and within half the bound of the recomputing backward (the Gluon walk's states and the Triton recompute's
+    # differ by the order of fp32 sums); 8 x 16 heads at T = 300 (a partial chunk; one program a head, block_v
+    # 128) and 16 sequences with empty and one-token ones x 4 heads (block_v 64)
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function
+    varlen = isinstance(T_or_lengths, list)
+    T, N = (sum(T_or_lengths), len(T_or_lengths)) if varlen else (T_or_lengths, B)
+    x = make_inputs(B, T, H, 128, 128, dtype, device="cuda", initial_state=True, N=N, seed=9, requires_grad=True)
+    if not state.gluon_walk_applies(x["k"], x["v"], 64):
+        pytest.skip("the Gluon walk, which saves the states, runs on sm_90 only")
+    request.getfixturevalue("gluon_walk_runs")
+    cu = random_cu_seqlens(T_or_lengths, "cuda") if varlen else None
+    ran = []
+    on_states = chunk_backward.backward_on_forward_states
+    monkeypatch.setattr(chunk_backward, "backward_on_forward_states", lambda *a: ran.append(1) or on_states(*a))
+    grads = {}
+    for keep in (False, True):
+        monkeypatch.setattr(chunk_backward, "SAVE_FORWARD_STATES", keep)
+        grads[keep], _ = check(x, 128 ** -0.5, 64, cu)
+    assert ran == [1]
+    for n, got in grads[True].items():
+        err = rel_rms(got, grads[False][n])
+        assert err <= BOUNDS[dtype] / 2, f"d{n}: rel RMS {err:.2e} off the recomputing backward's"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backward_deterministic(triton_backend, dtype):
     """Two runs give bitwise-identical gradients (no atomics whose order varies)."""

@@ -29,7 +29,7 @@ BLOCK_V = [128, 64]  # gluon_walk.WALK_CONFIGS' V-block widths, each forced
 SMOKE = """
 import sys
 import torch
-from deltatron.kernels.chunk import gluon_walk, wy
+from deltatron.kernels.chunk import gluon_walk, state, wy
 from deltatron.kernels.utils import seq_info
 from tests.helpers import make_inputs
 B, T, H, block_v = 2, 200, 2, int(sys.argv[1])
@@ -39,9 +39,13 @@ _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
 o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
                                          block_v=block_v)
 s_only = gluon_walk.gluon_state_final_fwd(x["k"], w, u, x["initial_state"], info, block_v=block_v)
+saved = state.states_buffers(x["k"], x["v"], info, 64)
+o_saving, _ = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
+                                                block_v=block_v, states=saved)
 torch.cuda.synchronize()
-print(f"gluon walk smoke calls (block_v {block_v}, with and without the output) done, finite:",
-      bool(torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(s_only).all()))
+print(f"gluon walk smoke calls (block_v {block_v}, with and without the output, saving the states) done, finite:",
+      bool(torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(s_only).all()
+           and torch.isfinite(o_saving).all() and all(torch.isfinite(t).all() for t in saved)))
 """
 
 
@@ -116,6 +120,45 @@ def test_gluon_walk_varlen(poison, gluon_walk, dtype, block_v):
     x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=3)
     cu = random_cu_seqlens(lengths, "cuda")
     check(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v)
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
+    # states (backward.SAVE_FORWARD_STATES): each chunk's S^T and V'^T as state_fwd's h and v_new on the same W, U
+    # (within the o check's bound: the same roundings, fp32 sums in another order), laid out [NT, H, V, K] and
+    # [NT, H, V, C] in the chunks' global order, V'^T zero past each sequence's end (dqkw reads whole tiles); o and
+    # the final state bit for bit those of the walk that saves nothing
+    lengths = [130, 0, 1, 64, 300, 63]
+    TT, H = sum(lengths), 3
+    x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=31)
+    cu = random_cu_seqlens(lengths, "cuda")
+    info = seq_info(1, TT, torch.device("cuda"), cu, cu.cpu())
+    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
+    h0 = x["initial_state"]
+    h, v_new, _ = state.state_fwd(x["k"], w, u, h0, False, info, C)
+    saved = state.states_buffers(x["k"], x["v"], info, C)
+    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info, block_v=block_v,
+                                             states=saved)
+    o_plain, s_plain = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info,
+                                                         block_v=block_v)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
+    st, vt = saved
+    want_vt = torch.zeros_like(vt)
+    past_end = torch.ones_like(vt, dtype=torch.bool)  # the columns of tokens past a sequence's end
+    c, bos = 0, 0
+    for L in lengths:
+        for t0 in range(bos, bos + L, C):
+            t1 = min(t0 + C, bos + L)
+            want_vt[c, ..., : t1 - t0] = v_new[0, t0:t1].permute(1, 2, 0)
+            past_end[c, ..., : t1 - t0] = False
+            c += 1
+        bos += L
+    assert c == st.shape[0] and torch.isfinite(st).all() and torch.isfinite(vt).all()
+    bound = BOUNDS[dtype]
+    assert rel_rms(st, h.transpose(-1, -2)) <= bound, f"S^T: rel RMS {rel_rms(st, h.transpose(-1, -2)):.2e}"
+    assert rel_rms(vt, want_vt) <= bound, f"V'^T: rel RMS {rel_rms(vt, want_vt):.2e}"
+    assert past_end.any() and not vt[past_end].any()
 
 
 def test_gluon_walk_refuses_other_shapes(gluon_walk):

@@ -17,6 +17,9 @@ from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, nearly_parallel_ke
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# two computations of one quantity whose fp32 sums run in another order, rounded to the dtype at the end: about
+# one rounding of the dtype apart where a sum lands near a rounding boundary (fp32: the sums' order alone)
+ONE_ROUNDING = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 def packed(lengths, H, K, V, dtype, seed):
@@ -83,6 +86,15 @@ def to_dev(x, dtype):
     return x.to(device=DEVICE, dtype=dtype)[None].contiguous()
 
 
+def transposed_states(h, v_new, lengths, C):
+    """h [NT, H, K, V] and v_new [1, TT, H, V] laid out as the forward's Gluon walk saves them
+    (state.states_buffers): S^T [NT, H, V, K] and V'^T [NT, H, V, C], zero past each sequence's end."""
+    vt = v_new.new_zeros(h.shape[0], h.shape[1], v_new.shape[-1], C)
+    for c, (t0, t1) in enumerate(spans(lengths, C)):
+        vt[c, ..., : t1 - t0] = v_new[0, t0:t1].permute(1, 2, 0)
+    return h.transpose(-1, -2).contiguous(), vt
+
+
 # ---------------------------------------------------------------------------------------------------
 # stages
 
@@ -139,6 +151,12 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
     dh, dv, dh0 = state_bwd.state_bwd(inp["q"], inp["k"], dt_(w), dt_(do), dv_loc,
                                       None if dht is None else dht.float().to(DEVICE), scale, True, info, C)
     dq, dk, dw = output_bwd.dqkw(inp["q"], inp["k"], dt_(v_new), h, dh, dt_(do), dv, scale, info, C)
+    # the same stage on the forward's saved layout (states_t: S^T, V'^T per chunk): the same products on operands
+    # laid out otherwise (the interpreter's fp32 sums then run in another order: 1e-7 apart)
+    st, vt = transposed_states(h, dt_(v_new), lengths, C)
+    for got, want in zip(output_bwd.dqkw(inp["q"], inp["k"], vt, st, dh, dt_(do), dv, scale, info, C, states_t=True),
+                         (dq, dk, dw)):
+        assert got.dtype == want.dtype and rel_rms(got, want) <= ONE_ROUNDING[dtype]
 
     bound = BOUNDS[dtype]
     want_dh = torch.stack([s.grad if s.grad is not None else torch.zeros_like(s) for s in leaving])
@@ -176,7 +194,7 @@ def test_state_bwd_fused_matches_unfused(dtype, C, lengths, K, V, with_dht, pois
     dv_loc = output_bwd.dv_local(inp["q"], inp["k"], do, scale, info, C)
     unfused = state_bwd.state_bwd(inp["q"], inp["k"], w, do, dv_loc, dht, scale, True, info, C)
     fused = state_bwd.state_bwd(inp["q"], inp["k"], w, do, None, dht, scale, True, info, C)
-    close = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    close = ONE_ROUNDING[dtype]
     for name, got, want in zip(("dh", "dv", "dh0"), fused, unfused):
         assert got.dtype == want.dtype, name
         assert rel_rms(got, want) <= close, f"{name}: rel RMS {rel_rms(got, want):.2e}"
@@ -206,6 +224,87 @@ def test_state_wy_fwd_matches_composition(dtype, C, lengths, K, V, has_h0, poiso
         assert x.dtype == ref.dtype and x.shape == ref.shape, name
         assert torch.equal(x, ref), f"{name}: rel RMS {rel_rms(x, ref):.2e}"
     assert state.state_wy_fwd(k, v, beta, tinv, h0, False, info, C)[3] is None
+
+
+@pytest.mark.parametrize("dtype, C, lengths, K, V, has_h0, with_dht", [
+    (torch.float32, 16, [0, 1, 17, 33, 0], 24, 40, True, True),  # empty sequences, a 1-token one, partial chunks
+    (torch.float16, 32, [1], 40, 24, False, True),  # T = 1
+    (torch.bfloat16, 64, [65, 0, 3], 40, 72, True, False),  # two V-blocks, the second partial
+])
+def test_backward_on_forward_states_matches_recompute(dtype, C, lengths, K, V, has_h0, with_dht, poison):
+    """The backward from saved (T~, W, S^T, V'^T) (backward.SAVE_FORWARD_STATES: the forward's Gluon walk saves
+    them; here laid out from the recompute's own W, h, v_new) against the one from T~ alone, which recomputes them:
+    the same stages on the same values, dQ/dK/dW's operands laid out otherwise (about one rounding apart)."""
+    H = 2
+    inp, info, _ = packed(lengths, H, K, V, dtype, seed=C + K + 1)
+    N, TT = len(lengths), sum(lengths)
+    g = torch.Generator().manual_seed(13)
+    h0 = torch.randn(N, H, K, V, generator=g).to(DEVICE) if has_h0 else None
+    do = torch.randn(1, TT, H, V, generator=g).to(device=DEVICE, dtype=dtype)
+    dht = torch.randn(N, H, K, V, generator=g).to(DEVICE) if with_dht else None
+    q, k, v, beta = inp["q"], inp["k"], inp["v"], inp["beta"]
+    tinv = wy.tinv_fwd(k, beta, info, C)
+    w, h, v_new, _ = state.state_wy_fwd(k, v, beta, tinv, h0, False, info, C)
+    kept = (tinv, w, *transposed_states(h, v_new, lengths, C))
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    want = chunk_backward.backward(q, k, v, beta, 0.4, h0, (tinv,), do, dht, info, C)
+    got = chunk_backward.backward(q, k, v, beta, 0.4, h0, kept, do, dht, info, C)
+    for name, x, ref in zip(("dq", "dk", "dv", "dbeta", "dh0"), got, want):
+        assert (x is None) == (ref is None) == (name == "dh0" and not has_h0), name
+        assert x is None or (x.dtype == ref.dtype and rel_rms(x, ref) <= ONE_ROUNDING[dtype]), name
+
+
+@pytest.mark.parametrize("switch, walk, segments, split, expected", [
+    (False, True, 1, False, False), (True, True, 1, False, True), (True, False, 1, False, False),
+    (True, True, 2, False, False), (True, True, 1, True, False)])
+def test_keeps_forward_states_only_where_its_backward_reads_them(monkeypatch, switch, walk, segments, split,
+                                                                  expected):
+    # SAVE_FORWARD_STATES, where the forward's walk is the Gluon one (the only one that saves them) and the backward
+    # runs neither segmented nor split (those recompute on their own terms)
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    monkeypatch.setattr(chunk_backward, "SAVE_FORWARD_STATES", switch)
+    monkeypatch.setattr(chunk_backward, "REVERSE_SPLIT", split)
+    monkeypatch.setattr(chunk_backward.state, "gluon_walk_runs", lambda *a: walk)
+    monkeypatch.setattr(chunk_backward, "num_segments", lambda k, info: segments)
+    x = make_inputs(1, 64, 2, 16, 16, torch.bfloat16)
+    info = seq_info(1, 64, torch.device("cpu"), None, None)
+    assert chunk_backward.keeps_forward_states(x["q"], x["k"], x["k"], x["v"], info, 64) is expected
+
+
+def test_state_output_fwd_refuses_states_off_the_gluon_walk():
+    x = make_inputs(1, 64, 2, 16, 16, torch.bfloat16, device=DEVICE)
+    info = seq_info(1, 64, torch.device(DEVICE), None, None)
+    states = state.states_buffers(x["k"], x["v"], info, 64)
+    with pytest.raises(ValueError, match="Gluon walk only"):
+        state.state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info, 64, states)
+
+
+@pytest.mark.parametrize("dtype, lengths", [(torch.bfloat16, [0, 1, 33, 16]), (torch.float16, [40])])
+def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, poison):
+    """Through the API and autograd: the forward keeps (T~, W, S^T, V'^T) where keeps_forward_states says so, and
+    the backward runs on them (backward_on_forward_states) instead of recomputing; the gradients match the float64
+    recurrence as the recomputing backward's do. The Gluon walk, which saves the states on the GPU, is stood in for
+    by the Triton walk and output, its h and V' laid out as the Gluon walk stores them (transposed_states)."""
+    chunk = importlib.import_module("deltatron.kernels.chunk")
+    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    from deltatron.kernels.chunk import output
+    C = 16
+
+    def walk_saving_states(q, k, w, u, scale, h0, output_final_state, info, chunk_size, states=None):
+        h, v_new, final = state.state_fwd(k, w, u, h0, output_final_state, info, chunk_size)
+        for buf, x in zip(states, transposed_states(h, v_new, lengths, chunk_size)):
+            buf.copy_(x)
+        return output.output_fwd(q, k, v_new, h, scale, info, chunk_size), final
+
+    ran = []
+    on_states = chunk_backward.backward_on_forward_states
+    monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a: True)
+    monkeypatch.setattr(chunk, "state_output_fwd", walk_saving_states)
+    monkeypatch.setattr(chunk_backward, "backward_on_forward_states", lambda *a: ran.append(a[7]) or on_states(*a))
+    check_against_recurrence(monkeypatch, 1, lengths, 2, 24, 32, dtype, C, True, True, seed=len(lengths))
+    ((w, st, vt), ) = ran
+    NT = sum((L + C - 1) // C for L in lengths)
+    assert (w.shape, st.shape, vt.shape) == ((1, sum(lengths), 2, 24), (NT, 2, 32, 24), (NT, 2, 32, C))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -36,9 +36,9 @@ import torch
 
 from ..utils import SeqInfo
 from . import seq_split
-from .backward import backward
+from .backward import backward, keeps_forward_states
 from .output import output_fwd
-from .state import fused_output_pays, state_fwd, state_output_fwd
+from .state import fused_output_pays, state_fwd, state_output_fwd, states_buffers
 from .wy import wy_fwd
 
 __all__ = ["forward", "backward"]
@@ -51,12 +51,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     kernel (wy_fwd), then the state pass with the output fused in where that is faster (state.
     fused_output_pays), else the state pass and the output apart; on partitions of the long sequences where
     seq_split says so. Only Tinv is saved (the same split or not): W, U and the per-chunk states are recomputed;
-    without needs_backward it is not even written out."""
+    without needs_backward it is not even written out. Where backward.keeps_forward_states (off by default), the
+    Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
     split = seq_split.plan_for(k, v, info, chunk_size)
     if split is not None:  # the walk below runs on the partitions, from the states entering them
         initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)
         info = split.parts
+    kept = needs_backward and split is None and keeps_forward_states(q, k, w, u, info, chunk_size)
+    if kept:
+        states = states_buffers(k, v, info, chunk_size)
+        o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
+                                          states)
+        return o, final_state, (tinv, w, *states), ()
     if fused_output_pays(k, v, info, chunk_size):
         o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
     else:

@@ -77,14 +77,31 @@ def num_segments(k: torch.Tensor, info) -> int:
 # benchmarks/diagnostics/reverse_split.py); None is kept for a rule once measured, and until then means False
 REVERSE_SPLIT: Optional[bool] = False
 
+# Whether a training forward keeps W and its walk's per-chunk states (S^T, V'^T: state.states_buffers) for the
+# backward, which then skips its recompute walk (keeps_forward_states): False never (the default: not measured on a
+# GPU yet); True wherever it applies. It costs memory between the forward and the backward: W, S^T and V'^T are
+# 1 KiB a token and head at K = V = 128 (C = 64), beside the T~ saved either way (256 B)
+SAVE_FORWARD_STATES = False
+
+
+def keeps_forward_states(q, k, w, u, info, chunk_size) -> bool:
+    """Whether the forward saves its states for this call's backward: SAVE_FORWARD_STATES, where the forward's walk is
+    the Gluon one on the whole sequences (state.gluon_walk_runs; the caller checks that no sequence split runs) and
+    the backward would be neither segmented nor split (they read the states otherwise)."""
+    return (SAVE_FORWARD_STATES and not REVERSE_SPLIT and state.gluon_walk_runs(q, k, w, u, info, chunk_size)
+            and num_segments(k, info) == 1)
+
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
     """Gradients (dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None without initial_state)
-    of the chunkwise delta rule; saved = (Tinv,) from the forward. Deterministic: no atomics.
+    of the chunkwise delta rule; saved = (Tinv,) from the forward, or (Tinv, W, S^T, V'^T) where it kept its
+    states (keeps_forward_states): then no recompute walk runs. Deterministic: no atomics.
 
     Each intermediate is released right after the last stage that reads it (`del`), so the peak is the set
     alive at the widest stage (dqkw), not every tensor of the backward at once."""
-    (tinv,) = saved
+    tinv, *kept = saved
+    if kept:
+        return backward_on_forward_states(q, k, v, beta, scale, initial_state, tinv, kept, do, dht, info, chunk_size)
     split = reverse_split.plan_for(k, info, chunk_size) if REVERSE_SPLIT else None
     S = num_segments(k, info) if split is None else 1
     plan = segmented_bwd.segment_plan(info, S, chunk_size) if S > 1 else None
@@ -123,6 +140,18 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     del w
     dq, dk_direct, dw = output_bwd.dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
+    dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
+    return dq, dk, dv, dbeta, dh0
+
+
+def backward_on_forward_states(q, k, v, beta, scale, initial_state, tinv, kept, do, dht, info, chunk_size):
+    """backward's contract from the forward's W, S^T and V'^T (kept): the reverse pass, then dQ/dK/dW on the
+    transposed states and the WY backward, unsegmented and unsplit (keeps_forward_states)."""
+    w, st, vt = kept
+    dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, None, dht, scale, initial_state is not None, info, chunk_size)
+    del w, kept
+    dq, dk_direct, dw = output_bwd.dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True)
+    del st, vt, dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
     return dq, dk, dv, dbeta, dh0
 

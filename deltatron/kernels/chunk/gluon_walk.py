@@ -96,6 +96,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..launch import launch
 from ..utils import SeqInfo, num_sms
+from .state import states_shapes
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
 OUTPUT_WARPS, LOADER_REGS = 4, 24
@@ -246,10 +247,14 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
 
 
 @gluon.jit
-def output_partition(ring, ready, empty, handoff, o, scale, bos, eos, num_chunks, i_h, i_v, H: gl.constexpr,
-                     C: gl.constexpr, D: gl.constexpr):
+def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, num_chunks, first_chunk, i_h, i_v,
+                     H: gl.constexpr, C: gl.constexpr, D: gl.constexpr, SAVE_STATES: gl.constexpr):
     """O's columns of V-block i_v, scale (Q S + (Q K^T ⊙ M) V') [C, BV] of each chunk, from the ring's Q, K
-    and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it)."""
+    and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it).
+    SAVE_STATES: the hand-off's S^T and V'^T of each chunk also go to HBM, TMA stores straight from the
+    hand-off buffers into states = (S^T [NT, H, 128, 128], V'^T [NT, H, 128, C]) at the chunk's global number
+    first_chunk + t, for the backward (backward.SAVE_FORWARD_STATES); the stores run beside this chunk's
+    products and are waited for before the buffers go back to the chain."""
     w_ring, u_ring, k_ring, q_ring = ring
     st_bufs, vt_bufs, sv_ready, sv_empty = handoff
     NS: gl.constexpr = w_ring.shape[0]
@@ -275,10 +280,17 @@ def output_partition(ring, ready, empty, handoff, o, scale, bos, eos, num_chunks
         b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p, ))
         b_p = gl.convert_layout(gl.where(pi[:, None] >= pj[None, :], b_p, 0.0).to(dt), p_operand)
         mbarrier.wait(sv_ready.index(b), (t // 2) & 1)
+        if SAVE_STATES:
+            # rows of S^T (V'^T) block i_v of this chunk and head; the chain fenced its stores before sv_ready
+            row = ((first_chunk + t) * H + i_h) * D + i_v * BV
+            tma.async_copy_shared_to_global(states[0], [row, 0], st_bufs.index(b))
+            tma.async_copy_shared_to_global(states[1], [row, 0], vt_bufs.index(b))
         b_o = warpgroup_mma(q_s, st_bufs.index(b).permute((1, 0)), gl.zeros([C, BV], gl.float32, layout=o_layout),
                             use_acc=False, is_async=True)
         b_o = warpgroup_mma(b_p, vt_bufs.index(b).permute((1, 0)), b_o, is_async=True)
         b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, ))
+        if SAVE_STATES:
+            tma.store_wait(0)  # the stores have read both buffers before the chain may refill them
         mbarrier.arrive(sv_empty.index(b), count=1)
         mbarrier.arrive(empty.index(s), count=1)
         start = bos + t * C
@@ -287,19 +299,22 @@ def output_partition(ring, ready, empty, handoff, o, scale, bos, eos, num_chunks
 
 
 @gluon.jit
-def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqlens, H: gl.constexpr,
-                      HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, OUTPUT_WARPS: gl.constexpr, OUTPUT_REGS: gl.constexpr,
-                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, ht, scale, cu_seqlens, chunk_offsets,
+                      H: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
+                      SAVE_STATES: gl.constexpr, LOADER_REGS: gl.constexpr, OUTPUT_WARPS: gl.constexpr,
+                      OUTPUT_REGS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """WITH_OUTPUT: the forward's walk (o written); else the final states only (STORE_HT): no output partition,
     no Q tiles (q_desc, o and scale unused), no S^T / V'^T hand-off, the ring's empties released by the chain
-    alone; the chain's arithmetic as with the output, so the same final states bit for bit."""
+    alone; the chain's arithmetic as with the output, so the same final states bit for bit. SAVE_STATES (with the
+    output only): each chunk's S^T and V'^T also stored through st_desc and vt_desc (output_partition); else
+    st_desc, vt_desc and chunk_offsets are unused."""
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
     NV: gl.constexpr = D // BV
     gl.static_assert(NV * BV == D and num_warps * 16 == BV, "the chain's warps hold 16 rows of S^T each")
     gl.static_assert(WITH_OUTPUT or STORE_HT, "a walk without its output stores the final states")
+    gl.static_assert(WITH_OUTPUT or not SAVE_STATES, "the states are saved from the output's hand-off")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
     # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
@@ -333,10 +348,12 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, o, h0, ht, scale, cu_seqle
             mbarrier.init(sv_ready.index(i), count=1)
             mbarrier.init(sv_empty.index(i), count=1)
         handoff = (st_bufs, vt_bufs, sv_ready, sv_empty)
+        first_chunk = gl.load(chunk_offsets + i_n) if SAVE_STATES else 0
         gl.warp_specialize([
             (chain_partition, (ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
                                STORE_HT, WITH_OUTPUT, num_warps)),
-            (output_partition, (ring, ready, empty, handoff, o, scale, bos, eos, num_chunks, i_h, i_v, H, C, D)),
+            (output_partition, (ring, ready, empty, handoff, (st_desc, vt_desc), o, scale, bos, eos, num_chunks,
+                                first_chunk, i_h, i_v, H, C, D, SAVE_STATES)),
             (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
         ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
     else:
@@ -388,7 +405,7 @@ def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor
 def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                       o: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
                       final_state: Optional[torch.Tensor], info: SeqInfo, block_v: int = D_WALK,
-                      checked: bool = False):
+                      checked: bool = False, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
     128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
     r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
@@ -397,7 +414,8 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
     shipped walk's programs without chunks store it. checked: the caller has made check_inputs' checks (the
     chunk forward's state.state_output_fwd and state_final_fwd: the API's shapes and dtypes,
-    gluon_walk_applies, contiguity and alignment), so they are not made again."""
+    gluon_walk_applies, contiguity and alignment), so they are not made again. states: (st, vt) from
+    state.states_buffers, into which the walk with its output also stores each chunk's S^T and V'^T."""
     with_output = o is not None
     if not checked:
         check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
@@ -409,6 +427,12 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     if not with_output and final_state is None:
         raise ValueError("gluon_walk: a walk without its output (o None) must store the final states")
     TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
+    if states is not None:
+        expected = states_shapes(k.shape[2], k.shape[3], D, info, C_WALK)
+        if not with_output or any(tuple(x.shape) != e or x.dtype != k.dtype or not x.is_contiguous()
+                                  for x, e in zip(states, expected)):
+            raise ValueError(f"gluon_walk: states must be the walk with its output's contiguous {k.dtype} buffers "
+                             f"{expected}, got " + ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in states))
     if initial_state is not None and (tuple(initial_state.shape) != (N, H, D, D) or not initial_state.is_contiguous()):
         raise ValueError(f"gluon_walk: initial_state must be contiguous [{N}, {H}, {D}, {D}], got "
                          f"{tuple(initial_state.shape)}")
@@ -420,24 +444,34 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     # without the output
     tiles = ((w, D), (u, block_v), (k, D)) + (((q, D), ) if with_output else ())
     w_desc, u_desc, k_desc, *q_desc = tma_descriptors(tiles, TT, H)
+    st_desc = vt_desc = chunk_offsets = None
+    if states is not None:  # rows of block_v S^T (V'^T) rows, as the hand-off buffers hold them
+        st, vt = states
+        st_desc, vt_desc = (TensorDescriptor(x, [x.shape[0] * H * D, x.shape[3]], [x.shape[3], 1],
+                                             [block_v, x.shape[3]], tile_layout(x.dtype, block_v, x.shape[3]))
+                            for x in (st, vt))
+        chunk_offsets = info.chunks(C_WALK).chunk_offsets
     cfg = WALK_CONFIGS[block_v]
     grid = (N * H * (D // block_v), )
-    launch(gluon_walk_kernel, grid, w_desc, u_desc, k_desc, q_desc[0] if with_output else None, o, initial_state,
-           final_state, scale, info.cu_seqlens, H, initial_state is not None, final_state is not None, with_output,
-           LOADER_REGS, OUTPUT_WARPS, cfg.output_regs, cfg.stages if with_output else cfg.final_only_stages,
-           num_warps=cfg.chain_warps)
+    launch(gluon_walk_kernel, grid, w_desc, u_desc, k_desc, q_desc[0] if with_output else None, st_desc, vt_desc, o,
+           initial_state, final_state, scale, info.cu_seqlens, chunk_offsets, H, initial_state is not None,
+           final_state is not None, with_output, states is not None, LOADER_REGS, OUTPUT_WARPS, cfg.output_regs,
+           cfg.stages if with_output else cfg.final_only_stages, num_warps=cfg.chain_warps)
+
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                           chunk_size: int = C_WALK, block_v: Optional[int] = None, checked: bool = False
+                           chunk_size: int = C_WALK, block_v: Optional[int] = None, checked: bool = False,
+                           states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
     C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
-    split_v chooses unless given; checked as gluon_walk_launch's."""
+    split_v chooses unless given; checked and states as gluon_walk_launch's."""
     # contiguous: u is (checked by the caller, or by gluon_walk_launch before o is used)
     o = torch.empty_like(u)
-    final_state = run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked)
+    final_state = run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked,
+                           states)
     return o, final_state
 
 
@@ -449,7 +483,7 @@ def gluon_state_final_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, ini
     return run_walk(None, k, w, u, None, 1.0, initial_state, True, info, chunk_size, block_v, checked)
 
 
-def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked):
+def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked, states=None):
     """Both wrappers' launch: the final state allocated (if asked for), the initial state as fp32, split_v's
     V-block unless one is given."""
     if chunk_size != C_WALK:
@@ -458,5 +492,5 @@ def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chun
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     block_v = split_v(N * H, num_sms(u.device)) if block_v is None else block_v
-    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked)
+    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked, states=states)
     return final_state

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from ..launch import launch
-from ..utils import PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, mm, state_offsets, store_rows
+from ..utils import (PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, load_tile, mm, state_offsets,
+                     store_rows)
 from .kkt import chunk_span
 
 
@@ -47,25 +48,36 @@ def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
 @triton.jit
 def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seqlens, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+                BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, STATES_T: tl.constexpr):
+    """STATES_T: h and v_new as the forward's Gluon walk saves them (state.states_buffers): S^T [NT, H, V, K]
+    and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (state.state_fwd's)."""
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     dt = dout.dtype.element_ty
+    i_s = (i_t * H + i_h).to(tl.int64)  # the chunk's state (and, STATES_T, its V'^T)
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
     b_ds = tl.zeros([C, C], dtype=tl.float32)
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
-        b_vn = load_rows(v_new, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
+        if STATES_T:  # V'^T rows of this V-block, whole: zero past the sequence's end (states_buffers), and a mask
+            # on n along the contiguous dimension would turn the vector loads into scalar ones (offline sm_90 SASS)
+            b_vn = tl.trans(load_tile(v_new, i_s * V + i_v * BV, (i_s + 1) * V, C, 0, C, BV, C)).to(dt)
+        else:
+            b_vn = load_rows(v_new, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
         b_dv = load_rows(dv, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
-        s_offs, s_mask = state_offsets(i_t * H + i_h, i_k * BK, i_v * BV, K, V, BK, BV)
-        b_s = tl.load(h + s_offs, mask=s_mask, other=0.0).to(dt)  # state entering the chunk
+        s_offs, s_mask = state_offsets(i_s, i_k * BK, i_v * BV, K, V, BK, BV)
+        # S^T of the state entering the chunk
+        if STATES_T:
+            b_st = load_tile(h, i_s * V + i_v * BV, (i_s + 1) * V, K, i_k * BK, K, BV, BK).to(dt)
+        else:
+            b_st = tl.trans(tl.load(h + s_offs, mask=s_mask, other=0.0).to(dt))
         b_dsn = tl.load(dh + s_offs, mask=s_mask, other=0.0).to(dt)  # gradient of the state leaving it
-        b_dq += mm(b_do, tl.trans(b_s), PRECISION)
+        b_dq += mm(b_do, b_st, PRECISION)
         b_dk += mm(b_vn, tl.trans(b_dsn), PRECISION)
-        b_dw -= mm(b_dv, tl.trans(b_s), PRECISION)
+        b_dw -= mm(b_dv, b_st, PRECISION)
         b_ds += mm(b_do, tl.trans(b_vn), PRECISION)
     r = tl.arange(0, C)
     b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
@@ -92,7 +104,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     return dv
 
 
-def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None):
+def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False):
     """dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward) and dW (q's dtype).
 
     The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its round trip through
@@ -100,7 +112,8 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     summand of dK, far below the dtype's bound, and the final dK is rounded to the dtype anyway.
 
     h: states entering each chunk, dh: gradients of the states leaving each chunk ([NT, H, K, V]);
-    dv: the full dV' (= dU) from the reverse state pass. dq: where to write dQ (q's shape and dtype,
+    dv: the full dV' (= dU) from the reverse state pass. states_t: h and v_new are the forward's saved S^T and
+    V'^T (state.states_buffers) instead. dq: where to write dQ (q's shape and dtype,
     contiguous: the segmented backward passes its segment's view of the batch's), else a new tensor."""
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
@@ -112,6 +125,6 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
         launch(
             dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
             q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
+            H, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype), states_t, num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw

@@ -382,17 +382,36 @@ def state_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, tinv: tor
     return w, h, v_new, final_state
 
 
+def states_shapes(H: int, K: int, V: int, info: SeqInfo, chunk_size: int):
+    """The shapes of states_buffers'."""
+    NT = info.chunks(chunk_size).num_chunks
+    return (NT, H, V, K), (NT, H, V, chunk_size)
+
+
+def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The per-chunk states a training forward keeps for the backward (backward.SAVE_FORWARD_STATES), as the Gluon
+    walk stores them from its hand-off (state_output_fwd's states) and output_bwd.dqkw reads them (states_t), in
+    k's dtype: st [NT, H, V, K], st[c, h] = S_c^T, the state entering chunk c (rounded as the walk's operand); vt
+    [NT, H, V, C], vt[c, h, :, i] = V' of the chunk's token i, zero past a sequence's end. NT and c: the batch's
+    chunks in info.chunks' global order."""
+    return tuple(k.new_empty(shape) for shape in states_shapes(k.shape[2], k.shape[3], v.shape[3], info, chunk_size))
+
+
 def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                      initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                     chunk_size: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     chunk_size: int, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The state pass with the output fused in: (o [B, T, H, V] in the input dtype, final_state as
     state_fwd's). The same o as output.output_fwd on state_fwd's h and v_new, up to the order of fp32
     sums over K. As the Gluon kernel where gluon_walk_pays (TMA: q, k, w, u contiguous and 16-byte aligned,
-    else the Triton walk)."""
+    else the Triton walk). states (states_buffers; only where the Gluon walk runs): the walk also stores each
+    chunk's S^T and V'^T there."""
     if gluon_walk_runs(q, k, w, u, info, chunk_size):
         from .gluon_walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
-                                      checked=True)
+                                      checked=True, states=states)
+    if states is not None:
+        raise ValueError("state_output_fwd: states are saved by the Gluon walk only (gluon_walk_runs is false here)")
     o = torch.empty_like(u)
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
                               None, o)
