@@ -59,6 +59,7 @@ GRAD_INPUTS = ("q", "k", "v", "beta")
 # comparisons and loses the slow forms (fused_chunk and fused_recurrent take most of a full run).
 IMPLS = (
     "deltatron.chunk",
+    "deltatron.chunk_save_states",  # chunk_delta_rule(save_states=True): the opt-in that keeps the forward's states
     "fla.chunk",
     "flash_qla.g0",           # chunk_gated_delta_rule with log-decay g = 0; K = V = 128 only
     "fla.fused_recurrent",    # decode rows only
@@ -210,14 +211,19 @@ class Unavailable(Exception):
     """An implementation that cannot run in this process (not installed, needs CUDA, API differs)."""
 
 
-def _ours(form: str) -> Callable:
+# our implementations that are an entry point called with options: name -> (form, options)
+VARIANTS = {"chunk_save_states": ("chunk", dict(save_states=True))}
+
+
+def _ours(name: str) -> Callable:
+    form, options = VARIANTS.get(name, (name, {}))
     fn = getattr(api, f"{form}_delta_rule")
 
     def call(x):
         if "h" in x:
             return fn(x["q"], x["k"], x["v"], x["beta"], initial_state=x["h"], inplace_final_state=True)[0]
         return fn(x["q"], x["k"], x["v"], x["beta"], cu_seqlens=x.get("cu_seqlens"),
-                  cu_seqlens_cpu=x.get("cu_seqlens_cpu"))[0]
+                  cu_seqlens_cpu=x.get("cu_seqlens_cpu"), **options)[0]
     return call
 
 

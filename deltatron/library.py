@@ -8,14 +8,15 @@ which checks the cu_seqlens values, picks the backend and runs it (PyTorch, or t
 DeltaRuleFunction). So compiled and eager runs compute the same function with the same code.
 
     deltatron::delta_rule(q, k, v, beta, initial_state?, cu_seqlens?, cu_seqlens_cpu?, form, scale,
-                          output_final_state, use_qk_l2norm, chunk_size, output_attentions)
+                          output_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states)
         -> (o, final_state, attentions)          # empty [0] tensors stand for "not asked for"
     deltatron::delta_rule_backward(do, dht?, q, k, v, beta, initial_state?, cu_seqlens?, cu_seqlens_cpu?,
-                                   form, scale, use_qk_l2norm, chunk_size)
+                                   form, scale, use_qk_l2norm, chunk_size, save_states)
         -> (dq, dk, dv, dbeta, dh0)              # dh0 is [0] without an initial state
 
 The backward op recomputes the forward with autograd and returns torch.autograd.grad; on the Triton
-backend that runs the form's forward and backward (deltatron.autograd). It cannot reuse the tensors the
+backend that runs the form's forward and backward (deltatron.autograd), save_states (chunk_delta_rule's) applying
+between those two. It cannot reuse the tensors the
 form's forward saved: their number and shapes are form-specific and, with cu_seqlens, depend on the
 sequence lengths (one state per chunk), which a fake implementation cannot know."""
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .reference.common import compute_dtype
 
 # The options each form takes (api._run passes them as keyword arguments); the ops carry all of them.
 FORM_OPTIONS = {
-    "chunk": ("chunk_size",),
+    "chunk": ("chunk_size", "save_states"),
     "fused_chunk": ("chunk_size",),
     "fused_recurrent": (),
     "parallel": ("output_attentions",),
@@ -39,10 +40,10 @@ _NOT_ASKED = (0,)
 
 
 def _eager(form, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-           use_qk_l2norm, chunk_size, output_attentions):
+           use_qk_l2norm, chunk_size, output_attentions, save_states):
     from . import api  # here, not at the top: api imports this module
 
-    options = dict(chunk_size=chunk_size, output_attentions=output_attentions)
+    options = dict(chunk_size=chunk_size, output_attentions=output_attentions, save_states=save_states)
     return api._run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
                     cu_seqlens_cpu, {}, **{name: options[name] for name in FORM_OPTIONS[form]})
 
@@ -61,11 +62,12 @@ def _unaliased(x: Tensor, inputs) -> Tensor:
 def delta_rule(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     cu_seqlens_cpu: Optional[Tensor], form: str, scale: float, output_final_state: bool, use_qk_l2norm: bool,
-    chunk_size: int, output_attentions: bool,
+    chunk_size: int, output_attentions: bool, save_states: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         o, final_state, *extras = _eager(form, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                                         output_final_state, use_qk_l2norm, chunk_size, output_attentions)
+                                         output_final_state, use_qk_l2norm, chunk_size, output_attentions,
+                                         save_states)
     inputs = (q, k, v, beta, initial_state)
     final_state = q.new_empty(_NOT_ASKED) if final_state is None else _unaliased(final_state, inputs)
     attentions = _unaliased(extras[0], inputs) if output_attentions else q.new_empty(_NOT_ASKED)
@@ -74,7 +76,7 @@ def delta_rule(
 
 @delta_rule.register_fake
 def _(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm,
-      chunk_size, output_attentions):
+      chunk_size, output_attentions, save_states):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -102,14 +104,15 @@ def _autograd_enabled():
 def delta_rule_backward(
     do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], form: str,
-    scale: float, use_qk_l2norm: bool, chunk_size: int,
+    scale: float, use_qk_l2norm: bool, chunk_size: int, save_states: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     inputs = [x.detach().requires_grad_() for x in (q, k, v, beta)]
     if initial_state is not None:
         inputs.append(initial_state.detach().requires_grad_())
     with _autograd_enabled():
         o, final_state, *_ = _eager(form, *inputs[:4], inputs[4] if len(inputs) == 5 else None, cu_seqlens,
-                                    cu_seqlens_cpu, scale, dht is not None, use_qk_l2norm, chunk_size, False)
+                                    cu_seqlens_cpu, scale, dht is not None, use_qk_l2norm, chunk_size, False,
+                                    save_states)
         outputs, grads = [o], [do]
         if dht is not None:
             outputs.append(final_state)
@@ -122,17 +125,18 @@ def delta_rule_backward(
 
 
 @delta_rule_backward.register_fake
-def _(do, dht, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, use_qk_l2norm, chunk_size):
+def _(do, dht, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, use_qk_l2norm, chunk_size,
+      save_states):
     dh0 = q.new_empty(_NOT_ASKED) if initial_state is None else initial_state.new_empty(initial_state.shape)
     return tuple(x.new_empty(x.shape) for x in (q, k, v, beta)) + (dh0,)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm, \
-        chunk_size, _ = inputs
+        chunk_size, _, save_states = inputs
     ctx.save_for_backward(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     ctx.has_initial_state = initial_state is not None
-    ctx.args = (form, scale, use_qk_l2norm, chunk_size)
+    ctx.args = (form, scale, use_qk_l2norm, chunk_size, save_states)
     ctx.output_final_state = output_final_state
 
 
@@ -142,7 +146,7 @@ def _backward(ctx, do, dht, _):
         do, dht if ctx.output_final_state else None, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
         *ctx.args,
     )
-    return (dq, dk, dv, dbeta, dh0 if ctx.has_initial_state else None) + (None,) * 8
+    return (dq, dk, dv, dbeta, dh0 if ctx.has_initial_state else None) + (None,) * 9
 
 
 delta_rule.register_autograd(_backward, setup_context=_setup_context)
@@ -150,11 +154,11 @@ delta_rule.register_autograd(_backward, setup_context=_setup_context)
 
 def run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
                  cu_seqlens_cpu, chunk_size: int = 64, output_attentions: bool = False,
-                 inplace_final_state: bool = False):
+                 inplace_final_state: bool = False, save_states: bool = False):
     """api._run under torch.compile (inputs already validated): the same results through the custom op."""
     o, final_state, attentions = delta_rule(
         q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale,
-        output_final_state or inplace_final_state, use_qk_l2norm, chunk_size, output_attentions,
+        output_final_state or inplace_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states,
     )
     if inplace_final_state:
         final_state = initial_state.copy_(final_state)

@@ -185,3 +185,18 @@ def test_backend_env(monkeypatch):
 def test_public_surface():
     assert set(deltatron.__all__) == {"chunk_delta_rule", "fused_chunk_delta_rule", "fused_recurrent_delta_rule",
                                       "parallel_delta_rule"}
+
+
+def test_save_states_option():
+    # chunk_delta_rule's save_states: a bool; on the PyTorch backend it changes nothing (the same outputs and
+    # gradients); the other entry points do not take it
+    inp = make_inputs(1, 37, 2, 16, 12, torch.float32, initial_state=True, seed=3, requires_grad=True)
+    runs = []
+    for save_states in (False, True):
+        o, s = chunk_delta_rule(**inp, output_final_state=True, save_states=save_states)
+        runs.append((o, s, *torch.autograd.grad((o.sum() + s.sum()), list(inp.values()))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    for bad in (1, None, "yes"):
+        _raises(TypeError, r"save_states must be a bool", *_args(), save_states=bad)
+    for fn in (fused_chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule):
+        _raises(TypeError, r"unexpected keyword argument\(s\) \['save_states'\]", *_args(), fn=fn, save_states=True)

@@ -131,17 +131,19 @@ def test_cu_seqlens_values_still_checked_under_compile():
                  initial_state=torch.zeros(3, 2, 8, 8))
 
 
-@pytest.mark.parametrize("with_state", [False, True])
-def test_opcheck(with_state):
+@pytest.mark.parametrize("with_state, save_states", [(False, False), (True, True)])
+def test_opcheck(with_state, save_states):
     lengths = [2, 0, 5]
     inp = make_inputs(1, 7, 2, 8, 4, initial_state=with_state, N=3, seed=5, requires_grad=True)
     args = (inp["q"], inp["k"], inp["v"], inp["beta"], inp.get("initial_state"), random_cu_seqlens(lengths),
-            None, "chunk", 0.3, with_state, True, 16, False)
+            None, "chunk", 0.3, with_state, True, 16, False, save_states)
     torch.library.opcheck(delta_rule, args)
 
 
-def test_triton_backend_under_compile(monkeypatch):
-    """The custom op's forward and its recomputing backward on the Triton forms (Triton's interpreter here)."""
+@pytest.mark.parametrize("save_states", [False, True])
+def test_triton_backend_under_compile(monkeypatch, save_states):
+    """The custom op's forward and its recomputing backward on the Triton forms (Triton's interpreter here), with
+    chunk_delta_rule's save_states carried through both ops."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inp = make_inputs(1, 20, 2, 16, 16, device=device, initial_state=True, N=2, seed=6, requires_grad=True)
@@ -150,7 +152,7 @@ def test_triton_backend_under_compile(monkeypatch):
 
     def run(q, k, v, beta, initial_state):
         return chunk_delta_rule(q, k, v, beta, initial_state=initial_state, output_final_state=True,
-                                cu_seqlens=cu, chunk_size=16)
+                                cu_seqlens=cu, chunk_size=16, save_states=save_states)
 
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
     got = torch.compile(run, backend="aot_eager", fullgraph=True)(*args)

@@ -174,17 +174,21 @@ def test_errors():
         DeltaNet(hidden_size=16, num_heads=3)
     with pytest.raises(ValueError, match="layer_idx"):
         DeltaNet(hidden_size=16, num_heads=2)(torch.randn(1, 3, 16), cache=DeltaNetCache())
+    with pytest.raises(TypeError, match="save_states must be a bool"):
+        DeltaNet(hidden_size=16, num_heads=2, save_states=1)
     conv = ShortConvolution(4)
     with pytest.raises(ValueError, match="conv state"):
         conv(torch.randn(2, 3, 4), state=torch.zeros(2, 4, 4))
 
 
-def test_triton_backend_matches_torch(monkeypatch):
+@pytest.mark.parametrize("save_states", [False, True])
+def test_triton_backend_matches_torch(monkeypatch, save_states):
     """The same layer through the Triton kernels (Triton's interpreter here): chunk forward, backward, and a
-    decode step through the fused_recurrent kernel's in-place state update."""
+    decode step through the fused_recurrent kernel's in-place state update; save_states reaches chunk_delta_rule."""
     pytest.importorskip("triton")  # without CUDA, conftest has set TRITON_INTERPRET=1
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    layer = _layer(hidden_size=32, num_heads=2).to(device)
+    layer = _layer(hidden_size=32, num_heads=2, save_states=save_states).to(device)
+    assert f"save_states={save_states}" in repr(layer)
     x = torch.randn(1, 20, 32, device=device, requires_grad=True)
     results = {}
     for backend in ("torch", "triton"):

@@ -10,7 +10,7 @@ walk without its output (the final states only: the chain alone), then the whole
 walk runs twice: no atomics, so the second run must give the same bits.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
-bf16 with them saving its per-chunk states for the backward (backward.SAVE_FORWARD_STATES), and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
+bf16 with them saving its per-chunk states for the backward (chunk_delta_rule's save_states), and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
 without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory, the
 setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits, and
 the PTX barriers.

@@ -28,6 +28,8 @@ class DeltaNet(nn.Module):
         head_dim: key head size K (value head size V = head_dim * expand_v); by default K = hidden_size *
             expand_k / H and V = hidden_size * expand_v / H.
         mode: "chunk" (training, prefill) or "fused_recurrent"; decode steps always use fused_recurrent.
+        save_states: chunk_delta_rule's (mode "chunk"): in training, keep the forward's per-chunk states for the
+            backward (faster, more memory held from the forward to the backward).
         use_short_conv, conv_size, conv_bias: the short convolutions on q, k and v.
         use_gate: the SiLU output gate (g projection).
         layer_idx: this layer's key in a DeltaNetCache (needed for decoding).
@@ -41,10 +43,13 @@ class DeltaNet(nn.Module):
     def __init__(self, hidden_size: int = 1024, num_heads: int = 4, head_dim: Optional[int] = None,
                  expand_k: float = 1.0, expand_v: float = 1.0, mode: str = "chunk", use_beta: bool = True,
                  use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False, use_gate: bool = True,
-                 norm_eps: float = 1e-5, layer_idx: Optional[int] = None):
+                 norm_eps: float = 1e-5, layer_idx: Optional[int] = None, save_states: bool = False):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(save_states, bool):
+            raise TypeError(f"save_states must be a bool, got {save_states!r}")
+        self.save_states = save_states
         if head_dim is not None:
             head_k_dim, head_v_dim = head_dim, int(head_dim * expand_v)
         else:
@@ -120,10 +125,12 @@ class DeltaNet(nn.Module):
 
     def _attend(self, q, k, v, beta, initial_state, output_final_state: bool, cu_seqlens):
         """The sequence mixer proper: (o [B, T, H, V], final state [N, H, K, V] or None)."""
+        options = dict(save_states=self.save_states) if self.mode == "chunk" else {}
         fn = chunk_delta_rule if self.mode == "chunk" else fused_recurrent_delta_rule
         return fn(q, k, v, beta, initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **options)
 
     def extra_repr(self) -> str:
-        return (f"mode={self.mode!r}, num_heads={self.num_heads}, head_k_dim={self.head_k_dim}, "
+        return (f"mode={self.mode!r}, save_states={self.save_states}, num_heads={self.num_heads}, "
+                f"head_k_dim={self.head_k_dim}, "
                 f"head_v_dim={self.head_v_dim}, layer_idx={self.layer_idx}")

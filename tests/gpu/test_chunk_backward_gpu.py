@@ -37,8 +37,8 @@ def run(fn, x, scale, do, dht, cu_seqlens=None, **opts):
     return o, final, dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names])))
 
 
-def check(x, scale, C, cu_seqlens=None, ref_dtype=torch.float64, outputs=False):
-    """Triton gradients (public API) against those of the chunkwise reference in ref_dtype on the
+def check(x, scale, C, cu_seqlens=None, ref_dtype=torch.float64, outputs=False, **opts):
+    """Triton gradients (public API, with opts) against those of the chunkwise reference in ref_dtype on the
     dtype-rounded inputs; with outputs, o and the final state too (the forward's GPU tests check those
     elsewhere). Returns the Triton gradients and the gradient dht given to the final state."""
     dtype = x["q"].dtype
@@ -51,7 +51,7 @@ def check(x, scale, C, cu_seqlens=None, ref_dtype=torch.float64, outputs=False):
     o_ref, final_ref, grads_ref = run(chunk_delta_rule_reference, ref_x, scale, do.to(ref_dtype), dht.to(ref_dtype),
                                       cu_seqlens, chunk_size=C)
     o, final, grads = run(deltatron.chunk_delta_rule, x, scale, do.double(), dht.double(), cu_seqlens,
-                          cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu(), chunk_size=C)
+                          cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu(), chunk_size=C, **opts)
     checks = [(f"d{n}", grads[n], grads_ref[n]) for n in grads_ref]
     if outputs:
         checks += [("o", o, o_ref), ("final_state", final, final_ref)]
@@ -201,7 +201,7 @@ def gluon_walk_runs():
 @pytest.mark.parametrize("B, T_or_lengths, H", [(8, 300, 16), (1, [0, 1, 63, 64, 65, 700, 1500, 333, 2100, 20, 900,
                                                                    64, 128, 5, 1000, 77], 4)])
 def test_backward_on_forward_states(triton_backend, poison, monkeypatch, request, dtype, B, T_or_lengths, H):
-    # backward.SAVE_FORWARD_STATES: the forward's Gluon walk keeps W and each chunk's S^T and V'^T, and the backward
+    # chunk_delta_rule's save_states: the forward's Gluon walk keeps W and each chunk's S^T and V'^T, and the backward
     # runs on them without a recompute walk (backward_on_forward_states, seen to run once). Against the fp64 oracle,
     # and within half the bound of the recomputing backward (the Gluon walk's states and the Triton recompute's
     # differ by the order of fp32 sums); 8 x 16 heads at T = 300 (a partial chunk; one program a head, block_v
@@ -219,8 +219,7 @@ def test_backward_on_forward_states(triton_backend, poison, monkeypatch, request
     monkeypatch.setattr(chunk_backward, "backward_on_forward_states", lambda *a: ran.append(1) or on_states(*a))
     grads = {}
     for keep in (False, True):
-        monkeypatch.setattr(chunk_backward, "SAVE_FORWARD_STATES", keep)
-        grads[keep], _ = check(x, 128 ** -0.5, 64, cu)
+        grads[keep], _ = check(x, 128 ** -0.5, 64, cu, save_states=keep)
     assert ran == [1]
     for n, got in grads[True].items():
         err = rel_rms(got, grads[False][n])

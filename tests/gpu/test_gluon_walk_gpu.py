@@ -125,7 +125,7 @@ def test_gluon_walk_varlen(poison, gluon_walk, dtype, block_v):
 @pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
-    # states (backward.SAVE_FORWARD_STATES): each chunk's S^T and V'^T as state_fwd's h and v_new on the same W, U
+    # states (chunk_delta_rule's save_states): each chunk's S^T and V'^T as state_fwd's h and v_new on the same W, U
     # (within the o check's bound: the same roundings, fp32 sums in another order), laid out [NT, H, V, K] and
     # [NT, H, V, C] in the chunks' global order, V'^T zero past each sequence's end (dqkw reads whole tiles); o and
     # the final state bit for bit those of the walk that saves nothing

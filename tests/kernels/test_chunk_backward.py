@@ -232,7 +232,7 @@ def test_state_wy_fwd_matches_composition(dtype, C, lengths, K, V, has_h0, poiso
     (torch.bfloat16, 64, [65, 0, 3], 40, 72, True, False),  # two V-blocks, the second partial
 ])
 def test_backward_on_forward_states_matches_recompute(dtype, C, lengths, K, V, has_h0, with_dht, poison):
-    """The backward from saved (T~, W, S^T, V'^T) (backward.SAVE_FORWARD_STATES: the forward's Gluon walk saves
+    """The backward from saved (T~, W, S^T, V'^T) (chunk_delta_rule's save_states: the forward's Gluon walk saves
     them; here laid out from the recompute's own W, h, v_new) against the one from T~ alone, which recomputes them:
     the same stages on the same values, dQ/dK/dW's operands laid out otherwise (about one rounding apart)."""
     H = 2
@@ -254,15 +254,12 @@ def test_backward_on_forward_states_matches_recompute(dtype, C, lengths, K, V, h
         assert x is None or (x.dtype == ref.dtype and rel_rms(x, ref) <= ONE_ROUNDING[dtype]), name
 
 
-@pytest.mark.parametrize("switch, walk, segments, split, expected", [
-    (False, True, 1, False, False), (True, True, 1, False, True), (True, False, 1, False, False),
-    (True, True, 2, False, False), (True, True, 1, True, False)])
-def test_keeps_forward_states_only_where_its_backward_reads_them(monkeypatch, switch, walk, segments, split,
-                                                                  expected):
-    # SAVE_FORWARD_STATES, where the forward's walk is the Gluon one (the only one that saves them) and the backward
-    # runs neither segmented nor split (those recompute on their own terms)
+@pytest.mark.parametrize("walk, segments, split, expected", [
+    (True, 1, False, True), (False, 1, False, False), (True, 2, False, False), (True, 1, True, False)])
+def test_keeps_forward_states_only_where_its_backward_reads_them(monkeypatch, walk, segments, split, expected):
+    # where the forward's walk is the Gluon one (the only one that saves them) and the backward runs neither segmented
+    # nor split (those recompute on their own terms)
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
-    monkeypatch.setattr(chunk_backward, "SAVE_FORWARD_STATES", switch)
     monkeypatch.setattr(chunk_backward, "REVERSE_SPLIT", split)
     monkeypatch.setattr(chunk_backward.state, "gluon_walk_runs", lambda *a: walk)
     monkeypatch.setattr(chunk_backward, "num_segments", lambda k, info: segments)
@@ -279,12 +276,14 @@ def test_state_output_fwd_refuses_states_off_the_gluon_walk():
         state.state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info, 64, states)
 
 
-@pytest.mark.parametrize("dtype, lengths", [(torch.bfloat16, [0, 1, 33, 16]), (torch.float16, [40])])
-def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, poison):
-    """Through the API and autograd: the forward keeps (T~, W, S^T, V'^T) where keeps_forward_states says so, and
-    the backward runs on them (backward_on_forward_states) instead of recomputing; the gradients match the float64
-    recurrence as the recomputing backward's do. The Gluon walk, which saves the states on the GPU, is stood in for
-    by the Triton walk and output, its h and V' laid out as the Gluon walk stores them (transposed_states)."""
+@pytest.mark.parametrize("dtype, lengths, save_states", [(torch.bfloat16, [0, 1, 33, 16], True),
+                                                       (torch.float16, [40], True), (torch.float16, [40], False)])
+def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, save_states, poison):
+    """Through the API and autograd: with save_states, the forward keeps (T~, W, S^T, V'^T) where
+    keeps_forward_states says so, and the backward runs on them (backward_on_forward_states) instead of
+    recomputing; the gradients match the float64 recurrence as the recomputing backward's do; without it nothing is
+    kept. The Gluon walk, which saves the states on the GPU, is stood in for by the Triton walk and output, its h
+    and V' laid out as the Gluon walk stores them (transposed_states)."""
     chunk = importlib.import_module("deltatron.kernels.chunk")
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
     from deltatron.kernels.chunk import output
@@ -292,7 +291,7 @@ def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, poison):
 
     def walk_saving_states(q, k, w, u, scale, h0, output_final_state, info, chunk_size, states=None):
         h, v_new, final = state.state_fwd(k, w, u, h0, output_final_state, info, chunk_size)
-        for buf, x in zip(states, transposed_states(h, v_new, lengths, chunk_size)):
+        for buf, x in zip(states or (), transposed_states(h, v_new, lengths, chunk_size)):
             buf.copy_(x)
         return output.output_fwd(q, k, v_new, h, scale, info, chunk_size), final
 
@@ -301,7 +300,11 @@ def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, poison):
     monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a: True)
     monkeypatch.setattr(chunk, "state_output_fwd", walk_saving_states)
     monkeypatch.setattr(chunk_backward, "backward_on_forward_states", lambda *a: ran.append(a[7]) or on_states(*a))
-    check_against_recurrence(monkeypatch, 1, lengths, 2, 24, 32, dtype, C, True, True, seed=len(lengths))
+    check_against_recurrence(monkeypatch, 1, lengths, 2, 24, 32, dtype, C, True, True, seed=len(lengths),
+                             save_states=save_states)
+    if not save_states:
+        assert ran == []
+        return
     ((w, st, vt), ) = ran
     NT = sum((L + C - 1) // C for L in lengths)
     assert (w.shape, st.shape, vt.shape) == ((1, sum(lengths), 2, 24), (NT, 2, 32, 24), (NT, 2, 32, C))
@@ -350,10 +353,10 @@ def gradients(fn, inp, scale, do, dht, cu_seqlens=None, **opts):
 
 
 def check_against_recurrence(monkeypatch, B, lengths_or_T, H, K, V, dtype, C, with_state, with_dht,
-                             growing=False, l2norm=False, seed=0):
-    """Triton chunk backward vs the float64 recurrence; lengths_or_T: T (fixed length) or a list of
-    sequence lengths (packed, B = 1); growing: unnormalized keys and beta in (0, 2), so the transition is
-    not a contraction. Returns the Triton gradients and dht."""
+                             growing=False, l2norm=False, seed=0, **opts):
+    """Triton chunk backward (chunk_delta_rule with opts) vs the float64 recurrence; lengths_or_T: T (fixed
+    length) or a list of sequence lengths (packed, B = 1); growing: unnormalized keys and beta in (0, 2), so the
+    transition is not a contraction. Returns the Triton gradients and dht."""
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
     varlen = isinstance(lengths_or_T, list)
     T = sum(lengths_or_T) if varlen else lengths_or_T
@@ -369,7 +372,7 @@ def check_against_recurrence(monkeypatch, B, lengths_or_T, H, K, V, dtype, C, wi
     want = gradients(recurrent_delta_rule, ref_inp, scale, do, dht, None if cu is None else cu.cpu(),
                      use_qk_l2norm=l2norm)
     got = gradients(deltatron.chunk_delta_rule, inp, scale, do.to(DEVICE), None if dht is None else dht.to(DEVICE),
-                    cu, use_qk_l2norm_in_kernel=l2norm, chunk_size=C)
+                    cu, use_qk_l2norm_in_kernel=l2norm, chunk_size=C, **opts)
     for name, x, ref in zip(("dq", "dk", "dv", "dbeta", "dh0"), got, want):
         if ref is None:
             assert x is None, name

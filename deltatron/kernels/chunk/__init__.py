@@ -46,19 +46,19 @@ __all__ = ["forward", "backward"]
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-            needs_backward: bool = True, chunk_size: int = 64):
+            needs_backward: bool = True, chunk_size: int = 64, save_states: bool = False):
     """o, final_state, saved = (Tinv,) (or () without needs_backward), extras = (). A, Tinv, W, U in one
     kernel (wy_fwd), then the state pass with the output fused in where that is faster (state.
     fused_output_pays), else the state pass and the output apart; on partitions of the long sequences where
     seq_split says so. Only Tinv is saved (the same split or not): W, U and the per-chunk states are recomputed;
-    without needs_backward it is not even written out. Where backward.keeps_forward_states (off by default), the
+    without needs_backward it is not even written out. With save_states, where backward.keeps_forward_states, the
     Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing."""
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
     split = seq_split.plan_for(k, v, info, chunk_size)
     if split is not None:  # the walk below runs on the partitions, from the states entering them
         initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)
         info = split.parts
-    kept = needs_backward and split is None and keeps_forward_states(q, k, w, u, info, chunk_size)
+    kept = needs_backward and save_states and split is None and keeps_forward_states(q, k, w, u, info, chunk_size)
     if kept:
         states = states_buffers(k, v, info, chunk_size)
         o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,

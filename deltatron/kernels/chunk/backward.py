@@ -77,25 +77,26 @@ def num_segments(k: torch.Tensor, info) -> int:
 # benchmarks/diagnostics/reverse_split.py); None is kept for a rule once measured, and until then means False
 REVERSE_SPLIT: Optional[bool] = False
 
-# Whether a training forward keeps W and its walk's per-chunk states (S^T, V'^T: state.states_buffers) for the
-# backward, which then skips its recompute walk (keeps_forward_states): False never (the default: not measured on a
-# GPU yet); True wherever it applies. It costs memory between the forward and the backward: W, S^T and V'^T are
-# 1 KiB a token and head at K = V = 128 (C = 64), beside the T~ saved either way (256 B)
-SAVE_FORWARD_STATES = False
-
 
 def keeps_forward_states(q, k, w, u, info, chunk_size) -> bool:
-    """Whether the forward saves its states for this call's backward: SAVE_FORWARD_STATES, where the forward's walk is
-    the Gluon one on the whole sequences (state.gluon_walk_runs; the caller checks that no sequence split runs) and
-    the backward would be neither segmented nor split (they read the states otherwise)."""
-    return (SAVE_FORWARD_STATES and not REVERSE_SPLIT and state.gluon_walk_runs(q, k, w, u, info, chunk_size)
+    """Where a training forward asked to (chunk_delta_rule's save_states) keeps W and its walk's per-chunk states
+    (S^T, V'^T: state.states_buffers) for the backward, which then skips its recompute walk: where the forward's
+    walk is the Gluon one on the whole sequences (state.gluon_walk_runs; the caller checks that no sequence split
+    runs) and the backward would be neither segmented nor split (those recompute on their own terms). The cost is
+    memory from the forward to the backward: W, S^T and V'^T are 1 KiB a token and head at K = V = 128 (C = 64),
+    beside the T~ saved either way (256 B). Measured on the H200 (benchmarks/diagnostics/save_states.py, bf16,
+    session 17; gradients bitwise equal), forward+backward ms, recomputing / keeping: 8 x 16 heads, T = 2048,
+    1.115 / 0.992; 4 x 16, T = 4096, 1.210 / 0.978; 2 x 32, T = 8192, 2.407 / 1.921; 20 sequences x 16 heads,
+    32,768 tokens, 2.751 / 2.224. The training forward alone takes 0.06-0.12 ms longer (it writes S^T, V'^T)."""
+    return (not REVERSE_SPLIT and state.gluon_walk_runs(q, k, w, u, info, chunk_size)
             and num_segments(k, info) == 1)
 
 
-def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64):
+def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False):
     """Gradients (dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None without initial_state)
     of the chunkwise delta rule; saved = (Tinv,) from the forward, or (Tinv, W, S^T, V'^T) where it kept its
-    states (keeps_forward_states): then no recompute walk runs. Deterministic: no atomics.
+    states (keeps_forward_states): then no recompute walk runs (save_states, the forward's option, is not read
+    here: saved says what was kept). Deterministic: no atomics.
 
     Each intermediate is released right after the last stage that reads it (`del`), so the peak is the set
     alive at the widest stage (dqkw), not every tensor of the backward at once."""

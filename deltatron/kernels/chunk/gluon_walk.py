@@ -253,7 +253,7 @@ def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, nu
     and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it).
     SAVE_STATES: the hand-off's S^T and V'^T of each chunk also go to HBM, TMA stores straight from the
     hand-off buffers into states = (S^T [NT, H, 128, 128], V'^T [NT, H, 128, C]) at the chunk's global number
-    first_chunk + t, for the backward (backward.SAVE_FORWARD_STATES); the stores run beside this chunk's
+    first_chunk + t, for the backward (chunk_delta_rule's save_states); the stores run beside this chunk's
     products and are waited for before the buffers go back to the chain."""
     w_ring, u_ring, k_ring, q_ring = ring
     st_bufs, vt_bufs, sv_ready, sv_empty = handoff

@@ -389,7 +389,7 @@ def states_shapes(H: int, K: int, V: int, info: SeqInfo, chunk_size: int):
 
 
 def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The per-chunk states a training forward keeps for the backward (backward.SAVE_FORWARD_STATES), as the Gluon
+    """The per-chunk states a training forward keeps for the backward (chunk_delta_rule's save_states), as the Gluon
     walk stores them from its hand-off (state_output_fwd's states) and output_bwd.dqkw reads them (states_t), in
     k's dtype: st [NT, H, V, K], st[c, h] = S_c^T, the state entering chunk c (rounded as the walk's operand); vt
     [NT, H, V, C], vt[c, h, :, i] = V' of the chunk's token i, zero past a sequence's end. NT and c: the batch's
