@@ -65,6 +65,24 @@ def nearly_parallel_keys(shape, beta_low=1.95, dtype=torch.float32, device="cpu"
     return k.to(device=device, dtype=dtype), beta.to(device=device, dtype=dtype)
 
 
+def chunk_spans(lengths: Sequence[int], C: int) -> list:
+    """(first token, last token + 1) of every chunk of the packed batch, in global chunk order."""
+    out, bos = [], 0
+    for L in lengths:
+        out += [(t0, min(t0 + C, bos + L)) for t0 in range(bos, bos + L, C)]
+        bos += L
+    return out
+
+
+def transposed_states(h: torch.Tensor, v_new: torch.Tensor, lengths: Sequence[int], C: int):
+    """h [NT, H, K, V] and v_new [1, TT, H, V] laid out as the forward's Gluon walk saves them
+    (state.states_buffers): S^T [NT, H, V, K] and V'^T [NT, H, V, C], zero past each sequence's end."""
+    vt = v_new.new_zeros(h.shape[0], h.shape[1], v_new.shape[-1], C)
+    for c, (t0, t1) in enumerate(chunk_spans(lengths, C)):
+        vt[c, ..., : t1 - t0] = v_new[0, t0:t1].permute(1, 2, 0)
+    return h.transpose(-1, -2).contiguous(), vt
+
+
 def random_cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
     lens = torch.tensor([0, *lengths], dtype=torch.int64)
     return lens.cumsum(0).to(device=device, dtype=torch.int32)

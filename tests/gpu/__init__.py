@@ -41,6 +41,15 @@ def gluon_smoke(code: str, *args: str) -> Optional[str]:
     return f"failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}" if proc.returncode else None
 
 
+def smoke_both_widths(code: str, kernel: str) -> None:
+    """gluon_smoke at both V-block widths (block_v 128 and 64) before a test of another file launches the kernel;
+    fails the calling test with the first failure."""
+    for block_v in ("128", "64"):
+        failure = gluon_smoke(code, block_v)
+        if failure:
+            pytest.fail(f"{kernel}'s smoke call (block_v {block_v}) " + failure, pytrace=False)
+
+
 def require_smoke_passed(smoke_failures: dict, request, widths, kernel: str) -> None:
     """Fails the calling test unless the smoke calls (smoke_failures: {block_v: gluon_smoke's result}) of the
     V-block widths it runs passed: its block_v parameter, or every width for a test without one."""

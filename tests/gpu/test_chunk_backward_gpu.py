@@ -15,7 +15,7 @@ from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
 from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
-from . import CHUNK_SHAPES, gluon_smoke
+from . import CHUNK_SHAPES, smoke_both_widths
 
 pytestmark = pytest.mark.gpu
 
@@ -100,10 +100,7 @@ def gluon_reverse_runs():
     # heads, 64 at 4 x 16 (gluon_walk.split_v)
     from .test_gluon_reverse_gpu import SMOKE
 
-    for block_v in ("128", "64"):
-        failure = gluon_smoke(SMOKE, block_v)
-        if failure:
-            pytest.fail(f"the Gluon reverse pass's smoke call (block_v {block_v}) " + failure, pytrace=False)
+    smoke_both_widths(SMOKE, "the Gluon reverse pass")
 
 
 def force_reverse_pass(reverse: str, x: dict, monkeypatch, request) -> list:
@@ -191,10 +188,7 @@ def gluon_walk_runs():
     # the Gluon walk's smoke calls (test_gluon_walk_gpu.py's, saving the states among them) in a child process first
     from .test_gluon_walk_gpu import SMOKE
 
-    for block_v in ("128", "64"):
-        failure = gluon_smoke(SMOKE, block_v)
-        if failure:
-            pytest.fail(f"the Gluon walk's smoke call (block_v {block_v}) " + failure, pytrace=False)
+    smoke_both_widths(SMOKE, "the Gluon walk")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

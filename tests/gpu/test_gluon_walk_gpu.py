@@ -19,7 +19,7 @@ import torch
 from deltatron.kernels.chunk import state, wy
 from deltatron.kernels.utils import seq_info
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms, transposed_states
 from . import gluon_smoke, require_smoke_passed
 
 pytestmark = pytest.mark.gpu
@@ -144,19 +144,12 @@ def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
                                                          block_v=block_v)
     assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
     st, vt = saved
-    want_vt = torch.zeros_like(vt)
-    past_end = torch.ones_like(vt, dtype=torch.bool)  # the columns of tokens past a sequence's end
-    c, bos = 0, 0
-    for L in lengths:
-        for t0 in range(bos, bos + L, C):
-            t1 = min(t0 + C, bos + L)
-            want_vt[c, ..., : t1 - t0] = v_new[0, t0:t1].permute(1, 2, 0)
-            past_end[c, ..., : t1 - t0] = False
-            c += 1
-        bos += L
-    assert c == st.shape[0] and torch.isfinite(st).all() and torch.isfinite(vt).all()
+    want_st, want_vt = transposed_states(h, v_new, lengths, C)
+    past_end = transposed_states(h, torch.ones_like(v_new), lengths, C)[1] == 0  # columns of tokens past the end
+    assert st.shape == want_st.shape and vt.shape == want_vt.shape
+    assert torch.isfinite(st).all() and torch.isfinite(vt).all()
     bound = BOUNDS[dtype]
-    assert rel_rms(st, h.transpose(-1, -2)) <= bound, f"S^T: rel RMS {rel_rms(st, h.transpose(-1, -2)):.2e}"
+    assert rel_rms(st, want_st) <= bound, f"S^T: rel RMS {rel_rms(st, want_st):.2e}"
     assert rel_rms(vt, want_vt) <= bound, f"V'^T: rel RMS {rel_rms(vt, want_vt):.2e}"
     assert past_end.any() and not vt[past_end].any()
 

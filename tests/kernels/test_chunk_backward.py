@@ -12,7 +12,8 @@ from deltatron.kernels.chunk import output_bwd, state, state_bwd, wy, wy_bwd
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import intra_chunk_wy, recurrent_delta_rule
 
-from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
+from ..helpers import (BOUNDS, DEVICE, INTERPRET, chunk_spans, make_inputs, nearly_parallel_keys, random_cu_seqlens,
+                       rel_rms, transposed_states)
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -33,15 +34,6 @@ def packed(lengths, H, K, V, dtype, seed):
     return inp, info, ref
 
 
-def spans(lengths, C):
-    """(first token, last token + 1) of every chunk of the packed batch, in global chunk order."""
-    out, bos = [], 0
-    for L in lengths:
-        out += [(t0, min(t0 + C, bos + L)) for t0 in range(bos, bos + L, C)]
-        bos += L
-    return out
-
-
 def heads_first(x, t0, t1):
     return x[t0:t1].transpose(0, 1)  # [t, H, D] -> [H, t, D]
 
@@ -51,7 +43,7 @@ def wy_model(k, v, beta, lengths, C):
     support (above the diagonal, past the chunk's end): a kernel must not read it there."""
     TT, H = beta.shape
     ws, us, tinv = [], [], k.new_full((TT, H, C), float("nan"))
-    for t0, t1 in spans(lengths, C):
+    for t0, t1 in chunk_spans(lengths, C):
         _, t, w, u = intra_chunk_wy(heads_first(k, t0, t1), heads_first(v, t0, t1), beta[t0:t1].T)
         lower = torch.ones(t1 - t0, t1 - t0, dtype=torch.bool).tril()
         tinv[t0:t1, :, : t1 - t0] = t.transpose(0, 1).where(lower[:, None], float("nan"))
@@ -68,7 +60,7 @@ def state_model(q, k, w, u, s0, scale, lengths, C):
     bos = 0
     for n, L in enumerate(lengths):
         S = s0[n]
-        for t0, t1 in spans([L], C):
+        for t0, t1 in chunk_spans([L], C):
             qc, kc, wc, uc = (heads_first(x, bos + t0, bos + t1) for x in (q, k, w, u))
             vn = uc - wc @ S
             outs.append((scale * (qc @ S + (qc @ kc.transpose(1, 2)).tril() @ vn)).transpose(0, 1))
@@ -86,15 +78,6 @@ def to_dev(x, dtype):
     return x.to(device=DEVICE, dtype=dtype)[None].contiguous()
 
 
-def transposed_states(h, v_new, lengths, C):
-    """h [NT, H, K, V] and v_new [1, TT, H, V] laid out as the forward's Gluon walk saves them
-    (state.states_buffers): S^T [NT, H, V, K] and V'^T [NT, H, V, C], zero past each sequence's end."""
-    vt = v_new.new_zeros(h.shape[0], h.shape[1], v_new.shape[-1], C)
-    for c, (t0, t1) in enumerate(spans(lengths, C)):
-        vt[c, ..., : t1 - t0] = v_new[0, t0:t1].permute(1, 2, 0)
-    return h.transpose(-1, -2).contiguous(), vt
-
-
 # ---------------------------------------------------------------------------------------------------
 # stages
 
@@ -109,7 +92,7 @@ def test_dv_local(dtype, C, poison):
     got = output_bwd.dv_local(inp["q"], inp["k"], do, scale, info, C)
     want = torch.zeros(sum(lengths), H, V, dtype=torch.float64)
     dod = do[0].cpu().double()
-    for t0, t1 in spans(lengths, C):
+    for t0, t1 in chunk_spans(lengths, C):
         qk = (heads_first(ref["q"], t0, t1) @ heads_first(ref["k"], t0, t1).transpose(1, 2)).tril()
         want[t0:t1] = (scale * qk.transpose(1, 2) @ heads_first(dod, t0, t1)).transpose(0, 1)
     assert got.dtype == dtype

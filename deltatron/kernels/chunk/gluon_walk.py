@@ -414,8 +414,9 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
     shipped walk's programs without chunks store it. checked: the caller has made check_inputs' checks (the
     chunk forward's state.state_output_fwd and state_final_fwd: the API's shapes and dtypes,
-    gluon_walk_applies, contiguity and alignment), so they are not made again. states: (st, vt) from
-    state.states_buffers, into which the walk with its output also stores each chunk's S^T and V'^T."""
+    gluon_walk_applies, contiguity and alignment; states from state.states_buffers), so they are not made again.
+    states: (st, vt) from state.states_buffers, into which the walk with its output also stores each chunk's S^T
+    and V'^T."""
     with_output = o is not None
     if not checked:
         check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
@@ -427,7 +428,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     if not with_output and final_state is None:
         raise ValueError("gluon_walk: a walk without its output (o None) must store the final states")
     TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
-    if states is not None:
+    if states is not None and not checked:
         expected = states_shapes(k.shape[2], k.shape[3], D, info, C_WALK)
         if not with_output or any(tuple(x.shape) != e or x.dtype != k.dtype or not x.is_contiguous()
                                   for x, e in zip(states, expected)):
@@ -457,7 +458,6 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
            initial_state, final_state, scale, info.cu_seqlens, chunk_offsets, H, initial_state is not None,
            final_state is not None, with_output, states is not None, LOADER_REGS, OUTPUT_WARPS, cfg.output_regs,
            cfg.stages if with_output else cfg.final_only_stages, num_warps=cfg.chain_warps)
-
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
