@@ -259,18 +259,13 @@ def test_state_output_fwd_refuses_states_off_the_gluon_walk():
         state.state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info, 64, states)
 
 
-@pytest.mark.parametrize("dtype, lengths, save_states", [(torch.bfloat16, [0, 1, 33, 16], True),
-                                                       (torch.float16, [40], True), (torch.float16, [40], False)])
-def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, save_states, poison):
-    """Through the API and autograd: with save_states, the forward keeps (T~, W, S^T, V'^T) where
-    keeps_forward_states says so, and the backward runs on them (backward_on_forward_states) instead of
-    recomputing; the gradients match the float64 recurrence as the recomputing backward's do; without it nothing is
-    kept. The Gluon walk, which saves the states on the GPU, is stood in for by the Triton walk and output, its h
-    and V' laid out as the Gluon walk stores them (transposed_states)."""
+def stand_in_for_the_saving_walk(monkeypatch, lengths) -> list:
+    """Off the GPU, the forward's states kept as the Gluon walk keeps them: keeps_forward_states true, and the walk
+    stood in for by the Triton walk and output, its h and V' laid out as the Gluon walk stores them
+    (transposed_states). Returns the list each backward_on_forward_states call appends its kept (W, S^T, V'^T) to."""
     chunk = importlib.import_module("deltatron.kernels.chunk")
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
     from deltatron.kernels.chunk import output
-    C = 16
 
     def walk_saving_states(q, k, w, u, scale, h0, output_final_state, info, chunk_size, states=None):
         h, v_new, final = state.state_fwd(k, w, u, h0, output_final_state, info, chunk_size)
@@ -283,6 +278,18 @@ def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, save_states
     monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a: True)
     monkeypatch.setattr(chunk, "state_output_fwd", walk_saving_states)
     monkeypatch.setattr(chunk_backward, "backward_on_forward_states", lambda *a: ran.append(a[7]) or on_states(*a))
+    return ran
+
+
+@pytest.mark.parametrize("dtype, lengths, save_states", [(torch.bfloat16, [0, 1, 33, 16], True),
+                                                       (torch.float16, [40], True), (torch.float16, [40], False)])
+def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, save_states, poison):
+    """Through the API and autograd: with save_states, the forward keeps (T~, W, S^T, V'^T) where
+    keeps_forward_states says so, and the backward runs on them (backward_on_forward_states) instead of
+    recomputing; the gradients match the float64 recurrence as the recomputing backward's do; without it nothing is
+    kept."""
+    C = 16
+    ran = stand_in_for_the_saving_walk(monkeypatch, lengths)
     check_against_recurrence(monkeypatch, 1, lengths, 2, 24, 32, dtype, C, True, True, seed=len(lengths),
                              save_states=save_states)
     if not save_states:
@@ -291,6 +298,22 @@ def test_api_gradients_from_kept_states(monkeypatch, dtype, lengths, save_states
     ((w, st, vt), ) = ran
     NT = sum((L + C - 1) // C for L in lengths)
     assert (w.shape, st.shape, vt.shape) == ((1, sum(lengths), 2, 24), (NT, 2, 32, 24), (NT, 2, 32, C))
+
+
+def test_kept_states_serve_a_retained_graph_twice(monkeypatch, poison):
+    # backward twice through one forward (retain_graph=True): the kept states are still there the second time, and
+    # give the same gradients
+    ran = stand_in_for_the_saving_walk(monkeypatch, [30, 0, 17])
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    x = make_inputs(1, 47, 2, 16, 16, torch.bfloat16, device=DEVICE, initial_state=True, N=3, seed=8,
+                    requires_grad=True)
+    cu = random_cu_seqlens([30, 0, 17], DEVICE)
+    o, _ = deltatron.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], initial_state=x["initial_state"],
+                                      cu_seqlens=cu, chunk_size=16, save_states=True)
+    inputs = list(x.values())
+    first = torch.autograd.grad(o.float().sum(), inputs, retain_graph=True)
+    second = torch.autograd.grad(o.float().sum(), inputs)
+    assert len(ran) == 2 and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
