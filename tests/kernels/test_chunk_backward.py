@@ -316,6 +316,38 @@ def test_kept_states_serve_a_retained_graph_twice(monkeypatch, poison):
     assert len(ran) == 2 and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_kept_states_under_activation_checkpointing(monkeypatch, use_reentrant, poison):
+    # torch.utils.checkpoint around the op: the kept states (saved for backward like T~, through save_for_backward)
+    # are not held after the checkpointed forward; the backward's recomputed forward keeps them again and the
+    # backward runs on those, with the gradients of the plain call
+    import gc
+    import weakref
+
+    chunk = importlib.import_module("deltatron.kernels.chunk")
+    ran = stand_in_for_the_saving_walk(monkeypatch, [30, 17])
+    kept_refs = []
+    buffers = chunk.states_buffers
+    monkeypatch.setattr(chunk, "states_buffers",
+                        lambda *a: (lambda out: kept_refs.extend(weakref.ref(t) for t in out) or out)(buffers(*a)))
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    x = make_inputs(1, 47, 2, 16, 16, torch.bfloat16, device=DEVICE, N=2, seed=9, requires_grad=True)
+    cu = random_cu_seqlens([30, 17], DEVICE)
+    inputs = [x[n] for n in ("q", "k", "v", "beta")]
+
+    def op(q, k, v, beta):
+        return deltatron.chunk_delta_rule(q, k, v, beta, cu_seqlens=cu, chunk_size=16, save_states=True)[0]
+
+    want = torch.autograd.grad(op(*inputs).float().sum(), inputs)
+    assert len(ran) == 1
+    kept_refs.clear()
+    o = torch.utils.checkpoint.checkpoint(op, *inputs, use_reentrant=use_reentrant)
+    gc.collect()
+    assert all(ref() is None for ref in kept_refs), "the checkpointed forward's states outlived it"
+    o.float().sum().backward()  # (reentrant checkpointing takes .backward(), not autograd.grad)
+    assert len(ran) == 2 and all(torch.equal(t.grad, g) for t, g in zip(inputs, want))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("C, lengths, K, V, parallel_keys", [
     (16, [0, 1, 17, 33], 24, 40, False), (64, [64, 65], 40, 24, False), (32, [31], 16, 16, False),
