@@ -59,13 +59,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
         initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)
         info = split.parts
     kept = needs_backward and save_states and split is None and keeps_forward_states(q, k, w, u, info, chunk_size)
-    if kept:
-        states = states_buffers(k, v, info, chunk_size)
+    states = states_buffers(k, v, info, chunk_size) if kept else None
+    if kept or fused_output_pays(k, v, info, chunk_size):  # (keeps_forward_states implies the fused Gluon walk)
         o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
                                           states)
-        return o, final_state, (tinv, w, *states), ()
-    if fused_output_pays(k, v, info, chunk_size):
-        o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size)
+        if kept:
+            return o, final_state, (tinv, w, *states), ()
     else:
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
         del w, u  # not needed by the output: its peak is h, v_new and o

@@ -71,8 +71,9 @@ def num_segments(k: torch.Tensor, info) -> int:
     return segmented_bwd.segmented_pays(info.num_seqs, k.shape[2], info.total_tokens)
 
 
-# Whether the reverse pass is split along long sequences (reverse_split.py): False never (the default: not measured
-# on a GPU yet); True on every sequence of seq_split.SPLIT_MIN_TOKENS tokens or more, in the partitions of a forced
+# Whether the reverse pass is split along long sequences (reverse_split.py): False never (the default: measured on
+# the H200 in session 17, it halves the reverse pass at b1-t32768-h16 but the whole backward loses 0.10 ms against
+# the segmented one, and at 64 heads it doubles the pass: benchmarks/NOTES.md); True on every sequence of seq_split.SPLIT_MIN_TOKENS tokens or more, in the partitions of a forced
 # forward split (seq_split.forced_partitions), the backward then unsegmented (tests,
 # benchmarks/diagnostics/reverse_split.py); None is kept for a rule once measured, and until then means False
 REVERSE_SPLIT: Optional[bool] = False
@@ -148,11 +149,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
 def backward_on_forward_states(q, k, v, beta, scale, initial_state, tinv, kept, do, dht, info, chunk_size):
     """backward's contract from the forward's W, S^T and V'^T (kept): the reverse pass, then dQ/dK/dW on the
     transposed states and the WY backward, unsegmented and unsplit (keeps_forward_states)."""
-    w, st, vt = kept
+    w, st, vt = kept  # (autograd holds these until the backward returns: nothing to release early here)
     dh, dv, dh0 = state_bwd.state_bwd(q, k, w, do, None, dht, scale, initial_state is not None, info, chunk_size)
-    del w, kept
     dq, dk_direct, dw = output_bwd.dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True)
-    del st, vt, dh
+    del dh
     dk, dv, dbeta = wy_bwd.wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
     return dq, dk, dv, dbeta, dh0
 

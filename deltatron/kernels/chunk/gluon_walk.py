@@ -429,7 +429,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
         raise ValueError("gluon_walk: a walk without its output (o None) must store the final states")
     TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
     if states is not None and not checked:
-        expected = states_shapes(k.shape[2], k.shape[3], D, info, C_WALK)
+        expected = states_shapes(H, D, D, info, C_WALK)
         if not with_output or any(tuple(x.shape) != e or x.dtype != k.dtype or not x.is_contiguous()
                                   for x, e in zip(states, expected)):
             raise ValueError(f"gluon_walk: states must be the walk with its output's contiguous {k.dtype} buffers "

@@ -1,5 +1,6 @@
 """The backward's reverse state pass split along long sequences: the mirror of the forward's sequence split
-(seq_split.py), behind backward.REVERSE_SPLIT (off by default: not measured on a GPU yet).
+(seq_split.py), behind backward.REVERSE_SPLIT (off by default: measured slower than the segmented backward in
+session 17, benchmarks/NOTES.md).
 
 The reverse recurrence of the fused pass (state_bwd.py), with dS_c the gradient of the state leaving chunk c,
 
