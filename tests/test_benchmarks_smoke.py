@@ -403,6 +403,25 @@ def test_tril_precision_emulation():
         assert results[(kind, "bfloat16", "tf32_newton")][0] < 2e-4  # error squared by the Newton step
 
 
+def test_residual_form_emulation():
+    """benchmarks/diagnostics/residual_form_emulation.py backs the forward's residual form (state.RESIDUAL_WALK):
+    V' = Tb (V - K S), with V - K S rounded to the dtype and Tb as its pair, is no less accurate than the W, U form
+    on random and nearly parallel keys (float64 model with the kernels' rounding points); with Tb rounded alone it
+    puts fp16 over its bound near beta = 2, so the pair is needed."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    try:
+        import residual_form_emulation as emulation
+    finally:
+        sys.path.pop(0)
+    results = emulation.table(256)
+    for dtype, beta_low in emulation.CASES:
+        name = str(dtype).split(".")[1]
+        residual, wu = results[(name, beta_low, "residual")], results[(name, beta_low, "W, U form")]
+        assert residual[0] <= 1.05 * wu[0] and residual[1] <= 1.05 * wu[1], (name, beta_low, residual, wu)
+    assert results[("float16", 1.95, "residual, Tb rounded")][0] > 3e-3  # fp16's bound
+    assert results[("float16", 1.95, "residual")][0] < 3e-3
+
+
 def test_wy_breakdown_diagnostic_runs(tmp_path):
     """benchmarks/diagnostics/wy_breakdown.py (the WY forward's steps and candidate launches timed on the GPU)
     runs its smoke mode, which checks that each inverse variant gives the shipped Tinv and that every

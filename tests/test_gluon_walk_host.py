@@ -5,6 +5,7 @@ output (gluon_state_final_fwd) launches the same kernel and grid without Q, o an
 state.state_final_fwd runs it where state_output_fwd runs the Gluon walk. The kernel itself is checked on the GPU
 (tests/gpu/test_gluon_walk_gpu.py)."""
 import functools
+import types
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
                for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
     assert args[6].is_contiguous() and args[6].shape == u.shape  # o, from empty_like(u)
-    assert args[4] is args[5] is args[11] is None and args[16] is False  # no states saved
+    assert args[4] is args[5] is args[11] is None and args[16] is False and args[17] is False  # no states, W, U
 
 
 @pytest.mark.parametrize("B, T, H, block_v, has_h0", [(2, 70, 3, 64, True), (2, 70, 3, 128, False),
@@ -134,10 +135,10 @@ def test_final_only_launch(monkeypatch, B, T, H, block_v, has_h0):
     assert_same_descriptors(args2[:3], args[:3])  # w, u, k
     q_desc, o, final_state = args2[3], args2[6], args2[8]
     assert q_desc is None and o is None and final_state is s and s.shape == (B, H, D, D)
-    has_h0_flag, store_ht, with_output, stages = args2[13], args2[14], args2[15], args2[20]
+    has_h0_flag, store_ht, with_output, stages = args2[13], args2[14], args2[15], args2[21]
     assert (has_h0_flag, store_ht, with_output) == (has_h0, True, False) and args[15] is True
     cfg = gluon_walk.WALK_CONFIGS[args[1].block_shape[1]]
-    assert (args[20], stages) == (cfg.stages, cfg.final_only_stages)
+    assert (args[21], stages) == (cfg.stages, cfg.final_only_stages)
 
 
 @pytest.mark.parametrize("lengths, block_v", [([70, 0, 130], 64), ([70, 0, 130], 128), ([1], None)])
@@ -193,3 +194,57 @@ def test_state_final_fwd_dispatch(monkeypatch):
     assert gluon_kw == dict(checked=True)
     assert output == "output" and output_args == (x["q"], x["k"], x["k"], x["v"], 1.0, x["initial_state"], True, info,
                                                   64)
+
+
+@pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (1, 5, 16, None)])
+def test_residual_form_launch(monkeypatch, B, T, H, block_v):
+    # the residual form: Tb's descriptor ([.., H, 2 x 64], W's box [64, 128]) in W's place and V's in U's, RESIDUAL on,
+    # everything else as the walk on W, U launches it
+    from .test_gluon_reverse_host import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
+    x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    tb = torch.randn(B, T, H, 2 * gluon_walk.C_WALK).to(torch.bfloat16)
+    for residual in (False, True):
+        gluon_walk.gluon_state_output_fwd(x["q"], x["k"], tb, x["v"], 0.1, x["initial_state"], True, info,
+                                          block_v=block_v, residual=residual)
+    (grid, args, kwargs), (grid2, args2, kwargs2) = kernel.launches
+    width = args2[1].block_shape[1]
+    assert_same_descriptors(args2[:4], reshaped_descriptors(((tb, D), (x["v"], width), (x["k"], D), (x["q"], D)),
+                                                            B * T, H))
+    assert (args[17], args2[17]) == (False, True) and grid2 == grid and kwargs2 == kwargs
+    assert args2[18:] == args[18:] and args2[12:17] == args[12:17]
+
+
+def test_forward_dispatches_the_residual_form(monkeypatch):
+    # chunk.forward takes the residual form (tinv_pair_fwd, then the walk with residual=True on Tb and V) where
+    # state.residual_walk_runs, unless a sequence split runs or a training forward keeps its states (both need W);
+    # the kernels are recorded here, not run
+    from deltatron.kernels import chunk
+    x = make_inputs(1, 64, 2, D, D, torch.bfloat16, initial_state=True)
+    info = seq_info(1, 64, torch.device("cpu"), None, None)
+    final = torch.zeros(1, 2, D, D)
+    calls = []
+    monkeypatch.setattr(chunk, "tinv_pair_fwd", lambda *a, **kw: calls.append(("pair", kw)) or ("tinv", "tb"))
+    monkeypatch.setattr(chunk, "wy_fwd", lambda *a, **kw: calls.append(("wy", kw)) or ("tinv", "w", "u"))
+    monkeypatch.setattr(chunk, "state_output_fwd", lambda *a, **kw: calls.append(("walk", a[2:4], kw)) or ("o", final))
+    monkeypatch.setattr(chunk, "fused_output_pays", lambda *a: True)
+    monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a: False)
+    monkeypatch.setattr(chunk.seq_split, "partition_states", lambda *a: x["initial_state"])
+    monkeypatch.setattr(state, "gluon_walk_pays", lambda *a: True)
+    split = types.SimpleNamespace(parts=info, last_part=torch.zeros(1, dtype=torch.long))
+    args = (x["q"], x["k"], x["v"], x["beta"], 0.1, x["initial_state"], True, info)
+    for switch, needs_backward, save_states, plan, residual in [
+            (True, True, False, None, True), (True, False, False, None, True), (True, False, True, None, True),
+            (True, True, True, None, False), (True, True, False, split, False), (False, True, False, None, False)]:
+        monkeypatch.setattr(state, "RESIDUAL_WALK", switch)
+        monkeypatch.setattr(chunk.seq_split, "plan_for", lambda *a, _plan=plan: _plan)
+        calls.clear()
+        o, _, saved, extras = chunk.forward(*args, needs_backward=needs_backward, save_states=save_states)
+        assert o == "o" and saved == (("tinv",) if needs_backward else ()) and extras == ()
+        if residual:
+            assert calls == [("pair", dict(store_tinv=needs_backward)), ("walk", ("tb", x["v"]), dict(residual=True))]
+        else:
+            assert [c[0] for c in calls] == ["wy", "walk"] and calls[0][1] == dict(store_tinv=needs_backward)
+            assert calls[1][1] == ("w", "u") and "residual" not in calls[1][2]

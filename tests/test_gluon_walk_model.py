@@ -9,7 +9,8 @@ S^T += V'^T K, (Q K^T masked j <= i) rounded, O's V-block columns = scale (Q S +
 before the end. It checks the kernel's indexing and rounding points, not its synchronization (that only the
 GPU can), and that check() fails on the three wrong kernels nearest to it: V' not masked past the end (the
 next sequence's rows reach the state), the diagonal left out of the causal mask, and every V-block reading
-U's first (a missing V-block offset)."""
+U's first (a missing V-block offset). The residual form (RESIDUAL: the W slot holding Tb's pair, the U slot V,
+V'^T = (V^T - S^T K^T rounded) Tb^T) likewise, through the GPU test's check_residual."""
 import itertools
 import types
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not INTERPRET, reason="the shipped walk on CPU t
 C, D = 64, 128
 
 
-def kernel_model(q, k, w, u, scale, h0, output_final_state, info, block_v, bug=None):
+def kernel_model(q, k, w, u, scale, h0, output_final_state, info, block_v, bug=None, residual=False):
     TT, H, dt = info.total_tokens, k.shape[2], k.dtype
     tiles = [torch.cat([x.reshape(TT, H, D), x.new_zeros(C, H, D)]) for x in (q, k, w, u)]  # zero fill past TT
     o = torch.full((TT, H, D), float("nan"), dtype=dt)
@@ -44,7 +45,15 @@ def kernel_model(q, k, w, u, scale, h0, output_final_state, info, block_v, bug=N
                 b_q, b_k, b_w, b_u = (x[row:row + C, h].float() for x in tiles)
                 sd = st.to(dt).float()
                 valid = C if bug == "no V' mask" else eos - row
-                vnt = torch.where(tok[None, :] < valid, b_u[:, u_blk].T - sd @ b_w.T, 0.0).to(dt).float()
+                if residual:  # w holds Tb's pair [C, hi | lo], u holds V: V'^T = (V^T - S^T K^T) Tb^T
+                    yt = (b_u[:, u_blk].T - sd @ b_k.T).to(dt).float()
+                    tb_hi, tb_lo = b_w[:, :C], b_w[:, C:]
+                    if bug == "Tb not transposed":
+                        tb_hi, tb_lo = tb_hi.T, tb_lo.T
+                    vt = yt @ tb_hi.T + yt @ tb_lo.T
+                else:
+                    vt = b_u[:, u_blk].T - sd @ b_w.T
+                vnt = torch.where(tok[None, :] < valid, vt, 0.0).to(dt).float()
                 keep = tok[:, None] > tok[None, :] if bug == "no diagonal" else tok[:, None] >= tok[None, :]
                 p = torch.where(keep, b_q @ b_k.T, 0.0).to(dt).float()
                 b_o = b_q @ sd.T + p @ vnt.T
@@ -80,3 +89,20 @@ def test_kernel_model_against_the_gpu_test(case, bug, block_v):
     else:
         with pytest.raises(AssertionError):
             gpu_test.check(model, x, info, True, block_v)
+
+
+@pytest.mark.parametrize("case", ["dense", "varlen"])
+@pytest.mark.parametrize("bug, block_v", [(None, 128), (None, 64), ("Tb not transposed", 128),
+                                          ("no V' mask", 64)])
+def test_residual_form_model_against_the_gpu_test(case, bug, block_v):
+    # the residual form (V' = Tb (V - K S), gluon_walk_kernel's RESIDUAL) modelled the same way, through the GPU
+    # test's check_residual: against the shipped Triton walk on wy_fwd's W, U
+    x, info = inputs(case)
+    model = types.SimpleNamespace(
+        gluon_state_output_fwd=lambda *a, block_v, residual: kernel_model(*a, block_v, bug=bug, residual=residual))
+    if bug is None:
+        gpu_test.check_residual(model, x, info, True, block_v)
+        gpu_test.check_residual(model, x, info, False, block_v)
+    else:
+        with pytest.raises(AssertionError):
+            gpu_test.check_residual(model, x, info, True, block_v)

@@ -10,7 +10,8 @@ walk without its output (the final states only: the chain alone), then the whole
 walk runs twice: no atomics, so the second run must give the same bits.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
-bf16 with them saving its per-chunk states for the backward (chunk_delta_rule's save_states), and the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state) on a machine
+bf16 with them saving its per-chunk states for the backward (chunk_delta_rule's save_states), the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state, and the residual form, V' = Tb (V - K S),
+bf16 and fp16 with the states) on a machine
 without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory, the
 setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits, and
 the PTX barriers.
@@ -162,7 +163,9 @@ def offline(dump) -> int:
                 for name, dtype, states in [("bf16", torch.bfloat16, False), ("bf16", torch.bfloat16, True),
                                             ("fp16", torch.float16, True), ("bf16_saves_states", torch.bfloat16, True),
                                             ("bf16_final_only", torch.bfloat16, False),
-                                            ("bf16_final_only", torch.bfloat16, True)]]
+                                            ("bf16_final_only", torch.bfloat16, True),
+                                            ("bf16_residual", torch.bfloat16, True),
+                                            ("fp16_residual", torch.float16, True)]]
     with compiling_for_sm90() as compiled:
         for name, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
@@ -172,8 +175,9 @@ def offline(dump) -> int:
                 gluon_walk.gluon_state_final_fwd(k, k, q, h0, info, block_v=block_v)
             else:
                 saved = state.states_buffers(k, q, info, gluon_walk.C_WALK) if name.endswith("saves_states") else None
+                # (w and u stand-ins of the right shape: k for W or the Tb pair [.., H, 2 x 64], q for U or V)
                 gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, h0, states, info, block_v=block_v,
-                                                  states=saved)
+                                                  states=saved, residual=name.endswith("residual"))
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
     for (name, _, states, block_v), kernel in zip(variants, compiled):
         cfg = gluon_walk.WALK_CONFIGS[block_v]

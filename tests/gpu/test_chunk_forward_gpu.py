@@ -99,6 +99,59 @@ def test_forward_gluon_walk(poison, monkeypatch, request, dtype, lengths):
         assert torch.equal(final[i], x["initial_state"][i])
 
 
+def forward_in_residual_form(monkeypatch, request, x, scale, info):
+    """chunk.forward in the residual form (state.RESIDUAL_WALK, the Gluon walk forced): (o, final, saved), after
+    checking that it ran (tinv_pair_fwd called once) and that its saved Tinv, all the backward reads, is bit for bit
+    the W, U path's."""
+    if not state.gluon_walk_applies(x["k"], x["v"], 64):
+        pytest.skip("the Gluon walk runs on sm_90 only")
+    request.getfixturevalue("gluon_walk_runs")
+    monkeypatch.setattr(state, "GLUON_WALK", True)
+    pairs = []
+    pair_fwd = chunk.tinv_pair_fwd
+    monkeypatch.setattr(chunk, "tinv_pair_fwd", lambda *a, **kw: pairs.append(1) or pair_fwd(*a, **kw))
+    args = (x["q"], x["k"], x["v"], x["beta"], scale, x["initial_state"], True, info)
+    monkeypatch.setattr(state, "RESIDUAL_WALK", True)
+    o, final, saved, _ = chunk.forward(*args, chunk_size=64)
+    assert pairs == [1] and o.dtype == x["q"].dtype and final.dtype == torch.float32
+    monkeypatch.setattr(state, "RESIDUAL_WALK", False)
+    _, _, saved_wu, _ = chunk.forward(*args, chunk_size=64)
+    assert pairs == [1] and len(saved) == len(saved_wu) == 1 and torch.equal(saved[0], saved_wu[0])
+    return o, final, saved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths, H", [([2048] * 8, 16), ([1000, 1000], 8), ([0, 1, 63, 64, 65, 0, 700, 130], 3)])
+def test_forward_residual_walk(poison, monkeypatch, request, dtype, lengths, H):
+    # the residual form against the float64 oracle: 128 and 16 sequences x heads (V-blocks 128 and 64), partial
+    # last chunks, T = 1, empty sequences (their state passed through)
+    x = make_inputs(1, sum(lengths), H, 128, 128, dtype, device="cuda", initial_state=True, N=len(lengths),
+                    seed=len(lengths) + H)
+    cu = random_cu_seqlens(lengths, "cuda")
+    o, final, _ = forward_in_residual_form(monkeypatch, request, x, 0.1,
+                                           seq_info(1, sum(lengths), torch.device("cuda"), cu, cu.cpu()))
+    o_ref, final_ref = oracle(x, 0.1, 64, cu_seqlens=cu.cpu())
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+    for i in [i for i, n in enumerate(lengths) if n == 0]:
+        assert torch.equal(final[i], x["initial_state"][i])
+
+
+@pytest.mark.parametrize("dtype, beta_low", [(torch.float16, 0.95), (torch.float16, 1.45), (torch.float16, 1.95),
+                                             (torch.bfloat16, 0.95), (torch.bfloat16, 1.45)])
+def test_forward_residual_walk_nearly_parallel_keys(poison, monkeypatch, request, dtype, beta_low):
+    # V' = Tb (V - K S) rounds V - K S where the W, U form rounds W and U; on these inputs a float64 emulation with
+    # the kernels' rounding points gives the same or smaller errors (fp16 beta 1.95: o 2.3e-3 against 2.5e-3), and
+    # with Tb rounded to 16 bits alone instead of its pair 1.2e-2 (benchmarks/diagnostics/residual_form_emulation.py)
+    x = nearly_parallel_inputs(dtype, beta_low)
+    B, T = x["k"].shape[:2]
+    o, final, _ = forward_in_residual_form(monkeypatch, request, x, 128 ** -0.5,
+                                           seq_info(B, T, torch.device("cuda"), None, None))
+    o_ref, final_ref = oracle(x, 128 ** -0.5, 64)
+    assert rel_rms(o, o_ref) < BOUNDS[dtype]
+    assert rel_rms(final, final_ref) < BOUNDS[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_growing_transition(poison, dtype):
     # unnormalized keys, beta up to 2: the transition is not a contraction, and the rounding of 16-bit

@@ -42,10 +42,16 @@ s_only = gluon_walk.gluon_state_final_fwd(x["k"], w, u, x["initial_state"], info
 saved = state.states_buffers(x["k"], x["v"], info, 64)
 o_saving, _ = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
                                                 block_v=block_v, states=saved)
+_, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, 64, store_tinv=False)
+o_residual, s_residual = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], tb, x["v"], 128 ** -0.5,
+                                                           x["initial_state"], True, info, block_v=block_v,
+                                                           residual=True)
 torch.cuda.synchronize()
-print(f"gluon walk smoke calls (block_v {block_v}, with and without the output, saving the states) done, finite:",
+print(f"gluon walk smoke calls (block_v {block_v}, with and without the output, saving the states, the residual "
+      "form) done, finite:",
       bool(torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(s_only).all()
-           and torch.isfinite(o_saving).all() and all(torch.isfinite(t).all() for t in saved)))
+           and torch.isfinite(o_saving).all() and all(torch.isfinite(t).all() for t in saved)
+           and torch.isfinite(o_residual).all() and torch.isfinite(s_residual).all()))
 """
 
 
@@ -120,6 +126,53 @@ def test_gluon_walk_varlen(poison, gluon_walk, dtype, block_v):
     x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=3)
     cu = random_cu_seqlens(lengths, "cuda")
     check(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v)
+
+
+def check_residual(gluon_walk, x, info, states: bool, block_v: int):
+    """The residual form (V' = Tb (V - K S), Tb from wy.tinv_pair_fwd) against the shipped Triton walk on wy_fwd's
+    W, U: the same V' with the dtype's roundings in other places (W, U there; V - K S here), so within the
+    dtype's bound; and bit for bit the same on a second run (no atomics: a race would show)."""
+    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
+    tinv, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False)
+    assert tinv is None
+    h0 = x["initial_state"] if states else None
+    o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, C)
+    runs = [gluon_walk.gluon_state_output_fwd(x["q"], x["k"], tb, x["v"], D ** -0.5, h0, states, info,
+                                              block_v=block_v, residual=True) for _ in range(2)]
+    (o, s), (o2, s2) = runs
+    bound = BOUNDS[x["q"].dtype]
+    assert torch.isfinite(o).all()
+    err_o = rel_rms(o, o_ref)
+    err_s = rel_rms(s, s_ref) if states else None
+    print(f"gluon walk, residual form (block_v {block_v}) against the shipped walk: o {err_o:.2e}, final state {err_s}")
+    assert err_o < bound
+    assert torch.equal(o2, o)
+    if states:
+        assert torch.isfinite(s).all() and err_s < bound and torch.equal(s2, s)
+    else:
+        assert s is None
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B, T, H", [(8, 2048, 16), (2, 1000, 4), (1, 1, 3)])
+def test_gluon_walk_residual_form(poison, gluon_walk, dtype, B, T, H, block_v):
+    # T = 1000: a partial last chunk, whose Tb rows past the end are the next sequence's and whose Y columns past the
+    # end meet Tb's zero columns; T = 1: every chunk partial
+    x = packed(make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + H + 1), B, T, H)
+    info = seq_info(B, T, torch.device("cuda"), None, None)
+    check_residual(gluon_walk, x, info, True, block_v)
+    check_residual(gluon_walk, x, info, False, block_v)
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_walk_residual_form_varlen(poison, gluon_walk, dtype, block_v):
+    lengths = [0, 1, C - 1, C, C + 1, 700, 0, 130]
+    TT, H = sum(lengths), 4
+    x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=5)
+    cu = random_cu_seqlens(lengths, "cuda")
+    check_residual(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v)
 
 
 @pytest.mark.parametrize("block_v", BLOCK_V)

@@ -149,6 +149,35 @@ def test_wy(poison, dtype, C, lengths, K, V):
     assert torch.equal(wy.tinv_fwd(inp["k"], inp["beta"], info, C), tinv)
 
 
+@pytest.mark.parametrize("dtype, lengths, K", [(torch.float16, [65, 3, 0, 64], 32), (torch.bfloat16, [1, 130], 48)])
+def test_tinv_pair(poison, dtype, lengths, K):
+    # the residual form's input: Tinv (the backward's, bit for bit wy_fwd's) and Tb = Tinv diag(beta) as the
+    # pair hi + lo of the input dtype that wy_fwd applies (hi the rounding of the fp32 product, lo the rounding of
+    # what is left), hi in columns [0, C), lo in [C, 2C); beta of tokens past a short chunk's end reads as 0
+    C = 64
+    inp, info, ref = packed(lengths, 2, K, 16, dtype, seed=12)
+    _, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    tinv, tb = wy.tinv_pair_fwd(inp["k"], inp["beta"], info, C)
+    assert tinv.dtype == torch.float32 and tb.dtype == dtype and tb.shape == (*inp["k"].shape[:3], 2 * C)
+    assert torch.equal(tinv, wy.tinv_fwd(inp["k"], inp["beta"], info, C))
+    assert wy.tinv_pair_fwd(inp["k"], inp["beta"], info, C, store_tinv=False)[0] is None
+    beta_cols = torch.zeros_like(tinv)  # [1, TT, H, C]: the beta of each column's token in the row's chunk
+    for t0, t1, _ in chunk_rows(lengths, C):
+        beta_cols[0, t0:t1, :, :t1 - t0] = inp["beta"][0, t0:t1].float().T[None]
+    tb_fp32 = tinv * beta_cols
+    hi = tb_fp32.to(dtype)
+    assert torch.equal(tb[..., :C], hi)
+    assert torch.equal(tb[..., C:], (tb_fp32 - hi.float()).to(dtype))
+    pair = tb[..., :C].double() + tb[..., C:].double()
+    assert rel_rms(pair, T_ref * beta_cols.double()) < 1e-5
+
+
+def test_tinv_pair_refuses_fp32():
+    inp, info, _ = packed([16], 1, 16, 16, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="16-bit k only"):
+        wy.tinv_pair_fwd(inp["k"], inp["beta"], info, 16)
+
+
 # ---------------------------------------------------------------- stage 4: the state pass
 
 def state_reference(k, w, u, h0, lengths, C):

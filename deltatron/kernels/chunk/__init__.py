@@ -38,8 +38,8 @@ from ..utils import SeqInfo
 from . import seq_split
 from .backward import backward, keeps_forward_states
 from .output import output_fwd
-from .state import fused_output_pays, state_fwd, state_output_fwd, states_buffers
-from .wy import wy_fwd
+from .state import fused_output_pays, residual_walk_runs, state_fwd, state_output_fwd, states_buffers
+from .wy import tinv_pair_fwd, wy_fwd
 
 __all__ = ["forward", "backward"]
 
@@ -52,9 +52,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     fused_output_pays), else the state pass and the output apart; on partitions of the long sequences where
     seq_split says so. Only Tinv is saved (the same split or not): W, U and the per-chunk states are recomputed;
     without needs_backward it is not even written out. With save_states, where backward.keeps_forward_states, the
-    Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing."""
-    tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
+    Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing. Where
+    state.residual_walk_runs (no split, no kept states: both need W), no W, U at all: tinv_pair_fwd makes Tinv
+    diag(beta) as its 16-bit pair and the Gluon walk forms V' = Tb (V - K S) (the residual form); saved as above."""
     split = seq_split.plan_for(k, v, info, chunk_size)
+    if split is None and not (needs_backward and save_states) and residual_walk_runs(q, k, v, info, chunk_size):
+        # the residual form: Tinv diag(beta) as its pair instead of W, U, and V' = Tb (V - K S) in the walk
+        tinv, tb = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward)
+        o, final_state = state_output_fwd(q, k, tb, v, scale, initial_state, output_final_state, info, chunk_size,
+                                          residual=True)
+        return o, final_state, (tinv,) if needs_backward else (), ()
+    tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
     if split is not None:  # the walk below runs on the partitions, from the states entering them
         initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)
         info = split.parts

@@ -193,12 +193,13 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl
 @gluon.jit
 def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C: gl.constexpr,
                     D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
-                    num_warps: gl.constexpr):
-    """The serial chain on the V-block i_v of S^T, [BV, D] fp32 (rows V, columns K), both products with the
-    rounded S^T or V'^T as the register operand; WITH_OUTPUT: S^T and V'^T of each chunk go to the output
-    partition through handoff (st_bufs, vt_bufs, sv_ready, sv_empty; () without the output). The hand-off
-    only copies operands the products have already taken: the chain's arithmetic, so the final state, is the
-    same bit for bit either way."""
+                    RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+    """The serial chain on the V-block i_v of S^T, [BV, D] fp32 (rows V, columns K), its products with the
+    rounded S^T or V'^T (RESIDUAL: also Y^T) as the register operand; WITH_OUTPUT: S^T and V'^T of each chunk go
+    to the output partition through handoff (st_bufs, vt_bufs, sv_ready, sv_empty; () without the output). The
+    hand-off only copies operands the products have already taken: the chain's arithmetic, so the final state,
+    is the same bit for bit either way. RESIDUAL: the ring's W slot holds Tb = T~ diag(beta) as its 16-bit pair
+    (hi | lo, [C, 2C]) and its U slot V's block, and V' = Tb (V - K S) (gluon_walk_kernel)."""
     w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
@@ -224,16 +225,28 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
         b = t % 2  # the hand-off's buffer (WITH_OUTPUT)
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         b_sd = b_st.to(dt)
-        b_wst = warpgroup_mma(gl.convert_layout(b_sd, sd_operand), w_ring.index(s).permute((1, 0)),
-                              gl.zeros([BV, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
+        # S^T W^T (residual form: S^T K^T)
+        b_wst = warpgroup_mma(gl.convert_layout(b_sd, sd_operand), (k_ring if RESIDUAL else w_ring).index(s).permute(
+            (1, 0)), gl.zeros([BV, C], gl.float32, layout=vn_layout), use_acc=False, is_async=True)
         if WITH_OUTPUT:
-            # while S^T W^T runs: hand S^T to the output (once it is done with the buffer two chunks back)
+            # while that product runs: hand S^T to the output (once it is done with the buffer two chunks back)
             mbarrier.wait(sv_empty.index(b), ((t // 2) & 1) ^ 1)
             st_bufs.index(b).store(b_sd)
-        b_ut = u_ring.index(s).permute((1, 0)).load(vn_layout).to(gl.float32)
+        b_ut = u_ring.index(s).permute((1, 0)).load(vn_layout).to(gl.float32)  # U^T (residual form: V^T)
         b_wst = warpgroup_mma_wait(num_outstanding=0, deps=(b_wst, ))
+        if RESIDUAL:
+            # V'^T = Y^T Tb^T, Y = V - K S rounded to the input dtype, Tb = Tb_hi + Tb_lo (the two halves of the
+            # slot): the same V' as U - W S, since U = Tb V and W = Tb K
+            b_yt = gl.convert_layout((b_ut - b_wst).to(dt), sd_operand)
+            tb = w_ring.index(s)
+            b_vt = warpgroup_mma(b_yt, tb.slice(0, C, 1).permute((1, 0)), gl.zeros([BV, C], gl.float32,
+                                 layout=vn_layout), use_acc=False, is_async=True)
+            b_vt = warpgroup_mma(b_yt, tb.slice(C, C, 1).permute((1, 0)), b_vt, is_async=True)
+            b_vt = warpgroup_mma_wait(num_outstanding=0, deps=(b_vt, ))
+        else:
+            b_vt = b_ut - b_wst
         # V' rows past the sequence's end (the next sequence's tokens) must not reach the state
-        b_vnt = gl.where(tokens[None, :] < eos - bos - t * C, b_ut - b_wst, 0.0).to(dt)
+        b_vnt = gl.where(tokens[None, :] < eos - bos - t * C, b_vt, 0.0).to(dt)
         b_st = warpgroup_mma(gl.convert_layout(b_vnt, vn_operand), k_ring.index(s), b_st, is_async=True)
         if WITH_OUTPUT:
             vt_bufs.index(b).store(b_vnt)
@@ -301,13 +314,19 @@ def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, nu
 @gluon.jit
 def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, ht, scale, cu_seqlens, chunk_offsets,
                       H: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
-                      SAVE_STATES: gl.constexpr, LOADER_REGS: gl.constexpr, OUTPUT_WARPS: gl.constexpr,
-                      OUTPUT_REGS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      SAVE_STATES: gl.constexpr, RESIDUAL: gl.constexpr, LOADER_REGS: gl.constexpr,
+                      OUTPUT_WARPS: gl.constexpr, OUTPUT_REGS: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
     """WITH_OUTPUT: the forward's walk (o written); else the final states only (STORE_HT): no output partition,
     no Q tiles (q_desc, o and scale unused), no S^T / V'^T hand-off, the ring's empties released by the chain
     alone; the chain's arithmetic as with the output, so the same final states bit for bit. SAVE_STATES (with the
     output only): each chunk's S^T and V'^T also stored through st_desc and vt_desc (output_partition); else
-    st_desc, vt_desc and chunk_offsets are unused."""
+    st_desc, vt_desc and chunk_offsets are unused.
+
+    RESIDUAL (the residual form): w_desc is Tb's (T~ diag(beta) as its 16-bit pair, wy.tinv_pair_fwd: [.., H, 2C],
+    whose [C, 2C] box has W's shape) and u_desc V's, and the chain forms V' = Tb (V - K S) with one more dependent
+    product (a pair: two wgmma of [BV, C] x [C, C]), so the WY stage writes Tb alone instead of W and U. The
+    loader and the output partition are the same code: only what the ring's W and U slots hold changes."""
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
@@ -315,6 +334,7 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
     gl.static_assert(NV * BV == D and num_warps * 16 == BV, "the chain's warps hold 16 rows of S^T each")
     gl.static_assert(WITH_OUTPUT or STORE_HT, "a walk without its output stores the final states")
     gl.static_assert(WITH_OUTPUT or not SAVE_STATES, "the states are saved from the output's hand-off")
+    gl.static_assert(not RESIDUAL or 2 * C == D, "the residual form's Tb pair [C, 2C] takes W's slot [C, D]")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
     # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
@@ -351,7 +371,7 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
         first_chunk = gl.load(chunk_offsets + i_n) if SAVE_STATES else 0
         gl.warp_specialize([
             (chain_partition, (ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
-                               STORE_HT, WITH_OUTPUT, num_warps)),
+                               STORE_HT, WITH_OUTPUT, RESIDUAL, num_warps)),
             (output_partition, (ring, ready, empty, handoff, (st_desc, vt_desc), o, scale, bos, eos, num_chunks,
                                 first_chunk, i_h, i_v, H, C, D, SAVE_STATES)),
             (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
@@ -359,7 +379,7 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
     else:
         gl.warp_specialize([
             (chain_partition, (ring, ready, empty, (), h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
-                               STORE_HT, WITH_OUTPUT, num_warps)),
+                               STORE_HT, WITH_OUTPUT, RESIDUAL, num_warps)),
             (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
         ], [1], [LOADER_REGS])
 
@@ -405,7 +425,8 @@ def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor
 def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                       o: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
                       final_state: Optional[torch.Tensor], info: SeqInfo, block_v: int = D_WALK,
-                      checked: bool = False, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+                      checked: bool = False, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                      residual: bool = False):
     """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
     128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
     r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
@@ -416,7 +437,8 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     chunk forward's state.state_output_fwd and state_final_fwd: the API's shapes and dtypes,
     gluon_walk_applies, contiguity and alignment; states from state.states_buffers), so they are not made again.
     states: (st, vt) from state.states_buffers, into which the walk with its output also stores each chunk's S^T
-    and V'^T."""
+    and V'^T. residual: the residual form (gluon_walk_kernel's RESIDUAL), w being Tb [.., H, 2 * 64] from
+    wy.tinv_pair_fwd and u being V."""
     with_output = o is not None
     if not checked:
         check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
@@ -456,22 +478,23 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     grid = (N * H * (D // block_v), )
     launch(gluon_walk_kernel, grid, w_desc, u_desc, k_desc, q_desc[0] if with_output else None, st_desc, vt_desc, o,
            initial_state, final_state, scale, info.cu_seqlens, chunk_offsets, H, initial_state is not None,
-           final_state is not None, with_output, states is not None, LOADER_REGS, OUTPUT_WARPS, cfg.output_regs,
+           final_state is not None, with_output, states is not None, residual, LOADER_REGS, OUTPUT_WARPS,
+           cfg.output_regs,
            cfg.stages if with_output else cfg.final_only_stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
                            chunk_size: int = C_WALK, block_v: Optional[int] = None, checked: bool = False,
-                           states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                           states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, residual: bool = False
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
     C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
-    split_v chooses unless given; checked and states as gluon_walk_launch's."""
+    split_v chooses unless given; checked, states and residual (w = Tb, u = V) as gluon_walk_launch's."""
     # contiguous: u is (checked by the caller, or by gluon_walk_launch before o is used)
     o = torch.empty_like(u)
     final_state = run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked,
-                           states)
+                           states, residual)
     return o, final_state
 
 
@@ -483,7 +506,8 @@ def gluon_state_final_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, ini
     return run_walk(None, k, w, u, None, 1.0, initial_state, True, info, chunk_size, block_v, checked)
 
 
-def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked, states=None):
+def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked, states=None,
+             residual=False):
     """Both wrappers' launch: the final state allocated (if asked for), the initial state as fp32, split_v's
     V-block unless one is given."""
     if chunk_size != C_WALK:
@@ -492,5 +516,6 @@ def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chun
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     block_v = split_v(N * H, num_sms(u.device)) if block_v is None else block_v
-    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked, states=states)
+    gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked, states=states,
+                      residual=residual)
     return final_state

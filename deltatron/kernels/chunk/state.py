@@ -291,6 +291,11 @@ def _state_pass(q, k, w, u, wy_inputs, scale, initial_state, output_final_state,
 GLUON_WALK: Optional[bool] = None
 GLUON_WALK_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured faster at (gluon_walk_pays)
 
+# Whether the forward runs the Gluon walk in its residual form (gluon_walk_kernel's RESIDUAL: V' = Tb (V - K S) from
+# wy.tinv_pair_fwd's Tb, so no W, U are made) where the Gluon walk runs on whole sequences (residual_walk_runs).
+# False until measured on the H200 (benchmarks/diagnostics/residual_walk.py).
+RESIDUAL_WALK = False
+
 
 @functools.lru_cache(maxsize=None)
 def gluon_importable(module: str) -> bool:
@@ -335,6 +340,14 @@ def gluon_walk_runs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.
     takes (contiguous, 16-byte aligned)."""
     return gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
                                                            for x in (q, k, w, u))
+
+
+def residual_walk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
+    """Whether the forward's walk runs in the residual form (RESIDUAL_WALK): where the Gluon walk runs
+    (gluon_walk_pays) on q, k, v as TMA takes them (contiguous, 16-byte aligned; Tb is made contiguous). The caller
+    checks that no sequence split runs and no states are kept (both need W)."""
+    return RESIDUAL_WALK and gluon_walk_pays(k, v, info, chunk_size) and all(
+        x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
 
 
 def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
@@ -399,19 +412,21 @@ def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: 
 
 def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                      initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                     chunk_size: int, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     chunk_size: int, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                     residual: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The state pass with the output fused in: (o [B, T, H, V] in the input dtype, final_state as
     state_fwd's). The same o as output.output_fwd on state_fwd's h and v_new, up to the order of fp32
     sums over K. As the Gluon kernel where gluon_walk_pays (TMA: q, k, w, u contiguous and 16-byte aligned,
     else the Triton walk). states (states_buffers; only where the Gluon walk runs): the walk also stores each
-    chunk's S^T and V'^T there."""
+    chunk's S^T and V'^T there. residual (only where the Gluon walk runs): w is wy.tinv_pair_fwd's Tb and u is
+    V, and the walk forms V' = Tb (V - K S) itself."""
     if gluon_walk_runs(q, k, w, u, info, chunk_size):
         from .gluon_walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
-                                      checked=True, states=states)
-    if states is not None:
-        raise ValueError("state_output_fwd: states are saved by the Gluon walk only (gluon_walk_runs is false here)")
+                                      checked=True, states=states, residual=residual)
+    if states is not None or residual:
+        raise ValueError("state_output_fwd: states and the residual form are the Gluon walk's only "
+                         "(gluon_walk_runs is false here)")
     o = torch.empty_like(u)
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
                               None, o)

@@ -1,12 +1,15 @@
 """Stage 3 of the chunk forward: the WY factors W = Tinv (beta*K), U = Tinv (beta*V) (DESIGN.md §2).
 
-Three entry points share one kernel:
+Four entry points share one kernel:
     recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute where
                                                           state.wy_on_chip is false);
     wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built from K on
                                                           chip, inverted, applied, and only W, U and (for
                                                           the backward) Tinv are written;
-    tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input).
+    tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input);
+    tinv_pair_fwd(k, beta, ...) -> (Tinv, Tb)            stages 1-2 and Tb = Tinv diag(beta) as its 16-bit pair
+                                                          (tinv_beta_pair), the input of the Gluon walk's
+                                                          residual form (V' = Tb (V - K S): no W, U at all).
 W and U have the input dtype: they feed 16-bit dots in the state pass. The products that make them
 (tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk."""
 from __future__ import annotations
@@ -70,11 +73,13 @@ def apply_tinv(t_hi, t_lo, x, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.con
 
 
 @triton.jit
-def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def wy_kernel(k, v, beta, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
-              FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr, SPLIT: tl.constexpr,
-              PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
+              FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr, STORE_PAIR: tl.constexpr,
+              SPLIT: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U.
+    STORE_PAIR: Tinv diag(beta) as its 16-bit pair into tb [.., H, 2C], hi in columns [0, C), lo in [C, 2C)
+    (one [C, 2C] row block a chunk and head, so a TMA box of W's shape [64, 128] takes both halves).
     Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
@@ -88,6 +93,10 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
     else:
         # (Tinv is lower triangular: in the rows of the chunk, the columns past its end are stored zeros)
         b_t = load_rows(tinv, start, n, i_h, 0, H, C, C, C)
+    if STORE_PAIR:
+        b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, n, H, C, tb.dtype.element_ty)
+        store_rows(tb, b_tb_hi, start, n, i_h, 0, H, 2 * C, C, C)
+        store_rows(tb, b_tb_lo, start, n, i_h, C, H, 2 * C, C, C)
     if APPLY:
         b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, n, H, C, w.dtype.element_ty)
         apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, H, K, BW, C, SPLIT, PRECISION)
@@ -95,9 +104,9 @@ def wy_kernel(k, v, beta, tinv, w, u, cu_seqlens, chunk_indices, H: tl.constexpr
                    C, SPLIT, PRECISION)
 
 
-def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
+def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
-    no W, U (returns None, None)."""
+    no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd)."""
     H, K = k.shape[2], k.shape[3]
     V = K if v is None else v.shape[3]
     w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
@@ -117,8 +126,9 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int):
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
-            k, v, beta, tinv, w, u, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, BK, BK, BV,
-            fused, tinv is not None, v is not None, split, dot_precision(k.dtype), *tril_precision(k.dtype),
+            k, v, beta, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, BK, BK, BV,
+            fused, tinv is not None, v is not None, tb is not None, split, dot_precision(k.dtype),
+            *tril_precision(k.dtype),
             num_warps=4, num_stages=WY_PIPELINE_STAGES, **caps,
         )
     return w, u
@@ -145,3 +155,17 @@ def tinv_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
     _wy(k, None, beta, tinv, True, info, chunk_size)
     return tinv
+
+
+def tinv_pair_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int,
+                  store_tinv: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(Tinv [B, T, H, C] fp32, or None without store_tinv, Tb [B, T, H, 2C] in k's dtype): wy_fwd's Tinv, and
+    Tb = Tinv diag(beta) as the 16-bit pair hi + lo that wy_fwd applies to K and V (tinv_beta_pair, the same
+    bits), hi in columns [0, C) and lo in [C, 2C). In a short last chunk the columns past the sequence end are
+    zero (beta reads as 0 there). 16-bit inputs only: fp32 has no pair."""
+    if k.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"tinv_pair_fwd: 16-bit k only (Tinv diag(beta) as a pair of k's dtype), got {k.dtype}")
+    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
+    tb = k.new_empty(*k.shape[:3], 2 * chunk_size)
+    _wy(k, None, beta, tinv, True, info, chunk_size, tb=tb)
+    return tinv, tb
