@@ -15,7 +15,9 @@ Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the fo
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
 while S and V' are on chip, so h and v_new never reach HBM; on S^T where state.transposed_walk_pays, as
 the warp-specialized Gluon kernel of gluon_walk.py where state.gluon_walk_pays);
-elsewhere the three stages above. Where seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences),
+elsewhere the three stages above. Where the Gluon walk runs on whole sequences (state.residual_walk_runs), the
+forward makes no W, U at all: wy.tinv_pair_fwd stores Tinv diag(beta) as its 16-bit pair, and the walk forms
+V' = Tb (V - K S) on chip (U - W S rearranged: gluon_walk.py's residual form). Where seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences),
 the walk runs on partitions of the long sequences, from the states entering them that seq_split.partition_states
 computes with two more walks and a small combine (seq_split.py). The backward
 recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.

@@ -292,9 +292,9 @@ GLUON_WALK: Optional[bool] = None
 GLUON_WALK_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured faster at (gluon_walk_pays)
 
 # Whether the forward runs the Gluon walk in its residual form (gluon_walk_kernel's RESIDUAL: V' = Tb (V - K S) from
-# wy.tinv_pair_fwd's Tb, so no W, U are made) where the Gluon walk runs on whole sequences (residual_walk_runs).
-# False until measured on the H200 (benchmarks/diagnostics/residual_walk.py).
-RESIDUAL_WALK = False
+# wy.tinv_pair_fwd's Tb, so no W, U are made) where the Gluon walk runs on whole sequences (residual_walk_runs; the
+# measurements are there). False: the W, U form everywhere (tests, benchmarks/diagnostics/residual_walk.py).
+RESIDUAL_WALK = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -345,7 +345,14 @@ def gluon_walk_runs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.
 def residual_walk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
     """Whether the forward's walk runs in the residual form (RESIDUAL_WALK): where the Gluon walk runs
     (gluon_walk_pays) on q, k, v as TMA takes them (contiguous, 16-byte aligned; Tb is made contiguous). The caller
-    checks that no sequence split runs and no states are kept (both need W)."""
+    checks that no sequence split runs and no states are kept (both need W). On the H200 (benchmarks/diagnostics/
+    residual_walk.py, bf16, session 18; fastest of three interleaved readings, W, U form / residual, ms), the WY
+    stage storing T~: 8 x 16 heads, T = 2048, 0.165 / 0.122; 4 x 16, T = 4096, 0.164 / 0.124; 2 x 32, T = 8192,
+    0.319 / 0.240; 20 sequences x 16 heads, 32,768 tokens, 0.325 / 0.242. The walk, one more product on its chain:
+    0.109 / 0.113, 0.105 / 0.107, 0.201 / 0.211, 0.310 / 0.331 (the varlen batch's two long sequences set its
+    pace there). The inference forward 0.259 / 0.220, 0.261 / 0.218, 0.525 / 0.432 (the varlen batch's readings
+    spread over 0.65-0.83 either way); forward+backward 1.117 / 1.080, 1.212 / 1.165, 2.410 / 2.329, 2.754 /
+    2.692, with bitwise the same gradients (the backward reads only T~)."""
     return RESIDUAL_WALK and gluon_walk_pays(k, v, info, chunk_size) and all(
         x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
 
