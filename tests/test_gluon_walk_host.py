@@ -184,14 +184,14 @@ def test_state_final_fwd_dispatch(monkeypatch):
     info = seq_info(1, 64, torch.device("cpu"), None, None)
     calls = []
     monkeypatch.setattr(gluon_walk, "gluon_state_final_fwd", lambda *a, **kw: calls.append(("gluon", a, kw)) or "s")
-    monkeypatch.setattr(state, "state_output_fwd", lambda *a: calls.append(("output", a, {})) or ("o", "s2"))
+    monkeypatch.setattr(state, "state_output_fwd", lambda *a, **kw: calls.append(("output", a, kw)) or ("o", "s2"))
     args = (x["q"], x["k"], x["k"], x["v"], x["initial_state"], info, 64)
     for runs, expected in ((True, "s"), (False, "s2")):
         monkeypatch.setattr(state, "gluon_walk_runs", lambda *a, _runs=runs: _runs)
         assert state.state_final_fwd(*args) == expected
-    (gluon, gluon_args, gluon_kw), (output, output_args, _) = calls
+    (gluon, gluon_args, gluon_kw), (output, output_args, output_kw) = calls
     assert gluon == "gluon" and gluon_args == (x["k"], x["k"], x["v"], x["initial_state"], info, 64)
-    assert gluon_kw == dict(checked=True)
+    assert gluon_kw == dict(checked=True, residual=False) and output_kw == dict(residual=False)
     assert output == "output" and output_args == (x["q"], x["k"], x["k"], x["v"], 1.0, x["initial_state"], True, info,
                                                   64)
 
@@ -218,9 +218,9 @@ def test_residual_form_launch(monkeypatch, B, T, H, block_v):
 
 
 def test_forward_dispatches_the_residual_form(monkeypatch):
-    # chunk.forward takes the residual form (tinv_pair_fwd, then the walk with residual=True on Tb and V) where
-    # state.residual_walk_runs, unless a sequence split runs or a training forward keeps its states (both need W);
-    # the kernels are recorded here, not run
+    # chunk.forward takes the residual form (tinv_pair_fwd, then the walks with residual on Tb and V) where
+    # state.residual_walk_runs, unless a training forward keeps its states (they need W); where the sequence split
+    # runs, only with seq_split.RESIDUAL_SPLIT (its pass 1 then gets residual too). The kernels are recorded, not run
     from deltatron.kernels import chunk
     x = make_inputs(1, 64, 2, D, D, torch.bfloat16, initial_state=True)
     info = seq_info(1, 64, torch.device("cpu"), None, None)
@@ -228,23 +228,27 @@ def test_forward_dispatches_the_residual_form(monkeypatch):
     calls = []
     monkeypatch.setattr(chunk, "tinv_pair_fwd", lambda *a, **kw: calls.append(("pair", kw)) or ("tinv", "tb"))
     monkeypatch.setattr(chunk, "wy_fwd", lambda *a, **kw: calls.append(("wy", kw)) or ("tinv", "w", "u"))
-    monkeypatch.setattr(chunk, "state_output_fwd", lambda *a, **kw: calls.append(("walk", a[2:4], kw)) or ("o", final))
+    monkeypatch.setattr(chunk, "state_output_fwd", lambda *a: calls.append(("walk", a[2:4], a[9:])) or ("o", final))
     monkeypatch.setattr(chunk, "fused_output_pays", lambda *a: True)
     monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a: False)
-    monkeypatch.setattr(chunk.seq_split, "partition_states", lambda *a: x["initial_state"])
+    monkeypatch.setattr(chunk.seq_split, "partition_states",
+                        lambda *a: calls.append(("pass 1", a[2:4], a[7:])) or x["initial_state"])
     monkeypatch.setattr(state, "gluon_walk_pays", lambda *a: True)
-    split = types.SimpleNamespace(parts=info, last_part=torch.zeros(1, dtype=torch.long))
+    split = types.SimpleNamespace(parts=info, walk_u=info, walk_w=info, last_part=torch.zeros(1, dtype=torch.long))
     args = (x["q"], x["k"], x["v"], x["beta"], 0.1, x["initial_state"], True, info)
-    for switch, needs_backward, save_states, plan, residual in [
-            (True, True, False, None, True), (True, False, False, None, True), (True, False, True, None, True),
-            (True, True, True, None, False), (True, True, False, split, False), (False, True, False, None, False)]:
+    for switch, split_switch, needs_backward, save_states, plan, residual in [
+            (True, False, True, False, None, True), (True, False, False, False, None, True),
+            (True, False, False, True, None, True), (True, False, True, True, None, False),
+            (True, False, True, False, split, False), (True, True, True, False, split, True),
+            (True, True, True, True, split, True), (False, True, True, False, split, False),
+            (False, False, True, False, None, False)]:
         monkeypatch.setattr(state, "RESIDUAL_WALK", switch)
+        monkeypatch.setattr(chunk.seq_split, "RESIDUAL_SPLIT", split_switch)
         monkeypatch.setattr(chunk.seq_split, "plan_for", lambda *a, _plan=plan: _plan)
         calls.clear()
         o, _, saved, extras = chunk.forward(*args, needs_backward=needs_backward, save_states=save_states)
         assert o == "o" and saved == (("tinv",) if needs_backward else ()) and extras == ()
-        if residual:
-            assert calls == [("pair", dict(store_tinv=needs_backward)), ("walk", ("tb", x["v"]), dict(residual=True))]
-        else:
-            assert [c[0] for c in calls] == ["wy", "walk"] and calls[0][1] == dict(store_tinv=needs_backward)
-            assert calls[1][1] == ("w", "u") and "residual" not in calls[1][2]
+        slots = ("tb", x["v"]) if residual else ("w", "u")
+        first = ("pair", dict(store_tinv=needs_backward)) if residual else ("wy", dict(store_tinv=needs_backward))
+        walks = [("pass 1", slots, (residual, ))] if plan is not None else []
+        assert calls == [first] + walks + [("walk", slots, (None, residual))]

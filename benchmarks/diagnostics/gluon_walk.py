@@ -11,7 +11,7 @@ walk runs twice: no atomics, so the second run must give the same bits.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
 bf16 with them saving its per-chunk states for the backward (chunk_delta_rule's save_states), the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state, and the residual form, V' = Tb (V - K S),
-bf16 and fp16 with the states) on a machine
+bf16 and fp16 with the states, and without its output, bf16 from an initial state) on a machine
 without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory, the
 setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits, and
 the PTX barriers.
@@ -165,23 +165,25 @@ def offline(dump) -> int:
                                             ("bf16_final_only", torch.bfloat16, False),
                                             ("bf16_final_only", torch.bfloat16, True),
                                             ("bf16_residual", torch.bfloat16, True),
-                                            ("fp16_residual", torch.float16, True)]]
+                                            ("fp16_residual", torch.float16, True),
+                                            ("bf16_final_only_residual", torch.bfloat16, True)]]
     with compiling_for_sm90() as compiled:
         for name, dtype, states, block_v in variants:
             x = oc.inputs(B, T, H, D, D, dtype)
             q, k = (x[n].reshape(1, B * T, H, D) for n in ("q", "k"))
             h0 = x["h0"] if states else None
-            if name.endswith("final_only"):
-                gluon_walk.gluon_state_final_fwd(k, k, q, h0, info, block_v=block_v)
+            residual = name.endswith("residual")
+            if "final_only" in name:
+                gluon_walk.gluon_state_final_fwd(k, k, q, h0, info, block_v=block_v, residual=residual)
             else:
                 saved = state.states_buffers(k, q, info, gluon_walk.C_WALK) if name.endswith("saves_states") else None
                 # (w and u stand-ins of the right shape: k for W or the Tb pair [.., H, 2 x 64], q for U or V)
                 gluon_walk.gluon_state_output_fwd(q, k, k, q, D ** -0.5, h0, states, info, block_v=block_v,
-                                                  states=saved, residual=name.endswith("residual"))
+                                                  states=saved, residual=residual)
     assert len(compiled) == len(variants), f"{len(compiled)} kernels compiled for {len(variants)} launches"
     for (name, _, states, block_v), kernel in zip(variants, compiled):
         cfg = gluon_walk.WALK_CONFIGS[block_v]
-        final_only = name.endswith("final_only")
+        final_only = "final_only" in name
         report_compiled(f"gluon_walk_kernel {name} K=V={D} C={gluon_walk.C_WALK} BV={block_v} ({cfg}: "
                         f"{cfg.final_only_stages if final_only else cfg.stages} slots), "
                         + (f"initial state {states}, final state True" if final_only

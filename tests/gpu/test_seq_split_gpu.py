@@ -32,7 +32,7 @@ def forward(x, info, switch, partitions=None, output_free=True):
     walks, walk = [], seq_split.walk_final_states
 
     def spy(*args):  # pass 1's walks, each called through the module
-        walks.append((args[-2].num_seqs, torch.cuda.current_stream()))
+        walks.append((args[5].num_seqs, torch.cuda.current_stream()))
         return walk(*args)
 
     saved = seq_split.SEQ_SPLIT, seq_split.SPLIT_PARTITIONS, seq_split.PASS1_OUTPUT_FREE, seq_split.walk_final_states
@@ -65,12 +65,22 @@ def assert_pass1_output_free_same_bits(monkeypatch, x, info, switch, partitions)
     assert torch.equal(o, o_old) and torch.equal(final, final_old)
 
 
+def count_pairs(monkeypatch) -> list:
+    """A list that gets an entry each time the forward makes the residual form's Tb (chunk.tinv_pair_fwd)."""
+    pairs, pair_fwd = [], chunk.tinv_pair_fwd
+    monkeypatch.setattr(chunk, "tinv_pair_fwd", lambda *a, **kw: pairs.append(1) or pair_fwd(*a, **kw))
+    return pairs
+
+
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("partitions", [None, 4])
-def test_split_b1_t32768_h16(poison, request, partitions):
+def test_split_b1_t32768_h16(poison, monkeypatch, request, partitions, residual):
     # None: the rule's choice (SEQ_SPLIT = None), P = 3 on the H200; 4: forced. Split and unsplit against the
     # float64 oracle, the split's error within a fifth of the unsplit's (the emulation of the roundings found them
     # equal to 3 digits); pass 1's two walks: on U (partitions 0..P-2) on the forward's stream, on W (1..P-2) on
-    # the side stream
+    # the side stream. residual: the split's walks in the residual form (seq_split.RESIDUAL_SPLIT: pass 1 on Tb and
+    # V, and on Tb and K for the walk on W), where the Gluon walk runs; the unsplit forward runs it there either way
+    monkeypatch.setattr(seq_split, "RESIDUAL_SPLIT", residual)
     x = make_inputs(1, 32768, 16, 128, 128, torch.bfloat16, device="cuda", initial_state=True, seed=11)
     info = seq_info(1, 32768, torch.device("cuda"), None, None)
     gluon = state.gluon_walk_applies(x["k"], x["v"], 64)
@@ -78,8 +88,10 @@ def test_split_b1_t32768_h16(poison, request, partitions):
         pytest.skip("the rule splits where the Gluon walk runs (sm_90) only")
     if gluon:
         request.getfixturevalue("gluon_walk_runs")
+    pairs = count_pairs(monkeypatch)
     o0, final0, walks0 = forward(x, info, False)
     o, final, walks = forward(x, info, None if partitions is None else True, partitions)
+    assert len(pairs) == ((2 if residual else 1) if gluon else 0)
     P = 3 if partitions is None else partitions
     assert walks0 == [] and [n for n, _ in walks] == [P - 1, P - 2]
     assert walks[0][1] == torch.cuda.current_stream() and walks[1][1] != walks[0][1]
@@ -92,13 +104,15 @@ def test_split_b1_t32768_h16(poison, request, partitions):
     assert rel_rms(o, o0) < BOUNDS[torch.bfloat16]
 
 
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_split_varlen(poison, monkeypatch, request, dtype):
+def test_split_varlen(poison, monkeypatch, request, dtype, residual):
     # two long sequences split (P = 3 forced; the rule does not split 8 x 16 sequences x heads), short ones, an
     # empty one and one of one token untouched; fillers in pass 1 over the gaps between the long ones' partitions.
-    # The unsplit forward in the W, U form, as the split one runs (the residual form needs whole sequences), so that
-    # the sequences the split leaves alone get bitwise the same outputs
-    monkeypatch.setattr(state, "RESIDUAL_WALK", False)
+    # Split and unsplit in the same form, so that the sequences the split leaves alone get bitwise the same outputs:
+    # the W, U form (RESIDUAL_WALK off), or the residual form (RESIDUAL_SPLIT on; the unsplit forward's default)
+    monkeypatch.setattr(state, "RESIDUAL_WALK", residual)
+    monkeypatch.setattr(seq_split, "RESIDUAL_SPLIT", residual)
     lengths = [20000, 0, 1, 63, 64, 65, 9000, 3000]
     TT, N = sum(lengths), len(lengths)
     x = make_inputs(1, TT, 16, 128, 128, dtype, device="cuda", initial_state=True, N=N, seed=5)
@@ -106,9 +120,11 @@ def test_split_varlen(poison, monkeypatch, request, dtype):
     info = seq_info(1, TT, torch.device("cuda"), cu, cu.cpu())
     if state.gluon_walk_applies(x["k"], x["v"], 64):
         request.getfixturevalue("gluon_walk_runs")
+    pairs = count_pairs(monkeypatch)
     o0, final0, _ = forward(x, info, False)
     o, final, walks = forward(x, info, True, 3)
     assert len(walks) == 2  # the walk on U (with a filler), the walk on W
+    assert len(pairs) == (2 if residual and state.gluon_walk_applies(x["k"], x["v"], 64) else 0)
     o_ref, final_ref = oracle(x, 128 ** -0.5, cu_seqlens=cu.cpu())
     for got in ((o, final), (o0, final0)):
         assert rel_rms(got[0], o_ref) < BOUNDS[dtype] and rel_rms(got[1], final_ref) < BOUNDS[dtype]

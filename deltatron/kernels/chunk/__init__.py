@@ -54,16 +54,39 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     fused_output_pays), else the state pass and the output apart; on partitions of the long sequences where
     seq_split says so. Only Tinv is saved (the same split or not): W, U and the per-chunk states are recomputed;
     without needs_backward it is not even written out. With save_states, where backward.keeps_forward_states, the
-    Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing. Where
-    state.residual_walk_runs (no split, no kept states: both need W), no W, U at all: tinv_pair_fwd makes Tinv
-    diag(beta) as its 16-bit pair and the Gluon walk forms V' = Tb (V - K S) (the residual form); saved as above."""
+    Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing. Where the
+    residual form runs (state.residual_walk_runs on whole sequences, no kept states: they need W; seq_split.
+    residual_runs where the split runs), no W, U at all: tinv_pair_fwd makes Tinv diag(beta) as its 16-bit pair Tb
+    and the Gluon walks form V' = Tb (V - K S); saved as above."""
     split = seq_split.plan_for(k, v, info, chunk_size)
-    if split is None and not (needs_backward and save_states) and residual_walk_runs(q, k, v, info, chunk_size):
-        # the residual form: Tinv diag(beta) as its pair instead of W, U, and V' = Tb (V - K S) in the walk
-        tinv, tb = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward)
-        o, final_state = state_output_fwd(q, k, tb, v, scale, initial_state, output_final_state, info, chunk_size,
-                                          residual=True)
-        return o, final_state, (tinv,) if needs_backward else (), ()
+    if split is not None:
+        residual = seq_split.residual_runs(q, k, v, split, chunk_size)
+    else:
+        residual = not (needs_backward and save_states) and residual_walk_runs(q, k, v, info, chunk_size)
+    if residual:  # the walks' W and U slots take Tb and V
+        tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward)
+        u = v
+    else:
+        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
+    if split is not None:  # the walk below runs on the partitions, from the states entering them
+        initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size, residual)
+        info = split.parts
+    kept = (not residual and needs_backward and save_states and split is None
+            and keeps_forward_states(q, k, w, u, info, chunk_size))
+    states = states_buffers(k, v, info, chunk_size) if kept else None
+    # (the residual form and keeps_forward_states imply the fused Gluon walk)
+    if residual or kept or fused_output_pays(k, v, info, chunk_size):
+        o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
+                                          states, residual)
+        if kept:
+            return o, final_state, (tinv, w, *states), ()
+    else:
+        h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
+        del w, u  # not needed by the output: its peak is h, v_new and o
+        o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
+    if split is not None and final_state is not None:  # each sequence's last partition's
+        final_state = final_state.index_select(0, split.last_part)
+    return o, final_state, (tinv,) if needs_backward else (), ()
     tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
     if split is not None:  # the walk below runs on the partitions, from the states entering them
         initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)

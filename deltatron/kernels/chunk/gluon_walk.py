@@ -500,10 +500,11 @@ def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
 
 def gluon_state_final_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
                           info: SeqInfo, chunk_size: int = C_WALK, block_v: Optional[int] = None,
-                          checked: bool = False) -> torch.Tensor:
+                          checked: bool = False, residual: bool = False) -> torch.Tensor:
     """state.state_final_fwd's contract (the final states [N, H, 128, 128] fp32 of gluon_state_output_fwd's walk,
     bit for bit, without its output: no Q read, no O written) on the Gluon walk; arguments as there."""
-    return run_walk(None, k, w, u, None, 1.0, initial_state, True, info, chunk_size, block_v, checked)
+    return run_walk(None, k, w, u, None, 1.0, initial_state, True, info, chunk_size, block_v, checked,
+                    residual=residual)
 
 
 def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked, states=None,

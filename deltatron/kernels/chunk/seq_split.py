@@ -111,6 +111,11 @@ GLUON_V_BLOCKS = 2  # programs a head of the Gluon walk at these counts (gluon_w
 # it runs) rather than with the forward's walk, its outputs dropped (state.state_output_fwd): the same final states
 # bit for bit; False for benchmarks/diagnostics/seq_split.py's comparison
 PASS1_OUTPUT_FREE = True
+# Whether the split forward runs its walks in the residual form (state.RESIDUAL_WALK's: Tb = T~ diag(beta) as its
+# pair in W's slot and V in U's, so the WY stage makes no W, U) where all of them run the Gluon walk (residual_runs).
+# The walk on W becomes the walk on Tb and K: with V := K, V' = Tb (K - K S) = W - W S. False until measured on the
+# H200 (benchmarks/diagnostics/residual_walk.py at b1-t32768-h16).
+RESIDUAL_SPLIT = False
 
 
 def split_partitions(num_seqs: int, heads: int, tokens: int, sms: int, v_blocks: int = GLUON_V_BLOCKS) -> int:
@@ -271,28 +276,38 @@ def plan_of(info: SeqInfo, partitions: int, chunk_size: int, device: torch.devic
     return split_plan(tuple(info.cu_seqlens_cpu.tolist()), partitions, SPLIT_MIN_TOKENS, chunk_size, device)
 
 
+def residual_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SplitPlan, chunk_size: int) -> bool:
+    """Whether the split forward runs the residual form (RESIDUAL_SPLIT): where each of its walks (pass 1's on U and
+    on W, pass 2) would run it unsplit (state.residual_walk_runs on its packed sequences; the walk on W takes K for V)."""
+    walks = (plan.walk_u, plan.parts) + ((plan.walk_w, ) if plan.walk_w is not None else ())
+    return RESIDUAL_SPLIT and all(state.residual_walk_runs(q, k, v, walk, chunk_size) for walk in walks)
+
+
 def walk_final_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                      initial_state: Optional[torch.Tensor], walk: SeqInfo, chunk_size: int) -> torch.Tensor:
+                      initial_state: Optional[torch.Tensor], walk: SeqInfo, chunk_size: int,
+                      residual: bool = False) -> torch.Tensor:
     """One walk of pass 1: the final states of the forward's walk on walk's sequences (its outputs unused), the
-    same bits either way of PASS1_OUTPUT_FREE."""
+    same bits either way of PASS1_OUTPUT_FREE; residual: w is Tb and u is V (or K: the walk on W)."""
     if PASS1_OUTPUT_FREE:
-        return state.state_final_fwd(q, k, w, u, initial_state, walk, chunk_size)
-    return state.state_output_fwd(q, k, w, u, 1.0, initial_state, True, walk, chunk_size)[1]
+        return state.state_final_fwd(q, k, w, u, initial_state, walk, chunk_size, residual)
+    return state.state_output_fwd(q, k, w, u, 1.0, initial_state, True, walk, chunk_size, residual=residual)[1]
 
 
 def beside_walk_on_w(walk: Callable[[], torch.Tensor], q: torch.Tensor, k: torch.Tensor, w: torch.Tensor,
-                     plan: SplitPlan, chunk_size: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     plan: SplitPlan, chunk_size: int, residual: bool = False
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pass 1: walk() on the current stream and the walk on W beside it on the side stream (where there is one):
-    (walk()'s result, the walk on W's final states G_p = I - M_p of partitions 1..P-2, None for P = 2)."""
+    (walk()'s result, the walk on W's final states G_p = I - M_p of partitions 1..P-2, None for P = 2). residual:
+    w is Tb, and the walk on W is the residual walk on Tb and K (W = Tb K)."""
     side = side_stream(k.device.index) if plan.walk_w is not None and two_streams(k) else None
     if side is not None:
         main = torch.cuda.current_stream(k.device)
-        side.wait_stream(main)  # W is written
+        side.wait_stream(main)  # W (or Tb) is written
     result = walk()
     finals_w = None
     if plan.walk_w is not None:
         with torch.cuda.stream(side):  # (None: the current stream)
-            finals_w = walk_final_states(q, k, w, w, None, plan.walk_w, chunk_size)
+            finals_w = walk_final_states(q, k, w, k if residual else w, None, plan.walk_w, chunk_size, residual)
     if side is not None:
         main.wait_stream(side)
         # made on the side stream, read on main: its memory waits for main's work queued before its release
@@ -301,9 +316,11 @@ def beside_walk_on_w(walk: Callable[[], torch.Tensor], q: torch.Tensor, k: torch
 
 
 def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                     initial_state: Optional[torch.Tensor], plan: SplitPlan, chunk_size: int) -> torch.Tensor:
+                     initial_state: Optional[torch.Tensor], plan: SplitPlan, chunk_size: int,
+                     residual: bool = False) -> torch.Tensor:
     """Pass 1 and the combine: the state entering each of plan.parts' sequences, [len(parts), H, K, V] fp32 (a
-    sequence's first partition, and an unsplit sequence, start from its initial state, or zeros)."""
+    sequence's first partition, and an unsplit sequence, start from its initial state, or zeros). residual
+    (residual_runs): w is Tb and u is V (the residual form's walks)."""
     N, H, K, V = plan.parts.num_seqs, k.shape[2], k.shape[3], u.shape[3]
     h0_u = None
     if initial_state is not None:
@@ -311,7 +328,8 @@ def partition_states(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
         put(h0_u, plan.rows_u[0], take(initial_state, plan.split_seqs).float())
 
     finals_u, finals_w = beside_walk_on_w(
-        lambda: walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size), q, k, w, plan, chunk_size)
+        lambda: walk_final_states(q, k, w, u, h0_u, plan.walk_u, chunk_size, residual), q, k, w, plan, chunk_size,
+        residual)
 
     if initial_state is None:
         h0 = k.new_zeros(N, H, K, V, dtype=torch.float32)

@@ -441,12 +441,14 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
 
 
 def state_final_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                    initial_state: Optional[torch.Tensor], info: SeqInfo, chunk_size: int) -> torch.Tensor:
+                    initial_state: Optional[torch.Tensor], info: SeqInfo, chunk_size: int,
+                    residual: bool = False) -> torch.Tensor:
     """state_output_fwd's final states [N, H, K, V] fp32, bit for bit, where no output is needed (the sequence
     split's pass 1). Where the Gluon kernel runs, its walk without the output (gluon_walk.gluon_state_final_fwd:
     no Q read, no output products, no O written); elsewhere state_output_fwd itself, its o dropped: the Triton
-    walk has no variant that stores only the final state (the plain one writes h and V', more than o)."""
+    walk has no variant that stores only the final state (the plain one writes h and V', more than o). residual:
+    as state_output_fwd's (the Gluon walk's only)."""
     if gluon_walk_runs(q, k, w, u, info, chunk_size):
         from .gluon_walk import gluon_state_final_fwd
-        return gluon_state_final_fwd(k, w, u, initial_state, info, chunk_size, checked=True)
-    return state_output_fwd(q, k, w, u, 1.0, initial_state, True, info, chunk_size)[1]
+        return gluon_state_final_fwd(k, w, u, initial_state, info, chunk_size, checked=True, residual=residual)
+    return state_output_fwd(q, k, w, u, 1.0, initial_state, True, info, chunk_size, residual=residual)[1]
