@@ -115,7 +115,7 @@ PASS1_OUTPUT_FREE = True
 # pair in W's slot and V in U's, so the WY stage makes no W, U) where all of them run the Gluon walk (residual_runs).
 # The walk on W becomes the walk on Tb and K: with V := K, V' = Tb (K - K S) = W - W S. False until measured on the
 # H200 (benchmarks/diagnostics/residual_walk.py at b1-t32768-h16).
-RESIDUAL_SPLIT = False
+RESIDUAL_SPLIT = True
 
 
 def split_partitions(num_seqs: int, heads: int, tokens: int, sms: int, v_blocks: int = GLUON_V_BLOCKS) -> int:
