@@ -178,6 +178,18 @@ def test_tinv_pair_refuses_fp32():
         wy.tinv_pair_fwd(inp["k"], inp["beta"], info, 16)
 
 
+def test_residual_form_refused_off_the_gluon_walk(poison):
+    # the residual form (w = Tb, u = V) exists only in the Gluon walk: the Triton walks refuse it by name rather
+    # than read Tb as W
+    inp, info, _ = packed([64], 2, 16, 16, torch.bfloat16, seed=3)
+    _, tb = wy.tinv_pair_fwd(inp["k"], inp["beta"], info, 16)
+    for walk in (lambda: state.state_output_fwd(inp["q"], inp["k"], tb, inp["v"], 0.1, None, False, info, 16,
+                                                residual=True),
+                 lambda: state.state_final_fwd(inp["q"], inp["k"], tb, inp["v"], None, info, 16, True)):
+        with pytest.raises(ValueError, match="residual form"):
+            walk()
+
+
 # ---------------------------------------------------------------- stage 4: the state pass
 
 def state_reference(k, w, u, h0, lengths, C):

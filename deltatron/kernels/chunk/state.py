@@ -431,8 +431,10 @@ def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch
         from .gluon_walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
                                       checked=True, states=states, residual=residual)
-    if states is not None or residual:
-        raise ValueError("state_output_fwd: states and the residual form are the Gluon walk's only "
+    if states is not None:
+        raise ValueError("state_output_fwd: states are saved by the Gluon walk only (gluon_walk_runs is false here)")
+    if residual:
+        raise ValueError("state_output_fwd: the residual form (w = Tb, u = V) runs on the Gluon walk only "
                          "(gluon_walk_runs is false here)")
     o = torch.empty_like(u)
     final_state = _state_pass(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None,
