@@ -293,7 +293,8 @@ GLUON_WALK_MIN_PROGRAMS = 16  # sequences x heads: the fewest it was measured fa
 
 # Whether the forward runs the Gluon walk in its residual form (gluon_walk_kernel's RESIDUAL: V' = Tb (V - K S) from
 # wy.tinv_pair_fwd's Tb, so no W, U are made) where the Gluon walk runs on whole sequences (residual_walk_runs; the
-# measurements are there). False: the W, U form everywhere (tests, benchmarks/diagnostics/residual_walk.py).
+# measurements are there; the sequence split's walks: seq_split.RESIDUAL_SPLIT, which needs this on too). False: the
+# W, U form everywhere (tests, benchmarks/diagnostics/residual_walk.py).
 RESIDUAL_WALK = True
 
 
