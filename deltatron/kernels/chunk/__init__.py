@@ -15,10 +15,10 @@ Where state.fused_output_pays (many heads x sequences, 16-bit, K <= 128), the fo
 wy.wy_fwd and state.state_output_fwd, the state pass with the output fused in (it computes each chunk's O
 while S and V' are on chip, so h and v_new never reach HBM; on S^T where state.transposed_walk_pays, as
 the warp-specialized Gluon kernel of gluon_walk.py where state.gluon_walk_pays);
-elsewhere the three stages above. Where the Gluon walk runs on whole sequences (state.residual_walk_runs), the
-forward makes no W, U at all: wy.tinv_pair_fwd stores Tinv diag(beta) as its 16-bit pair, and the walk forms
-V' = Tb (V - K S) on chip (U - W S rearranged: gluon_walk.py's residual form). Where seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences),
-the walk runs on partitions of the long sequences, from the states entering them that seq_split.partition_states
+elsewhere the three stages above. Where the Gluon walk runs (state.residual_walk_runs; seq_split.residual_runs
+for split sequences), the forward makes no W, U at all: wy.tinv_pair_fwd stores Tinv diag(beta) as its 16-bit
+pair, and the walks form V' = Tb (V - K S) on chip (U - W S rearranged: gluon_walk.py's residual form). Where
+seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences), the walk runs on partitions of the long sequences, from the states entering them that seq_split.partition_states
 computes with two more walks and a small combine (seq_split.py). The backward
 recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.
 Backward stages (backward.py composes them):
@@ -78,24 +78,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if residual or kept or fused_output_pays(k, v, info, chunk_size):
         o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
                                           states, residual)
-        if kept:
-            return o, final_state, (tinv, w, *states), ()
-    else:
-        h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size)
-        del w, u  # not needed by the output: its peak is h, v_new and o
-        o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
-    if split is not None and final_state is not None:  # each sequence's last partition's
-        final_state = final_state.index_select(0, split.last_part)
-    return o, final_state, (tinv,) if needs_backward else (), ()
-    tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
-    if split is not None:  # the walk below runs on the partitions, from the states entering them
-        initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size)
-        info = split.parts
-    kept = needs_backward and save_states and split is None and keeps_forward_states(q, k, w, u, info, chunk_size)
-    states = states_buffers(k, v, info, chunk_size) if kept else None
-    if kept or fused_output_pays(k, v, info, chunk_size):  # (keeps_forward_states implies the fused Gluon walk)
-        o, final_state = state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, chunk_size,
-                                          states)
         if kept:
             return o, final_state, (tinv, w, *states), ()
     else:
