@@ -10,7 +10,7 @@ before the end. It checks the kernel's indexing and rounding points, not its syn
 GPU can), and that check() fails on the three wrong kernels nearest to it: V' not masked past the end (the
 next sequence's rows reach the state), the diagonal left out of the causal mask, and every V-block reading
 U's first (a missing V-block offset). The residual form (RESIDUAL: the W slot holding Tb's pair, the U slot V,
-V'^T = (V^T - S^T K^T rounded) Tb^T) likewise, through the GPU test's check_residual."""
+V'^T = (V^T - S^T K^T rounded) Tb^T) likewise, through the GPU test's check (residual=True)."""
 import itertools
 import types
 
@@ -78,31 +78,18 @@ def inputs(case):
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen"])
-@pytest.mark.parametrize("bug, block_v", [(None, 128), (None, 64), ("no V' mask", 128), ("no diagonal", 128),
-                                          ("no V-block offset", 64)])
-def test_kernel_model_against_the_gpu_test(case, bug, block_v):
+@pytest.mark.parametrize("residual, bug, block_v", [
+    (False, None, 128), (False, None, 64), (False, "no V' mask", 128), (False, "no diagonal", 128),
+    (False, "no V-block offset", 64),
+    # the residual form (V' = Tb (V - K S), gluon_walk_kernel's RESIDUAL) against the same shipped walk on W, U
+    (True, None, 128), (True, None, 64), (True, "Tb not transposed", 128), (True, "no V' mask", 64)])
+def test_kernel_model_against_the_gpu_test(case, residual, bug, block_v):
     x, info = inputs(case)
-    model = types.SimpleNamespace(gluon_state_output_fwd=lambda *a, block_v: kernel_model(*a, block_v, bug=bug))
+    model = types.SimpleNamespace(gluon_state_output_fwd=lambda *a, block_v, residual=False: kernel_model(
+        *a, block_v, bug=bug, residual=residual))
     if bug is None:
-        gpu_test.check(model, x, info, True, block_v)
-        gpu_test.check(model, x, info, False, block_v)
+        gpu_test.check(model, x, info, True, block_v, residual)
+        gpu_test.check(model, x, info, False, block_v, residual)
     else:
         with pytest.raises(AssertionError):
-            gpu_test.check(model, x, info, True, block_v)
-
-
-@pytest.mark.parametrize("case", ["dense", "varlen"])
-@pytest.mark.parametrize("bug, block_v", [(None, 128), (None, 64), ("Tb not transposed", 128),
-                                          ("no V' mask", 64)])
-def test_residual_form_model_against_the_gpu_test(case, bug, block_v):
-    # the residual form (V' = Tb (V - K S), gluon_walk_kernel's RESIDUAL) modelled the same way, through the GPU
-    # test's check_residual: against the shipped Triton walk on wy_fwd's W, U
-    x, info = inputs(case)
-    model = types.SimpleNamespace(
-        gluon_state_output_fwd=lambda *a, block_v, residual: kernel_model(*a, block_v, bug=bug, residual=residual))
-    if bug is None:
-        gpu_test.check_residual(model, x, info, True, block_v)
-        gpu_test.check_residual(model, x, info, False, block_v)
-    else:
-        with pytest.raises(AssertionError):
-            gpu_test.check_residual(model, x, info, True, block_v)
+            gpu_test.check(model, x, info, True, block_v, residual)

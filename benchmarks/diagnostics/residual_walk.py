@@ -17,7 +17,6 @@ interleaved rounds of
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -26,8 +25,8 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 # switch_probe: same folder (sys.path[0] when run as a script)
-from switch_probe import (SETTINGS, api_fwd_bwd, gpu_configs, gradients_agree, interleaved, rel,  # noqa: E402
-                          run_configs, with_settings)
+from switch_probe import (SETTINGS, api_fwd_bwd, gpu_probe_main, gradients_agree, interleaved, rel,  # noqa: E402
+                          with_settings)
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import seq_split, state, wy  # noqa: E402
@@ -104,13 +103,5 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     return walks_agree and grads_agree
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="bench.CONFIGS names")
-    args = parser.parse_args()
-    device, configs = gpu_configs(args.configs)
-    return run_configs(compare, device, configs, False)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gpu_probe_main(__doc__, CONFIGS, compare))

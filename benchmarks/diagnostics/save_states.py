@@ -13,7 +13,6 @@ and of the forward+backward; then one forward+backward's peak allocation above i
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -23,7 +22,7 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 import torch  # noqa: E402
 
 # switch_probe: same folder (sys.path[0] when run as a script)
-from switch_probe import SETTINGS, api_fwd_bwd, gpu_configs, interleaved, rel, run_configs  # noqa: E402
+from switch_probe import SETTINGS, api_fwd_bwd, gpu_probe_main, interleaved, rel  # noqa: E402
 
 from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import seq_split, wy  # noqa: E402
@@ -74,13 +73,5 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     return agree
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="bench.CONFIGS names")
-    args = parser.parse_args()
-    device, configs = gpu_configs(args.configs)
-    return run_configs(compare, device, configs, False)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gpu_probe_main(__doc__, CONFIGS, compare))

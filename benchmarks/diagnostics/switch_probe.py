@@ -93,6 +93,19 @@ def run_configs(compare: Callable[[bench.Config, torch.device, Callable], bool],
     return 0 if all([compare(cfg, device, measure) for cfg in configs]) else 1
 
 
+def gpu_probe_main(doc: str, default_configs: Sequence[str],
+                   compare: Callable[[bench.Config, torch.device, Callable], bool]) -> int:
+    """main() of a GPU-only probe (no smoke mode): compare at each of --configs (bench.CONFIGS names, default
+    default_configs) on the CUDA device; run_configs' exit status."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=list(default_configs), help="bench.CONFIGS names")
+    args = parser.parse_args()
+    device, configs = gpu_configs(args.configs)
+    return run_configs(compare, device, configs, False)
+
+
 def gpu_configs(names: Sequence[str]) -> Tuple[torch.device, List[bench.Config]]:
     """The CUDA device and bench.CONFIGS by name."""
     known = {c.name: c for c in bench.CONFIGS}

@@ -80,29 +80,36 @@ def packed(x, B, T, H):
     return {n: (t.reshape(1, B * T, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
 
 
-def check(gluon_walk, x, info, states: bool, block_v: int = 128):
+def check(gluon_walk, x, info, states: bool, block_v: int = 128, residual: bool = False):
+    """The Gluon walk on wy_fwd's W, U against the shipped Triton walk on them: the same roundings, fp32 sums in
+    another order, so within the dtype's bound. residual: the Gluon walk in its residual form (V' = Tb (V - K S), Tb
+    from wy.tinv_pair_fwd), the same V' with the dtype's roundings at other points (W, U there; V - K S here), so
+    within the bound too."""
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
     h0 = x["initial_state"] if states else None
     o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, C)
-    o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, block_v=block_v)
+    slots, form = ((w, u), {})
+    if residual:
+        tinv, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False)
+        assert tinv is None
+        slots, form = ((tb, x["v"]), dict(residual=True))
+    # the kernel has no atomics and no cross-program work: a second run must give the same bits. A race
+    # between the partitions (a slot or S / V' tile read before it is written or after it is overwritten)
+    # would show there even where it moves the error by less than the bound
+    (o, s), (o2, s2) = (gluon_walk.gluon_state_output_fwd(x["q"], x["k"], *slots, D ** -0.5, h0, states, info,
+                                                          block_v=block_v, **form) for _ in range(2))
     bound = BOUNDS[x["q"].dtype]
     assert torch.isfinite(o).all()
     err_o = rel_rms(o, o_ref)
     err_s = rel_rms(s, s_ref) if states else None
-    print(f"gluon walk (block_v {block_v}) against the shipped walk: o {err_o:.2e}, final state {err_s}")
+    print(f"gluon walk{', residual form' if residual else ''} (block_v {block_v}) against the shipped walk: "
+          f"o {err_o:.2e}, final state {err_s}")
     assert err_o < bound
-    if states:
-        assert torch.isfinite(s).all()
-        assert err_s < bound
-    else:
-        assert s is None
-    # the kernel has no atomics and no cross-program work: a second run must give the same bits. A race
-    # between the partitions (a slot or S / V' tile read before it is written or after it is overwritten)
-    # would show here even where it moves the error by less than the bound
-    o2, s2 = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, block_v=block_v)
     assert torch.equal(o2, o)
     if states:
-        assert torch.equal(s2, s)
+        assert torch.isfinite(s).all() and err_s < bound and torch.equal(s2, s)
+    else:
+        assert s is None
 
 
 @pytest.mark.parametrize("block_v", BLOCK_V)
@@ -128,31 +135,6 @@ def test_gluon_walk_varlen(poison, gluon_walk, dtype, block_v):
     check(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v)
 
 
-def check_residual(gluon_walk, x, info, states: bool, block_v: int):
-    """The residual form (V' = Tb (V - K S), Tb from wy.tinv_pair_fwd) against the shipped Triton walk on wy_fwd's
-    W, U: the same V' with the dtype's roundings in other places (W, U there; V - K S here), so within the
-    dtype's bound; and bit for bit the same on a second run (no atomics: a race would show)."""
-    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
-    tinv, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False)
-    assert tinv is None
-    h0 = x["initial_state"] if states else None
-    o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, C)
-    runs = [gluon_walk.gluon_state_output_fwd(x["q"], x["k"], tb, x["v"], D ** -0.5, h0, states, info,
-                                              block_v=block_v, residual=True) for _ in range(2)]
-    (o, s), (o2, s2) = runs
-    bound = BOUNDS[x["q"].dtype]
-    assert torch.isfinite(o).all()
-    err_o = rel_rms(o, o_ref)
-    err_s = rel_rms(s, s_ref) if states else None
-    print(f"gluon walk, residual form (block_v {block_v}) against the shipped walk: o {err_o:.2e}, final state {err_s}")
-    assert err_o < bound
-    assert torch.equal(o2, o)
-    if states:
-        assert torch.isfinite(s).all() and err_s < bound and torch.equal(s2, s)
-    else:
-        assert s is None
-
-
 @pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B, T, H", [(8, 2048, 16), (2, 1000, 4), (1, 1, 3)])
@@ -161,8 +143,8 @@ def test_gluon_walk_residual_form(poison, gluon_walk, dtype, B, T, H, block_v):
     # end meet Tb's zero columns; T = 1: every chunk partial
     x = packed(make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=T + H + 1), B, T, H)
     info = seq_info(B, T, torch.device("cuda"), None, None)
-    check_residual(gluon_walk, x, info, True, block_v)
-    check_residual(gluon_walk, x, info, False, block_v)
+    check(gluon_walk, x, info, True, block_v, residual=True)
+    check(gluon_walk, x, info, False, block_v, residual=True)
 
 
 @pytest.mark.parametrize("block_v", BLOCK_V)
@@ -172,7 +154,7 @@ def test_gluon_walk_residual_form_varlen(poison, gluon_walk, dtype, block_v):
     TT, H = sum(lengths), 4
     x = make_inputs(1, TT, H, D, D, dtype, device="cuda", initial_state=True, N=len(lengths), seed=5)
     cu = random_cu_seqlens(lengths, "cuda")
-    check_residual(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v)
+    check(gluon_walk, x, seq_info(1, TT, torch.device("cuda"), cu, cu.cpu()), True, block_v, residual=True)
 
 
 @pytest.mark.parametrize("block_v", BLOCK_V)
