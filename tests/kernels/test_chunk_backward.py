@@ -267,7 +267,8 @@ def stand_in_for_the_saving_walk(monkeypatch, lengths) -> list:
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
     from deltatron.kernels.chunk import output
 
-    def walk_saving_states(q, k, w, u, scale, h0, output_final_state, info, chunk_size, states=None):
+    def walk_saving_states(q, k, w, u, scale, h0, output_final_state, info, chunk_size, states=None, residual=False):
+        assert not residual  # (the residual form does not run off the Gluon walk; kept states need W, U)
         h, v_new, final = state.state_fwd(k, w, u, h0, output_final_state, info, chunk_size)
         for buf, x in zip(states or (), transposed_states(h, v_new, lengths, chunk_size)):
             buf.copy_(x)
