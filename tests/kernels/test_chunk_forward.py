@@ -305,8 +305,10 @@ def test_state_output_fwd(poison, monkeypatch, dtype, C, lengths, K, V, has_h0, 
 def test_state_output_fwd_matches_unfused(poison, monkeypatch, dtype, C, K, V, transposed):
     # same W, U: the fused walk rounds S and V' as the unfused pair does (h and v_new in the input dtype),
     # so only the order of fp32 sums may differ: on a GPU the two kernels' dots may sum in another order
-    # (about one rounding apart); in the interpreter, where the output stage does not tile K at these
-    # sizes, not at all
+    # (about one rounding apart). In the interpreter the walk on S computes the same products as the unfused
+    # pair (the output stage does not tile K at these sizes), so the same bits; the walk on S^T computes the
+    # transposed products (V'^T K for K^T V'), whose fp32 sums numpy's BLAS orders by CPU (equal bits on the
+    # Intel hosts of earlier sessions, not on AMD EPYC): for it only the bound holds
     if transposed and dtype == torch.float32:
         pytest.skip("the walk on S^T is 16-bit only")
     monkeypatch.setattr(state, "TRANSPOSED_WALK", transposed)
@@ -319,7 +321,7 @@ def test_state_output_fwd_matches_unfused(poison, monkeypatch, dtype, C, K, V, t
     o, final = state.state_output_fwd(inp["q"], inp["k"], w, u, scale, h0, True, info, C)
     assert rel_rms(o, o_unfused) < ONE_ROUNDING[dtype]
     assert rel_rms(final, final_unfused) < ONE_ROUNDING[dtype]
-    if INTERPRET:
+    if INTERPRET and not transposed:
         assert torch.equal(o, o_unfused) and torch.equal(final, final_unfused)
 
 
