@@ -10,7 +10,8 @@ walk without its output (the final states only: the chain alone), then the whole
 walk runs twice: no atomics, so the second run must give the same bits.
 
 --offline compiles the kernel for sm_90 (per V-block width: bf16 with and without the states, fp16 with them,
-bf16 with them saving its per-chunk states for the backward (chunk_delta_rule's save_states), the walk without its output, gluon_state_final_fwd, bf16 with and without the initial state, and the residual form, V' = Tb (V - K S),
+bf16 with them saving its per-chunk states for the backward (chunk_delta_rule's save_states), the walk without its
+output, gluon_state_final_fwd, bf16 with and without the initial state, and the residual form, V' = Tb (V - K S),
 bf16 and fp16 with the states, and without its output, bf16 from an initial state) on a machine
 without a GPU (put triton 3.6 first on PYTHONPATH) and prints ptxas's registers and spills, shared memory, the
 setmaxnreg of each partition, the warp-specialize partitions of the TTGIR with their products and waits, and

@@ -18,9 +18,10 @@ the warp-specialized Gluon kernel of gluon_walk.py where state.gluon_walk_pays);
 elsewhere the three stages above. Where the Gluon walk runs (state.residual_walk_runs; seq_split.residual_runs
 for split sequences), the forward makes no W, U at all: wy.tinv_pair_fwd stores Tinv diag(beta) as its 16-bit
 pair, and the walks form V' = Tb (V - K S) on chip (U - W S rearranged: gluon_walk.py's residual form). Where
-seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences), the walk runs on partitions of the long sequences, from the states entering them that seq_split.partition_states
-computes with two more walks and a small combine (seq_split.py). The backward
-recomputes h and v_new with the plain walk, and the tests check the fused pass against the composition.
+seq_split.SEQ_SPLIT says so (few sequences x heads on long sequences), the walk runs on partitions of the long
+sequences, from the states entering them that seq_split.partition_states computes with two more walks and a small
+combine (seq_split.py). The backward recomputes h and v_new with the plain walk, and the tests check the fused pass
+against the composition.
 Backward stages (backward.py composes them):
     recompute w, h, v_new from the saved Tinv: where state.wy_on_chip, in one launch (state.state_wy_fwd:
         the walk computes W, U per chunk on chip and writes W only), else wy.recompute_w_u, then

@@ -73,9 +73,10 @@ def num_segments(k: torch.Tensor, info) -> int:
 
 # Whether the reverse pass is split along long sequences (reverse_split.py): False never (the default: measured on
 # the H200 in session 17, it halves the reverse pass at b1-t32768-h16 but the whole backward loses 0.10 ms against
-# the segmented one, and at 64 heads it doubles the pass: benchmarks/NOTES.md); True on every sequence of seq_split.SPLIT_MIN_TOKENS tokens or more, in the partitions of a forced
-# forward split (seq_split.forced_partitions), the backward then unsegmented (tests,
-# benchmarks/diagnostics/reverse_split.py); None is kept for a rule once measured, and until then means False
+# the segmented one, and at 64 heads it doubles the pass: benchmarks/NOTES.md); True on every sequence of
+# seq_split.SPLIT_MIN_TOKENS tokens or more, in the partitions of a forced forward split (seq_split.forced_partitions),
+# the backward then unsegmented (tests, benchmarks/diagnostics/reverse_split.py); None is kept for a rule once
+# measured, and until then means False
 REVERSE_SPLIT: Optional[bool] = False
 
 

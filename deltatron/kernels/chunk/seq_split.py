@@ -284,7 +284,8 @@ def plan_of(info: SeqInfo, partitions: int, chunk_size: int, device: torch.devic
 
 def residual_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SplitPlan, chunk_size: int) -> bool:
     """Whether the split forward runs the residual form (RESIDUAL_SPLIT): where each of its walks (pass 1's on U and
-    on W, pass 2) would run it unsplit (state.residual_walk_runs on its packed sequences; the walk on W takes K for V)."""
+    on W, pass 2) would run it unsplit (state.residual_walk_runs on its packed sequences; the walk on W takes K for
+    V)."""
     walks = (plan.walk_u, plan.parts) + ((plan.walk_w, ) if plan.walk_w is not None else ())
     return RESIDUAL_SPLIT and all(state.residual_walk_runs(q, k, v, walk, chunk_size) for walk in walks)
 
