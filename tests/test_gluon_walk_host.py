@@ -219,8 +219,9 @@ def test_residual_form_launch(monkeypatch, B, T, H, block_v):
 
 def test_forward_dispatches_the_residual_form(monkeypatch):
     # chunk.forward takes the residual form (tinv_pair_fwd, then the walks with residual on Tb and V) where
-    # state.residual_walk_runs, unless a training forward keeps its states (they need W); where the sequence split
-    # runs, only with seq_split.RESIDUAL_SPLIT (its pass 1 then gets residual too). The kernels are recorded, not run
+    # state.residual_walk_runs, unless a training forward keeps its states (they need W; save_states where
+    # keeps_forward_states is false keeps nothing and runs the residual form); where the sequence split runs, only
+    # with seq_split.RESIDUAL_SPLIT (its pass 1 then gets residual too). The kernels are recorded, not run
     from deltatron.kernels import chunk
     x = make_inputs(1, 64, 2, D, D, torch.bfloat16, initial_state=True)
     info = seq_info(1, 64, torch.device("cpu"), None, None)
@@ -230,25 +231,32 @@ def test_forward_dispatches_the_residual_form(monkeypatch):
     monkeypatch.setattr(chunk, "wy_fwd", lambda *a, **kw: calls.append(("wy", kw)) or ("tinv", "w", "u"))
     monkeypatch.setattr(chunk, "state_output_fwd", lambda *a: calls.append(("walk", a[2:4], a[9:])) or ("o", final))
     monkeypatch.setattr(chunk, "fused_output_pays", lambda *a: True)
-    monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a: False)
     monkeypatch.setattr(chunk.seq_split, "partition_states",
                         lambda *a: calls.append(("pass 1", a[2:4], a[7:])) or x["initial_state"])
     monkeypatch.setattr(state, "gluon_walk_pays", lambda *a: True)
     split = types.SimpleNamespace(parts=info, walk_u=info, walk_w=info, last_part=torch.zeros(1, dtype=torch.long))
     args = (x["q"], x["k"], x["v"], x["beta"], 0.1, x["initial_state"], True, info)
-    for switch, split_switch, needs_backward, save_states, plan, residual in [
-            (True, False, True, False, None, True), (True, False, False, False, None, True),
-            (True, False, False, True, None, True), (True, False, True, True, None, False),
-            (True, False, True, False, split, False), (True, True, True, False, split, True),
-            (True, True, True, True, split, True), (False, True, True, False, split, False),
-            (False, False, True, False, None, False)]:
+    # keeps: what keeps_forward_states says (asked only for a training forward with save_states and no split)
+    for switch, split_switch, needs_backward, save_states, keeps, plan, residual in [
+            (True, False, True, False, True, None, True), (True, False, False, False, True, None, True),
+            (True, False, False, True, True, None, True), (True, False, True, True, True, None, False),
+            (True, False, True, True, False, None, True), (True, False, True, False, True, split, False),
+            (True, True, True, False, True, split, True), (True, True, True, True, True, split, True),
+            (False, True, True, False, True, split, False), (False, False, True, False, True, None, False)]:
         monkeypatch.setattr(state, "RESIDUAL_WALK", switch)
         monkeypatch.setattr(chunk.seq_split, "RESIDUAL_SPLIT", split_switch)
         monkeypatch.setattr(chunk.seq_split, "plan_for", lambda *a, _plan=plan: _plan)
+        monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a, _keeps=keeps: _keeps)
+        kept = needs_backward and save_states and keeps and plan is None
         calls.clear()
         o, _, saved, extras = chunk.forward(*args, needs_backward=needs_backward, save_states=save_states)
-        assert o == "o" and saved == (("tinv",) if needs_backward else ()) and extras == ()
+        assert o == "o" and extras == ()
+        if kept:
+            assert saved[:2] == ("tinv", "w") and len(saved) == 4
+        else:
+            assert saved == (("tinv",) if needs_backward else ())
         slots = ("tb", x["v"]) if residual else ("w", "u")
         first = ("pair", dict(store_tinv=needs_backward)) if residual else ("wy", dict(store_tinv=needs_backward))
         walks = [("pass 1", slots, (residual, ))] if plan is not None else []
-        assert calls == [first] + walks + [("walk", slots, (None, residual))]
+        states = tuple(saved[2:]) if kept else None
+        assert calls == [first] + walks + [("walk", slots, (states, residual))]

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from switch_probe import SETTINGS, api_fwd_bwd, gpu_probe_main, interleaved, rel  # noqa: E402
 
 from deltatron import bench  # noqa: E402
-from deltatron.kernels.chunk import seq_split, wy  # noqa: E402
+from deltatron.kernels.chunk import seq_split  # noqa: E402
 
 backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function of that name
 
@@ -38,9 +38,8 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
     """Prints where the states are kept, the gradients' comparison, the readings and the peaks; whether the
     gradients agree within BOUND."""
     x, _, info = api_fwd_bwd(cfg, device)
-    q, k, v, beta = (x[n].reshape(1, -1, *x[n].shape[2:]) for n in ("q", "k", "v", "beta"))
-    _, w, u = wy.wy_fwd(k, v, beta, info, C, store_tinv=False)
-    keeps = seq_split.plan_for(k, v, info, C) is None and backward.keeps_forward_states(q, k, w, u, info, C)
+    q, k, v = (x[n].reshape(1, -1, *x[n].shape[2:]) for n in ("q", "k", "v"))
+    keeps = seq_split.plan_for(k, v, info, C) is None and backward.keeps_forward_states(q, k, v, info, C)
     print(f"\n{cfg.name}: {info.num_seqs} x {cfg.H} sequences x heads; save_states "
           + ("keeps the forward's states" if keeps else "keeps nothing here (the same launches both ways)"))
     calls = {s: bench.resolve("deltatron.chunk_save_states" if s else "deltatron.chunk", smoke=False)

@@ -132,5 +132,4 @@ class DeltaNet(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, save_states={self.save_states}, num_heads={self.num_heads}, "
-                f"head_k_dim={self.head_k_dim}, "
-                f"head_v_dim={self.head_v_dim}, layer_idx={self.layer_idx}")
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, layer_idx={self.layer_idx}")

@@ -244,11 +244,11 @@ def test_keeps_forward_states_only_where_its_backward_reads_them(monkeypatch, wa
     # nor split (those recompute on their own terms)
     chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
     monkeypatch.setattr(chunk_backward, "REVERSE_SPLIT", split)
-    monkeypatch.setattr(chunk_backward.state, "gluon_walk_runs", lambda *a: walk)
+    monkeypatch.setattr(chunk_backward.state, "gluon_walk_pays", lambda *a: walk)
     monkeypatch.setattr(chunk_backward, "num_segments", lambda k, info: segments)
     x = make_inputs(1, 64, 2, 16, 16, torch.bfloat16)
     info = seq_info(1, 64, torch.device("cpu"), None, None)
-    assert chunk_backward.keeps_forward_states(x["q"], x["k"], x["k"], x["v"], info, 64) is expected
+    assert chunk_backward.keeps_forward_states(x["q"], x["k"], x["v"], info, 64) is expected
 
 
 def test_state_output_fwd_refuses_states_off_the_gluon_walk():

@@ -56,14 +56,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     seq_split says so. Only Tinv is saved (the same split or not): W, U and the per-chunk states are recomputed;
     without needs_backward it is not even written out. With save_states, where backward.keeps_forward_states, the
     Gluon walk also saves its states and saved = (Tinv, W, S^T, V'^T): the backward recomputes nothing. Where the
-    residual form runs (state.residual_walk_runs on whole sequences, no kept states: they need W; seq_split.
-    residual_runs where the split runs), no W, U at all: tinv_pair_fwd makes Tinv diag(beta) as its 16-bit pair Tb
-    and the Gluon walks form V' = Tb (V - K S); saved as above."""
+    residual form runs (state.residual_walk_runs on whole sequences, where no states are kept: they need W;
+    seq_split.residual_runs where the split runs), no W, U at all: tinv_pair_fwd makes Tinv diag(beta) as its 16-bit
+    pair Tb and the Gluon walks form V' = Tb (V - K S); saved as above."""
     split = seq_split.plan_for(k, v, info, chunk_size)
+    kept = needs_backward and save_states and split is None and keeps_forward_states(q, k, v, info, chunk_size)
     if split is not None:
         residual = seq_split.residual_runs(q, k, v, split, chunk_size)
-    else:
-        residual = not (needs_backward and save_states) and residual_walk_runs(q, k, v, info, chunk_size)
+    else:  # (kept states need W)
+        residual = not kept and residual_walk_runs(q, k, v, info, chunk_size)
     if residual:  # the walks' W and U slots take Tb and V
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward)
         u = v
@@ -72,8 +73,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if split is not None:  # the walk below runs on the partitions, from the states entering them
         initial_state = seq_split.partition_states(q, k, w, u, initial_state, split, chunk_size, residual)
         info = split.parts
-    kept = (not residual and needs_backward and save_states and split is None
-            and keeps_forward_states(q, k, w, u, info, chunk_size))
     states = states_buffers(k, v, info, chunk_size) if kept else None
     # (the residual form and keeps_forward_states imply the fused Gluon walk)
     if residual or kept or fused_output_pays(k, v, info, chunk_size):

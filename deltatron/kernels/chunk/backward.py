@@ -80,17 +80,19 @@ def num_segments(k: torch.Tensor, info) -> int:
 REVERSE_SPLIT: Optional[bool] = False
 
 
-def keeps_forward_states(q, k, w, u, info, chunk_size) -> bool:
+def keeps_forward_states(q, k, v, info, chunk_size) -> bool:
     """Where a training forward asked to (chunk_delta_rule's save_states) keeps W and its walk's per-chunk states
     (S^T, V'^T: state.states_buffers) for the backward, which then skips its recompute walk: where the forward's
-    walk is the Gluon one on the whole sequences (state.gluon_walk_runs; the caller checks that no sequence split
-    runs) and the backward would be neither segmented nor split (those recompute on their own terms). The cost is
+    walk is the Gluon one on the whole sequences (gluon_walk_pays, on q and k as TMA takes them: W and U are made
+    by the forward; the caller checks that no sequence split runs) and the backward would be neither segmented nor
+    split (those recompute on their own terms). Decided before the WY stage: where it is false, the forward runs as
+    without save_states (the residual form included). The cost is
     memory from the forward to the backward: W, S^T and V'^T are 1 KiB a token and head at K = V = 128 (C = 64),
     beside the T~ saved either way (256 B). Measured on the H200 (benchmarks/diagnostics/save_states.py, bf16,
     session 17; gradients bitwise equal), forward+backward ms, recomputing / keeping: 8 x 16 heads, T = 2048,
     1.115 / 0.992; 4 x 16, T = 4096, 1.210 / 0.978; 2 x 32, T = 8192, 2.407 / 1.921; 20 sequences x 16 heads,
     32,768 tokens, 2.751 / 2.224. The training forward alone takes 0.06-0.12 ms longer (it writes S^T, V'^T)."""
-    return (not REVERSE_SPLIT and state.gluon_walk_runs(q, k, w, u, info, chunk_size)
+    return (not REVERSE_SPLIT and state.gluon_walk_pays(k, v, info, chunk_size) and state.tma_ready(q, k)
             and num_segments(k, info) == 1)
 
 

@@ -479,8 +479,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     launch(gluon_walk_kernel, grid, w_desc, u_desc, k_desc, q_desc[0] if with_output else None, st_desc, vt_desc, o,
            initial_state, final_state, scale, info.cu_seqlens, chunk_offsets, H, initial_state is not None,
            final_state is not None, with_output, states is not None, residual, LOADER_REGS, OUTPUT_WARPS,
-           cfg.output_regs,
-           cfg.stages if with_output else cfg.final_only_stages, num_warps=cfg.chain_warps)
+           cfg.output_regs, cfg.stages if with_output else cfg.final_only_stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,

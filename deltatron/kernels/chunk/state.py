@@ -335,18 +335,22 @@ def gluon_walk_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size:
     return info.num_seqs * k.shape[2] >= GLUON_WALK_MIN_PROGRAMS if GLUON_WALK is None else GLUON_WALK
 
 
+def tma_ready(*xs: torch.Tensor) -> bool:
+    """Whether TMA descriptors can take these tensors as the Gluon walk lays them out: contiguous, 16-byte aligned."""
+    return all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in xs)
+
+
 def gluon_walk_runs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, info: SeqInfo,
                     chunk_size: int) -> bool:
     """Whether state_output_fwd (and state_final_fwd) run the Gluon kernel: where gluon_walk_pays, on tensors TMA
-    takes (contiguous, 16-byte aligned)."""
-    return gluon_walk_pays(k, u, info, chunk_size) and all(x.is_contiguous() and x.data_ptr() % 16 == 0
-                                                           for x in (q, k, w, u))
+    takes (tma_ready)."""
+    return gluon_walk_pays(k, u, info, chunk_size) and tma_ready(q, k, w, u)
 
 
 def residual_walk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
     """Whether the forward's walk runs in the residual form (RESIDUAL_WALK): where the Gluon walk runs
-    (gluon_walk_pays) on q, k, v as TMA takes them (contiguous, 16-byte aligned; Tb is made contiguous). The caller
-    checks that no sequence split runs and no states are kept (both need W). On the H200 (benchmarks/diagnostics/
+    (gluon_walk_pays) on q, k, v as TMA takes them (tma_ready; Tb is made contiguous). The caller checks that no
+    sequence split runs and no states are kept (both need W). On the H200 (benchmarks/diagnostics/
     residual_walk.py, bf16, session 18; fastest of three interleaved readings, W, U form / residual, ms), the WY
     stage storing T~: 8 x 16 heads, T = 2048, 0.165 / 0.122; 4 x 16, T = 4096, 0.164 / 0.124; 2 x 32, T = 8192,
     0.319 / 0.240; 20 sequences x 16 heads, 32,768 tokens, 0.325 / 0.242. The walk, one more product on its chain:
@@ -354,8 +358,7 @@ def residual_walk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: 
     pace there). The inference forward 0.259 / 0.220, 0.261 / 0.218, 0.525 / 0.432 (the varlen batch's readings
     spread over 0.65-0.83 either way); forward+backward 1.117 / 1.080, 1.212 / 1.165, 2.410 / 2.329, 2.754 /
     2.692, with bitwise the same gradients (the backward reads only T~)."""
-    return RESIDUAL_WALK and gluon_walk_pays(k, v, info, chunk_size) and all(
-        x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
+    return RESIDUAL_WALK and gluon_walk_pays(k, v, info, chunk_size) and tma_ready(q, k, v)
 
 
 def fused_output_pays(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> bool:
@@ -409,7 +412,8 @@ def states_shapes(H: int, K: int, V: int, info: SeqInfo, chunk_size: int):
     return (NT, H, V, K), (NT, H, V, chunk_size)
 
 
-def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo,
+                   chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The per-chunk states a training forward keeps for the backward (chunk_delta_rule's save_states), as the Gluon
     walk stores them from its hand-off (state_output_fwd's states) and output_bwd.dqkw reads them (states_t), in
     k's dtype: st [NT, H, V, K], st[c, h] = S_c^T, the state entering chunk c (rounded as the walk's operand); vt
