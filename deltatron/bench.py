@@ -566,23 +566,24 @@ The run needs one H200 (any CUDA GPU works; FlashQLA needs Hopper or newer), tor
 competitors as optional imports. Through the team's device tool, from the checkout root:
 
 1. Here, once: `bash /work/shared/tools/competitor-wheels` (downloads the wheels into `.whl-fla`, `.whl-tl`;
-   git ignores both).
-2. Device call, carry `[".whl-fla"]`:
-   `python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-fla/*.whl`
-3. Device call right after (the machine stays warm), carry `[".whl-tl"]`:
-   `python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-tl/*.whl`
-4. Device call, timeout 600:
-   `PYTHONPATH=/tmp/site BENCH_ARGS="--configs ..." bash benchmarks/device_session.sh bench`
+   git ignores both), then install them for the device's Python into one folder and pack it (53 MB, under a
+   call's 64 MiB): `pip install --no-deps --no-compile --target /tmp/allsite --python-version 3.12
+   --only-binary=:all: --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+   --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+   .whl-fla/*.whl .whl-tl/*.whl`, `mkdir -p .whl-all && tar cJf .whl-all/allsite.tar.xz -C /tmp allsite`
+   (ignore `.whl-all/` in `.git/info/exclude`).
+2. One device call, carry `[".whl-all"]`, timeout 600: `tar xJf .whl-all/allsite.tar.xz -C /tmp && export
+   PYTHONPATH=/tmp/allsite && BENCH_BUDGET_S=420 BENCH_ARGS="--impls ..." bash benchmarks/device_session.sh bench`
    (it runs `benchmarks/run.py --out $OUT --plot`). FlashQLA compiles its TileLang kernels on first use, 1-3
    minutes a shape, and fla-core autotunes 80-130 s on each new shape, unless their caches apply: the bench
    step restores both from `benchmarks/device_cache/` (made in session 14 with torch 2.11, triton 3.6,
    fla-core 0.6.0 and TileLang 0.1.15 on the H200) and returns the grown autotuning cache as
    `$OUT/triton-autotune.tar.gz`. Rows not started after `--budget-s`, default 480 s, are recorded as not
-   run, but a row that starts runs to its end. A whole run needs more than one 600 s call: split it with
-   `--configs`, one process per GPU on a 2-GPU machine (`CUDA_VISIBLE_DEVICES`), with nothing else running on
-   the host (a compile or autotuning on the other GPU slows the host-bound rows). fla-core imports einops: it
-   must be in the image or in /tmp/site.
-5. Copy the returned `<gpu>-<date>.json` / `.png` into `benchmarks/results/`, commit them, and regenerate
+   run, but a row that starts runs to its end. Every configuration with six implementations took 307 s in one
+   call in session 20 (FlashQLA's b1-t32768-h64 kernels, not in the cache, compiled for 122 s of it). Run with
+   nothing else on the host: the host-bound rows (b1-t32768-h16's split forward, the packed sequences) read the
+   host's time where it exceeds the GPU's (benchmarks/diagnostics/host_bound_forward.py).
+3. Copy the returned `<gpu>-<date>.json` / `.png` into `benchmarks/results/`, commit them, and regenerate
    this page: `python benchmarks/run.py --report benchmarks/results/<gpu>-<date>.json [<more runs>.json]`
    (several runs are merged, each configuration's rows from one run).
 
@@ -594,8 +595,8 @@ guard in tests/test_benchmarks_smoke.py), `--list`.
 
 
 def merge_runs(runs: Sequence[dict]) -> dict:
-    """One table from runs that timed different configurations (a whole run does not fit in one device
-    call). Every configuration's rows come from one run, the last that timed it, so each row's ratios
+    """One table from runs that timed different configurations (a run split over device calls, or one that
+    adds configurations to an earlier one). Every configuration's rows come from one run, the last that timed it, so each row's ratios
     compare implementations timed in the same process; rows that were not run are left out when another
     run has the configuration. meta is the first run's, with every run's meta under "runs"."""
     source = {}  # config -> index of the run its rows come from: the last that timed it, else the last with it
