@@ -348,17 +348,21 @@ def measure_peaks(opts: Options) -> Peaks:
     (read + write bytes)."""
     if opts.smoke:
         return Peaks(ANCHOR_TFLOPS, ANCHOR_TBPS, measured=False)
-    n = 8192
-    a, b = (torch.randn(n, n, device=opts.device, dtype=torch.bfloat16) for _ in range(2))
-    c = torch.empty_like(a)
-    tflops = 2 * n**3 / (time_ms(lambda: torch.mm(a, b, out=c), opts) * 1e-3) / 1e12
-    del a, b, c
-    src = torch.randn(2**29, device=opts.device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    tbps = 2 * src.nbytes / (time_ms(lambda: dst.copy_(src), opts) * 1e-3) / 1e12
-    del src, dst
+    tflops, tbps = matmul_tflops(opts), copy_tbps(opts)  # each frees its buffers on return
     torch.cuda.empty_cache()
     return Peaks(tflops, tbps, measured=True)
+
+
+def matmul_tflops(opts: Options, n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device=opts.device, dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    return 2 * n**3 / (time_ms(lambda: torch.mm(a, b, out=c), opts) * 1e-3) / 1e12
+
+
+def copy_tbps(opts: Options, numel: int = 2**29) -> float:
+    src = torch.randn(numel, device=opts.device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (time_ms(lambda: dst.copy_(src), opts) * 1e-3) / 1e12
 
 
 # ---------------------------------------------------------------------------------------------------------
