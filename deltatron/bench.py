@@ -600,9 +600,9 @@ guard in tests/test_benchmarks_smoke.py), `--list`.
 
 def merge_runs(runs: Sequence[dict]) -> dict:
     """One table from runs that timed different configurations (a run split over device calls, or one that
-    adds configurations to an earlier one). Every configuration's rows come from one run, the last that timed it, so each row's ratios
-    compare implementations timed in the same process; rows that were not run are left out when another
-    run has the configuration. meta is the first run's, with every run's meta under "runs"."""
+    adds configurations to an earlier one). Every configuration's rows come from one run, the last that timed
+    it, so each row's ratios compare implementations timed in the same process; rows that were not run are left
+    out when another run has the configuration. meta is the first run's, with every run's meta under "runs"."""
     source = {}  # config -> index of the run its rows come from: the last that timed it, else the last with it
     for timed_only in (False, True):
         for i, run in enumerate(runs):
