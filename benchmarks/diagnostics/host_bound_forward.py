@@ -25,6 +25,7 @@ allocations during it (none: the host's time is not the allocator's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -38,7 +39,7 @@ from deltatron import bench  # noqa: E402
 from deltatron.kernels.chunk import seq_split  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import host_runs, print_profile, profile_calls, queued_gpu_ms  # noqa: E402
+from host_time import forced, host_runs, print_profile, profile_calls, queued_gpu_ms  # noqa: E402
 
 WARMUP = 3
 ALLOC_STATS = ("num_device_alloc", "num_device_free")
@@ -63,17 +64,20 @@ def configs_report(args, device, sync, bench_ms):
     table = {c.name: c for c in (bench.SMOKE_CONFIGS if args.smoke else bench.CONFIGS) if not c.decode}
     for arg in args.configs:
         name, _, option = arg.partition(":")
-        seq_split.SEQ_SPLIT = False if option == "nosplit" else None
-        fn, _, _ = forward_call(table[name], device)
-        hosts = host_windows_ms(fn, sync, args.calls, args.windows)
-        line = f"{arg}: host {min(hosts):.3f}-{max(hosts):.3f} ms a call"
-        if device.type == "cuda":
-            gpu_q, _ = queued_gpu_ms(fn, args.calls, max(hosts))
-            line += f", gpu_q {gpu_q:.3f}, do_bench {bench_ms(fn):.3f}"
-        print(line, flush=True)
-        if args.profile:
-            print_profile(profile_calls(fn, args.calls, sync), f"{arg}: cProfile, per call")
-    seq_split.SEQ_SPLIT = None
+        with forced(seq_split, "SEQ_SPLIT", False) if option == "nosplit" else contextlib.nullcontext():
+            config_report(arg, table[name], args, device, sync, bench_ms)
+
+
+def config_report(arg, cfg, args, device, sync, bench_ms):
+    fn, _, _ = forward_call(cfg, device)
+    hosts = host_windows_ms(fn, sync, args.calls, args.windows)
+    line = f"{arg}: host {min(hosts):.3f}-{max(hosts):.3f} ms a call"
+    if device.type == "cuda":
+        gpu_q, _ = queued_gpu_ms(fn, args.calls, max(hosts))
+        line += f", gpu_q {gpu_q:.3f}, do_bench {bench_ms(fn):.3f}"
+    print(line, flush=True)
+    if args.profile:
+        print_profile(profile_calls(fn, args.calls, sync), f"{arg}: cProfile, per call")
 
 
 def history(args, device, sync, bench_ms, long_cfg, other_cfg):

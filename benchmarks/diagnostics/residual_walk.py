@@ -71,7 +71,7 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
             return gluon_walk.gluon_state_output_fwd(q, k, tb, v, scale, h0, final, info, residual=True)
         return gluon_walk.gluon_state_output_fwd(q, k, w, u, scale, h0, final, info)
 
-    def outputs():
+    def inference():
         with torch.no_grad():
             return call(x)
 
@@ -79,7 +79,7 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
         (o_wu, s_wu), (o_res, s_res) = (switch(s, lambda: walk(True)) for s in SETTINGS)
         label = "walk"
     else:  # the whole forward's o, and pass 1's partition states
-        o_wu, o_res = (switch(s, outputs) for s in SETTINGS)
+        o_wu, o_res = (switch(s, inference) for s in SETTINGS)
         s_wu, s_res = (switch(s, walk)[0] for s in SETTINGS)
         label = "forward (o) and pass 1 (partition states)"
     err_o, err_s = rel(o_res, o_wu), rel(s_res, s_wu)
@@ -92,10 +92,6 @@ def compare(cfg: bench.Config, device: torch.device, measure) -> bool:
         if getattr(module, name):
             return wy.tinv_pair_fwd(k, beta, info, C)
         return wy.wy_fwd(k, v, beta, info, C)
-
-    def inference():
-        with torch.no_grad():
-            return call(x)
 
     interleaved(measure, switch, {"wy stage": wy_stage, "walk" if plan is None else "pass 1 + combine": walk}, name)
     interleaved(measure, switch, {"forward": inference, "training forward": lambda: call(x),
