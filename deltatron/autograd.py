@@ -9,6 +9,9 @@ A form is a module of deltatron.kernels with two functions (contract):
     backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, **options)
         -> (dq, dk, dv, dbeta, dh0 or None)
 
+A form that has plan_call(q, k, v, info, needs_backward, **options) -> plan, made once
+per call here and passed to both functions as options["plan"].
+
 q and k arrive already L2-normalized when use_qk_l2norm_in_kernel is set (the norm and its chain rule
 are applied here, in Triton); `info` is the SeqInfo of the packed batch; dht is None when the final
 state took no gradient. Inputs are contiguous; gradients may come back in fp32 (cast here)."""
@@ -24,7 +27,11 @@ def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_
     else straight to the form's forward (inference and decoding: no autograd node, nothing kept alive, and an
     in-place state update returns the caller's own state tensor)."""
     inputs = (q, k, v, beta, initial_state)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+    needs_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    plan_call = getattr(form, "plan_call", None)
+    if plan_call is not None:  # one plan for the call: its forward and backward execute it
+        options = dict(options, plan=plan_call(q, k, v, info, needs_backward, **options))
+    if needs_backward:
         return DeltaRuleFunction.apply(*inputs, form, scale, output_final_state, use_qk_l2norm, info, options)
     if use_qk_l2norm:
         q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]

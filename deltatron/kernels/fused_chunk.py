@@ -12,7 +12,7 @@ Per chunk, with S the state entering it (fp32, in registers across the whole wal
 Writing V' = Tinv R with R = diag(beta) X never forms W = Tinv (beta K) [C, K]: one C x C x V product
 replaces two C x C x K ones, and no [C, K] fp32 tile is live. Tinv only depends on K, so it is not part
 of the walk: the chunk pipeline's WY kernel computes it for all chunks at once beforehand
-(chunk.wy.tinv_fwd, fp32 [TT, H, C], the same Tinv as chunk_delta_rule's, at
+(chunk.portable.wy.tinv_fwd, fp32 [TT, H, C], the same Tinv as chunk_delta_rule's, at
 tril_precision), and the walk loads it. HBM traffic of the forward: q, k, v, beta read once, Tinv written
 once and read by every V-block program, o written once, plus the initial and final state.
 
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk.wy import tinv_fwd
+from .chunk.portable.wy import tinv_fwd
 from .launch import launch
 from .utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, state_block_v, state_offsets,
                     store_rows)

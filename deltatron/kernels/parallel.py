@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk.kkt import chunk_span
-from .chunk.solve_tril import tril_inverse
+from .chunk.portable.kkt import chunk_span
+from .chunk.portable.solve_tril import tril_inverse
 from .launch import launch
 from .utils import cdiv, dot_precision, head_block, load_tile, mm, store_tile, tril_precision
 

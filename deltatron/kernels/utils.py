@@ -191,13 +191,14 @@ def side_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)
 
 
-def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128, max_tile: int = 8192) -> int:
+def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128, max_tile: int = 8192,
+                  shrink: bool = not INTERPRET) -> int:
     """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
     as wide as registers allow (the tile is at most max_tile fp32: 8192 is 64 registers a thread at 4
     warps; and at most max_tile / 128 columns, 64 by default), halved while sequences * heads * V-blocks
-    would leave the 132 SMs short of programs. Not shrunk under the interpreter, where programs run in turn."""
+    would leave the 132 SMs short of programs (shrink; not under the interpreter, where programs run in turn)."""
     bv = min(max_tile // 128, head_block(V), max_tile // head_block(K))
-    while not INTERPRET and bv > 16 and num_states * cdiv(V, bv) < min_programs:
+    while shrink and bv > 16 and num_states * cdiv(V, bv) < min_programs:
         bv //= 2
     return bv
 

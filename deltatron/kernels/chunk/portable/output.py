@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
-from ..utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_tile, mm
+from ...launch import launch
+from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_tile, mm
 from .kkt import chunk_span
 
 

@@ -94,9 +94,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..launch import launch
-from ..utils import SeqInfo, num_sms
-from .state import states_shapes
+from ...launch import launch
+from ...utils import SeqInfo, num_sms
+from ..plan import hopper_block_v
 
 C_WALK, D_WALK = 64, 128  # chunk size and head size (K = V) of this kernel
 OUTPUT_WARPS, LOADER_REGS = 4, 24
@@ -126,20 +126,19 @@ WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2, final_
                 64: WalkConfig(chain_warps=4, output_regs=128, stages=3, final_only_stages=5)}
 
 
-def split_v(num_seq_heads: int, sms: int) -> int:
-    """The V-block a program walks: 64 (two programs a head) while the doubled grid still fits one wave of the
-    GPU's SMs (2 x sequences x heads <= sms), else 128. Measured on the H200 (132 SMs; benchmarks/diagnostics/
-    gluon_walk.py, bf16, 2026-11-30 session 10; o and the final state bitwise equal at both widths), the walk
-    alone at BV = 128 against 64, ms, and the whole forward with each in brackets:
-      4 x 16 heads, T = 4096 (64 programs against 128):  0.170 / 0.107 (0.342 / 0.277);
-      2 x 32 heads, T = 8192:                            0.330 / 0.205 (0.665 / 0.533);
-      1 x 16 heads, T = 32768 (16 against 32):           1.307 / 0.721 (1.639 / 1.059; the Triton stages'
-                                                         forward 1.256);
-      8 x 16 heads, T = 2048 (128 against 256, 2 waves): 0.105 / 0.111 (0.272 / 0.279): no gain past one wave.
-    Predicted in session 9: ~0.13, ~0.85 and 0.11-0.13 ms for the 4 x 16, 1 x 16 and 8 x 16 walks: the split
-    paid more than predicted where it fits one wave (BV = 128's chunk period is the chain's latency with two
-    chain warp groups sharing the tensor cores; at BV = 64 each program's chain is half as long)."""
-    return 64 if 2 * num_seq_heads <= sms else D_WALK
+def states_shapes(H: int, K: int, V: int, info: SeqInfo, chunk_size: int):
+    """The shapes of states_buffers'."""
+    NT = info.chunks(chunk_size).num_chunks
+    return (NT, H, V, K), (NT, H, V, chunk_size)
+
+
+def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo,
+                   chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The per-chunk states a training forward keeps for the backward (the plan's keep_states), as the walk stores
+    them from its hand-off and portable/grads.dqkw reads them (states_t), in k's dtype: st [NT, H, V, K], st[c, h] =
+    S_c^T, the state entering chunk c (rounded as the walk's operand); vt [NT, H, V, C], vt[c, h, :, i] = V' of the
+    chunk's token i, zero past a sequence's end. c: the batch's chunks in info.chunks' global order."""
+    return tuple(k.new_empty(shape) for shape in states_shapes(k.shape[2], k.shape[3], v.shape[3], info, chunk_size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,7 +514,7 @@ def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chun
     N, H = info.num_seqs, k.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    block_v = split_v(N * H, num_sms(u.device)) if block_v is None else block_v
+    block_v = hopper_block_v(N * H, num_sms(u.device)) if block_v is None else block_v
     gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked, states=states,
                       residual=residual)
     return final_state

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
-from ..utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, mm
+from ...launch import launch
+from ...utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, mm
 
 
 @triton.jit

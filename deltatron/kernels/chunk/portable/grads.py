@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
-from ..utils import (PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, load_tile, mm, state_offsets,
+from ...launch import launch
+from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, load_tile, mm, state_offsets,
                      store_rows)
 from .kkt import chunk_span
 

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
-from ..utils import (WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows,
+from ...launch import launch
+from ...utils import (WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows,
                      tril_precision)
+from ..plan import wy_launch
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
 
@@ -111,25 +112,16 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None):
     V = K if v is None else v.shape[3]
     w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
-    # 4 warps: at 2 the 16-bit inverse spills (980 B, offline sm_90 compile, K = 128). Head tiles at least
-    # 32 wide: at K = V = 16 (16-wide tiles) the fused kernel gave wrong W, U on the H200 with triton 3.6
-    # (bf16 forward output off by 1.5, while the backward, which recomputes W, U unfused from the stored
-    # Tinv, was right); not understood, and 32 is the narrowest tile the GPU suite has run
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
-    # The 16-bit fused kernel takes 252 registers a thread uncapped (2 blocks of 4 warps an SM, latency-bound
-    # by ncu); capped at 168, 3 blocks fit. On the H200, bitwise-equal outputs (wy_breakdown.py --parts
-    # launches): K = V = 128, 8 x 16 heads, 0.206 -> 0.184 ms; K = V = 64, 16 x 8 heads, 0.180 -> 0.155 ms
-    # (offline sm_90: 48 and 4 B of spills). K = V = 256 stays uncapped (224 registers, 2 blocks), as does
-    # any head over 128 (not measured).
-    caps = dict(maxnreg=168) if fused and split and max(K, V) <= 128 else {}
-    BK, BV = max(head_tile(K), 32), max(head_tile(V), 32)
+    cfg = wy_launch(K, V, k.element_size(), fused)
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
-            k, v, beta, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, BK, BK, BV,
+            k, v, beta, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, cfg.tile_k,
+            cfg.tile_k, cfg.tile_v,
             fused, tinv is not None, v is not None, tb is not None, split, dot_precision(k.dtype),
             *tril_precision(k.dtype),
-            num_warps=4, num_stages=WY_PIPELINE_STAGES, **caps,
+            num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
     return w, u
 

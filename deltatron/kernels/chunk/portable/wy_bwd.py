@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
-from ..utils import WY_PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
+from ...launch import launch
+from ...utils import WY_PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
+from ..plan import wy_bwd_launch
 from .kkt import chunk_span
 
 
@@ -111,26 +112,6 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
 
 
-@functools.lru_cache(maxsize=None)
-def wy_bwd_launch(K: int, V: int, element_size: int):
-    """(K tile, V tile, register cap) of the WY backward. The C x C fp32 matrices it holds (T~, dT~, dA and
-    their transposes) leave little room for the head tiles: 16-bit at K = V = 128 with 64-wide tiles takes
-    255 registers and 64 B of spills, 2 blocks of 4 warps an SM (offline sm_90, triton 3.6). So for 16-bit
-    heads up to 128, a 168-register cap (3 blocks), with 32-wide tiles once a head is wider than 64 (158
-    registers, no spills since the tile steps became helpers in session 11, 16 B before; K = V = 64: 168 and
-    32 B; 64-wide tiles under the cap spill 380-828 B). On the H200 (stage_configs.py, bf16, outputs within
-    1e-7 of the shipped launch's): K = V = 128, 8 x 16 heads, 0.344 -> 0.305 ms (0.298 with the helpers,
-    session 11); K = V = 64, 16 x 8 heads, 0.201 -> 0.185 ms with 64-wide tiles (0.188 with 32-wide ones).
-    Wider heads and fp32 stay uncapped on 64-wide tiles (not measured). Cached per shape: the options come
-    back read-only."""
-    BK, BV = head_tile(K), head_tile(V)
-    if element_size != 2 or max(K, V) > 128:
-        return BK, BV, MappingProxyType({})
-    if max(K, V) > 64:
-        BK, BV = min(32, BK), min(32, BV)
-    return BK, BV, MappingProxyType(dict(maxnreg=168))
-
-
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None):
     """Returns (dk in k's dtype, dv in v's dtype, dbeta in beta's dtype [.., TT, H]: summed in fp32 and rounded once
     in the kernel, so that the API returns it without a conversion launch).
@@ -144,11 +125,12 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None)
     if out is None:
         out = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dk, dv, dbeta = out
-    BK, BV, caps = wy_bwd_launch(K, V, k.element_size())
+    cfg = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
         launch(
             wy_bwd_kernel, (chunks.num_chunks, H),
             k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunks.chunk_indices, info.cu_seqlens,
-            H, K, V, chunk_size, BK, BV, dot_precision(k.dtype), num_stages=WY_PIPELINE_STAGES, **caps,
+            H, K, V, chunk_size, cfg.tile_k, cfg.tile_v, dot_precision(k.dtype), num_warps=cfg.warps,
+            num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
     return dk, dv, dbeta

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
-from ..utils import PIPELINE_STAGES, SeqInfo, mm, mm_split_tf32, store_rows, tril_precision
+from ...launch import launch
+from ...utils import PIPELINE_STAGES, SeqInfo, mm, mm_split_tf32, store_rows, tril_precision
 from .kkt import chunk_span, kkt_tile
 
 

@@ -178,11 +178,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from ..launch import launch
-from ..utils import SeqInfo, num_sms
+from ...launch import launch
+from ...utils import SeqInfo, num_sms
+from ..plan import hopper_block_v
 # D_WALK: this kernel's head size as well (its tests and probe read it here)
-from .gluon_walk import (C_WALK, D_WALK, LOADER_REGS, accumulator_layout, check_inputs, loader_partition,  # noqa: F401
-                         pass_state_through, register_operand, split_v, tma_descriptors)
+from .walk import (C_WALK, D_WALK, LOADER_REGS, accumulator_layout, check_inputs, loader_partition,  # noqa: F401
+                         pass_state_through, register_operand, tma_descriptors)
 
 OFFCHAIN_WARPS = 4
 
@@ -399,7 +400,7 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     if TT == 0 or N * H == 0:
         pass_state_through(dh0, dht)
         return dh, dv, dh0
-    block_v = split_v(N * H, num_sms(k.device)) if block_v is None else block_v
+    block_v = hopper_block_v(N * H, num_sms(k.device)) if block_v is None else block_v
     # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128), dO's [C, block_v] at (row, head * 128 +
     # V-block * block_v); rows past TT are TMA's zero fill
     descs = tma_descriptors(((w, D), (do, block_v), (k, D), (q, D)), TT, H)

@@ -1,0 +1,532 @@
+"""The plan of one chunk_delta_rule call: every choice of kernels, schedule and launch configuration, in one place.
+
+A plan is made once per call (make_plan) from the problem's shape and dtype, the device's capabilities and explicit
+overrides, and is frozen: the forward (forward.py) and the backward (backward.py) only execute it, and
+`deltatron explain` prints it. Every rule and threshold of the chunk algorithm lives in this file; each choice
+carries a one-line reason. The rules and the measurements behind them: docs/DESIGN.md §6 and docs/performance.md.
+
+Overrides replace a rule's answer for the calls made inside `overrides(...)` (tests, probes): None keeps the rule's.
+A forced choice that the device or the shape cannot run is refused with a ValueError when the plan is made."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from ..utils import INTERPRET, head_block, head_tile, state_block_v
+
+# Hopper walk: from this many sequences x heads (the fewest it was measured faster at)
+HOPPER_WALK_MIN_STATES = 16
+# Sequence split: at SPLIT_MIN_STATES <= sequences x heads < SPLIT_MAX_STATES (from 64 the walk fills the SMs alone),
+# on sequences of SPLIT_MIN_TOKENS or more, partitions of SPLIT_MIN_PARTITION_TOKENS or more, at most
+# SPLIT_MAX_PARTITIONS
+SPLIT_MIN_STATES, SPLIT_MAX_STATES = 16, 64
+SPLIT_MIN_TOKENS = 8192
+SPLIT_MIN_PARTITION_TOKENS = 2048
+SPLIT_MAX_PARTITIONS = 16
+# Two-launch recompute overlapped with the reverse pass: at most this many sequences x heads, sequences this long
+OVERLAP_MAX_STATES, OVERLAP_MIN_TOKENS = 32, 8192
+# Segmented backward: this many segments, at most this many sequences x heads, sequences this long
+SEGMENTS, SEGMENT_MAX_STATES, SEGMENT_MIN_TOKENS = 2, 32, 16384
+# Hopper reverse pass: from this many sequences x heads (up to one wave), sequences this long
+HOPPER_REVERSE_MIN_STATES, HOPPER_REVERSE_MIN_TOKENS = 16, 2048
+HOPPER_CHUNK, HOPPER_HEAD = 64, 128  # the Gluon kernels' chunk size and head size (K = V)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a plan is made from
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the device offers the kernels. `name` is for explain."""
+
+    name: str
+    cuda: bool
+    interpret: bool  # Triton's interpreter (TRITON_INTERPRET=1): programs run one at a time, no Gluon, no streams
+    sm: Optional[Tuple[int, int]]
+    num_sms: int
+    gluon: bool  # the installed triton has the Gluon Hopper API the hopper/ kernels are written against
+
+    @property
+    def hopper(self) -> bool:
+        return self.cuda and not self.interpret and self.sm == (9, 0) and self.gluon
+
+    @property
+    def two_streams(self) -> bool:
+        return self.cuda and not self.interpret
+
+
+# GPUs that explain can plan for on any machine: (compute capability, SMs)
+NAMED_GPUS = {"sm90": ((9, 0), 132), "sm80": ((8, 0), 108), "sm89": ((8, 9), 128), "sm100": ((10, 0), 148)}
+
+
+def named_capabilities(gpu: str) -> Capabilities:
+    """Capabilities of a named GPU (NAMED_GPUS; sm90 has 132 SMs as the H200), or of "cpu" (the PyTorch backend's
+    machine, where Triton runs in its interpreter), whether or not this machine has it."""
+    if gpu in ("cpu", "interpreter"):
+        return Capabilities("cpu (Triton interpreter)", cuda=False, interpret=True, sm=None, num_sms=1, gluon=False)
+    if gpu not in NAMED_GPUS:
+        raise ValueError(f"gpu must be one of {', '.join(list(NAMED_GPUS) + ['cpu'])}, got {gpu!r}")
+    sm, sms = NAMED_GPUS[gpu]
+    return Capabilities(f"{gpu} ({sms} SMs)", cuda=True, interpret=False, sm=sm, num_sms=sms, gluon=sm == (9, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """Whether triton has the Gluon Hopper API of the hopper/ kernels (triton 3.6's)."""
+    try:
+        importlib.import_module(f"{__package__}.hopper.walk")
+        importlib.import_module(f"{__package__}.hopper.reverse")
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def device_capabilities(device: torch.device) -> Capabilities:
+    """This process's capabilities for tensors on `device`."""
+    if device.type != "cuda" or INTERPRET:
+        return Capabilities("cpu (Triton interpreter)" if INTERPRET else device.type, cuda=device.type == "cuda",
+                            interpret=INTERPRET, sm=None, num_sms=1, gluon=False)
+    props = torch.cuda.get_device_properties(device)
+    sm = (props.major, props.minor)
+    return Capabilities(f"{props.name} (sm{props.major}{props.minor}, {props.multi_processor_count} SMs)", cuda=True,
+                        interpret=False, sm=sm, num_sms=props.multi_processor_count,
+                        gluon=sm == (9, 0) and gluon_available())
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The call's shape: q, k [.., heads, K], v [.., heads, V], num_seqs sequences of total_tokens tokens in all."""
+
+    dtype: torch.dtype
+    heads: int
+    K: int
+    V: int
+    num_seqs: int
+    total_tokens: int
+    chunk_size: int = 64
+    training: bool = True  # a backward will run (the forward keeps what it needs)
+    save_states: bool = False  # the caller asked the forward to keep its per-chunk states (chunk_delta_rule's option)
+    tma_aligned: bool = True  # q, k, v contiguous and 16-byte aligned, as TMA descriptors take them
+
+    @property
+    def states(self) -> int:
+        return self.num_seqs * self.heads
+
+    @property
+    def sixteen_bit(self) -> bool:
+        return self.dtype in (torch.float16, torch.bfloat16)
+
+    @property
+    def element_size(self) -> int:
+        return 4 if self.dtype == torch.float32 else 2
+
+    def long_sequences(self, tokens: int) -> bool:
+        """Whether the sequences are at least `tokens` long on average."""
+        return self.total_tokens >= tokens * max(self.num_seqs, 1)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Choices forced instead of the rules' (None: the rule's). See overrides()."""
+
+    hopper_walk: Optional[bool] = None
+    fused_output: Optional[bool] = None  # the portable walk with the output fused in, where the Hopper walk is off
+    residual: Optional[bool] = None
+    split_partitions: Optional[int] = None  # 1: no split; >= 2: that many partitions
+    split_min_tokens: Optional[int] = None  # sequences shorter than this are not split
+    keep_states: Optional[bool] = None  # as save_states=True on every training call (False: never keep)
+    segments: Optional[int] = None
+    overlap: Optional[bool] = None
+    hopper_reverse: Optional[bool] = None
+
+
+_OVERRIDES: contextvars.ContextVar[Overrides] = contextvars.ContextVar("deltatron_plan_overrides", default=Overrides())
+
+
+@contextlib.contextmanager
+def overrides(**choices) -> Iterator[Overrides]:
+    """Force plan choices for the chunk calls made inside (nested calls combine, inner ones win):
+
+        with plan.overrides(segments=2, overlap=True):
+            o, _ = chunk_delta_rule(q, k, v, beta)
+
+    Keywords are Overrides' fields. Restored on exit, on error too."""
+    unknown = set(choices) - {f.name for f in dataclasses.fields(Overrides)}
+    if unknown:
+        raise TypeError(f"overrides: unknown choices {sorted(unknown)}; known: "
+                        f"{[f.name for f in dataclasses.fields(Overrides)]}")
+    token = _OVERRIDES.set(dataclasses.replace(_OVERRIDES.get(), **choices))
+    try:
+        yield _OVERRIDES.get()
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def current_overrides() -> Overrides:
+    return _OVERRIDES.get()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configurations
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel's launch: the state's V-block a program walks (block_v; 0 where the kernel has none), warps, the
+    register cap (0: none) and the head tiles (0: the kernel's own)."""
+
+    block_v: int = 0
+    warps: int = 4
+    maxnreg: int = 0
+    tile_k: int = 0
+    tile_v: int = 0
+
+    def options(self) -> dict:
+        """The launch options triton takes beyond num_warps: maxnreg where there is a cap."""
+        return {"maxnreg": self.maxnreg} if self.maxnreg else {}
+
+    def __str__(self) -> str:
+        parts = ([f"block_v {self.block_v}"] if self.block_v else []) + [f"{self.warps} warps"]
+        parts += [f"maxnreg {self.maxnreg}"] if self.maxnreg else []
+        parts += [f"tiles {self.tile_k}x{self.tile_v}"] if self.tile_k else []
+        return ", ".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def walk_launch(K: int, V: int, num_states: int, element_size: int, fused: bool, interpret: bool = INTERPRET) -> Launch:
+    """The portable walk: state_block_v's V-block on 4 warps (8 at K = 256), except
+    - fused with K = 128: a [128, 128] state on 8 warps while that fills the SMs (one program per head: Q K^T is not
+      recomputed per V-block; the fused walk's shared memory allows one program an SM);
+    - plain at K = 256 in 16-bit: [256, 64] on 4 warps (one program an SM either way; 32-wide products idle the
+      tensor cores);
+    - fused fp32: at most 32 wide at K = 128 and 16 at K = 256 (shared memory)."""
+    BK = head_block(K)
+    shrink = not interpret
+    if fused and BK == 128:
+        BV, warps = state_block_v(K, V, num_states, max_tile=16384, shrink=shrink), 8
+    elif not fused and BK >= 256 and element_size == 2:
+        BV, warps = state_block_v(K, V, num_states, max_tile=16384, shrink=shrink), 4
+    else:
+        BV, warps = state_block_v(K, V, num_states, shrink=shrink), 8 if BK >= 256 else 4
+    if fused and element_size == 4:
+        BV = min(BV, 16 if BK >= 256 else 32)
+    return Launch(block_v=BV, warps=warps)
+
+
+@functools.lru_cache(maxsize=None)
+def reverse_launch(K: int, V: int, num_states: int, element_size: int, sms: int, interpret: bool = INTERPRET) -> Launch:
+    """The portable reverse pass: state_block_v's V-block on 4 warps; 8 at K = 256, at K = 128 and in fp32 (it holds
+    A^T [C, C] beside the state gradient); 16-bit K = 128 up to 128 wide while its programs fit one wave; fp32 at
+    K = 256 at most 16 wide (shared memory)."""
+    BK = head_block(K)
+    wide = K == 128 and element_size == 2 and (interpret or num_states <= sms)
+    BV = state_block_v(K, V, num_states, max_tile=16384 if wide else 8192, shrink=not interpret)
+    if element_size == 4 and BK >= 256:
+        BV = min(BV, 16)
+    warps = 8 if BK >= 256 or BK == 128 or element_size == 4 else 4
+    return Launch(block_v=BV, warps=warps)
+
+
+def hopper_block_v(num_states: int, sms: int) -> int:
+    """The Hopper kernels' V-block: 64 (two programs a head) while the doubled grid fits one wave, else 128."""
+    return 64 if 2 * num_states <= sms else 128
+
+
+def hopper_launch(num_states: int, sms: int) -> Launch:
+    block_v = hopper_block_v(num_states, sms)
+    return Launch(block_v=block_v, warps=block_v // 16)
+
+
+@functools.lru_cache(maxsize=None)
+def wy_launch(K: int, V: int, element_size: int, fused: bool) -> Launch:
+    """The WY kernel: 4 warps (2 spill the 16-bit inverse), head tiles at least 32 wide (16-wide tiles gave wrong W,
+    U on the H200 with triton 3.6); the 16-bit kernel that inverts (fused) capped at 168 registers up to 128-wide
+    heads (3 blocks an SM instead of 2)."""
+    cap = 168 if fused and element_size == 2 and max(K, V) <= 128 else 0
+    return Launch(warps=4, maxnreg=cap, tile_k=max(head_tile(K), 32), tile_v=max(head_tile(V), 32))
+
+
+@functools.lru_cache(maxsize=None)
+def wy_bwd_launch(K: int, V: int, element_size: int) -> Launch:
+    """The WY backward: its C x C fp32 matrices leave little room for head tiles, so 16-bit heads up to 128 run
+    capped at 168 registers (3 blocks an SM), with 32-wide tiles once a head is wider than 64; wider heads and fp32
+    uncapped on 64-wide tiles."""
+    BK, BV = head_tile(K), head_tile(V)
+    if element_size != 2 or max(K, V) > 128:
+        return Launch(warps=4, tile_k=BK, tile_v=BV)
+    if max(K, V) > 64:
+        BK, BV = min(32, BK), min(32, BV)
+    return Launch(warps=4, maxnreg=168, tile_k=BK, tile_v=BV)
+
+
+def wy_on_chip(K: int, V: int, num_states: int, element_size: int, interpret: bool = INTERPRET) -> bool:
+    """Whether the backward's walk computes W, U on chip from T~ (one launch) rather than reading them from the WY
+    kernel: 16-bit (fp32's ieee products spill in every walk), the plain walk's V-block at least 64 wide (every
+    V-block program recomputes W), and K <= 64 or K = 128 with whole V-blocks (elsewhere the variant spills
+    hundreds of bytes)."""
+    BV = walk_launch(K, V, num_states, element_size, False, interpret).block_v
+    wide = BV >= min(64, head_block(V))
+    spill_free = head_block(K) <= 64 or (K == 128 and V % BV == 0)
+    return element_size == 2 and wide and spill_free
+
+
+def split_partitions(num_seqs: int, heads: int, tokens: int, sms: int, v_blocks: int = 2) -> int:
+    """Partitions a long sequence is split into (1: none): the most P in [3, SPLIT_MAX_PARTITIONS] whose pass 1
+    (2NP - 3 partition-walks of v_blocks programs a head, fillers included) fits one wave of the SMs, with
+    partitions of SPLIT_MIN_PARTITION_TOKENS or more; only at SPLIT_MIN_STATES <= sequences x heads <
+    SPLIT_MAX_STATES on sequences of SPLIT_MIN_TOKENS or more on average. P = 2 is never chosen: pass 1 would walk
+    half the sequence and pass 2 the other half after it."""
+    states = num_seqs * heads
+    if not SPLIT_MIN_STATES <= states < SPLIT_MAX_STATES or tokens < SPLIT_MIN_TOKENS * num_seqs:
+        return 1
+    fit = (sms // (heads * v_blocks) + 3) // (2 * num_seqs)
+    P = min(fit, SPLIT_MAX_PARTITIONS, tokens // (num_seqs * SPLIT_MIN_PARTITION_TOKENS))
+    return P if P >= 3 else 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Every choice of one call. Forward: the WY form, the walk, the sequence split, whether states are kept.
+    Backward: recompute, overlap, segments, the reverse pass. Launches of the stages that choose one."""
+
+    problem: Problem
+    caps: Capabilities
+    walk: str  # "hopper" | "portable_fused" (state pass and output in one kernel) | "portable" (walk, then output)
+    residual: bool  # the WY stage makes Tb = T~ diag(beta) and the walk forms V' = Tb (V - K S): no W, U
+    split_partitions: int  # 1: whole sequences
+    split_min_tokens: int
+    keep_states: bool  # the forward stores S^T, V'^T per chunk; the backward recomputes nothing
+    walk_launch: Launch
+    wy_launch: Launch
+    recompute: str  # "none" (kept states) | "on_chip" (one launch) | "two_launch" (WY kernel, then the walk)
+    recompute_launch: Launch
+    overlap: bool  # the two-launch recompute's walk on a side stream beside the reverse pass
+    segments: int  # the reverse pass and the gradient stage run in this many segments (1: whole)
+    reverse: str  # "hopper" | "portable"
+    reverse_launch: Launch
+    wy_bwd_launch: Launch
+    reasons: Tuple[Tuple[str, str], ...] = ()
+
+    @property
+    def split(self) -> bool:
+        return self.split_partitions > 1
+
+    def reason(self, choice: str) -> str:
+        return dict(self.reasons).get(choice, "")
+
+
+def _forced(name: str, value, rule_value, reason: str) -> Tuple[object, str]:
+    return (rule_value, reason) if value is None else (value, f"forced by overrides({name}={value!r})")
+
+
+def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] = None) -> ChunkPlan:
+    """The plan for problem on a device with caps (docs/DESIGN.md §6). forced: the overrides (default: the
+    calling context's, current_overrides())."""
+    return _make_plan(problem, caps, current_overrides() if forced is None else forced)
+
+
+@functools.lru_cache(maxsize=512)
+def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
+    reasons = []
+    # -- forward walk
+    hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
+                   and p.V == HOPPER_HEAD and p.tma_aligned)
+    if not hopper_fits:
+        hopper, why = False, "needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64, TMA-aligned q, k, v"
+        if o.hopper_walk:
+            raise ValueError(f"overrides(hopper_walk=True): the Hopper walk {why}")
+    else:
+        hopper, why = _forced("hopper_walk", o.hopper_walk, p.states >= HOPPER_WALK_MIN_STATES,
+                              f"sequences x heads {p.states} {'>=' if p.states >= HOPPER_WALK_MIN_STATES else '<'} "
+                              f"{HOPPER_WALK_MIN_STATES}, the fewest it was measured faster at")
+    fused_launch = walk_launch(p.K, p.V, p.states, p.element_size, True, caps.interpret)
+    if hopper:
+        walk = "hopper"
+        launch = hopper_launch(p.states, caps.num_sms)
+    else:
+        fused, fwhy = _forced("fused_output", o.fused_output,
+                              p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64,
+                              "16-bit, K <= 128 and a V-block >= 64 wide fuse the output into the walk; else the "
+                              "output recomputes less as a stage of its own")
+        walk = "portable_fused" if fused else "portable"
+        why = f"{why}; {fwhy}"
+        launch = fused_launch if fused else walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)
+    reasons.append(("walk", why))
+
+    # -- sequence split (Hopper walk only: measured there)
+    if o.split_partitions is not None:
+        partitions, why = o.split_partitions, f"forced by overrides(split_partitions={o.split_partitions})"
+    elif walk == "hopper":
+        partitions = split_partitions(p.num_seqs, p.heads, p.total_tokens, caps.num_sms)
+        why = ("few sequences x heads on long sequences leave SMs idle: pass 1 fits one wave" if partitions > 1 else
+               f"only at {SPLIT_MIN_STATES} <= sequences x heads < {SPLIT_MAX_STATES} on sequences of "
+               f"{SPLIT_MIN_TOKENS}+ tokens")
+    else:
+        partitions, why = 1, "measured on the Hopper walk only"
+    if partitions < 1:
+        raise ValueError(f"overrides(split_partitions=...) must be >= 1, got {partitions}")
+    if partitions > 1:
+        # pass 1 fits one wave at two programs a head (split_partitions), so every walk of the split does
+        launch = Launch(block_v=64, warps=4) if walk == "hopper" else launch
+    min_tokens = SPLIT_MIN_TOKENS if o.split_min_tokens is None else o.split_min_tokens
+    reasons.append(("split", why))
+
+    # -- backward: segments, then whether the forward keeps its states
+    if not p.training:
+        segments, swhy = 1, "inference"
+    else:
+        segments, swhy = _forced(
+            "segments", o.segments,
+            SEGMENTS if caps.two_streams and p.states <= SEGMENT_MAX_STATES and p.long_sequences(SEGMENT_MIN_TOKENS)
+            else 1,
+            f"a later segment's gradients fill the SMs an earlier reverse pass leaves idle: two streams, sequences x "
+            f"heads <= {SEGMENT_MAX_STATES}, sequences of {SEGMENT_MIN_TOKENS}+ tokens")
+    asked = p.save_states if o.keep_states is None else o.keep_states
+    keep = p.training and asked and walk == "hopper" and partitions == 1 and segments == 1
+    if o.keep_states and p.training and not keep:
+        raise ValueError("overrides(keep_states=True): states are kept only on the Hopper walk, unsplit, unsegmented")
+    reasons.append(("keep_states", "kept by the Hopper walk: the backward recomputes nothing" if keep else
+                    "not asked (save_states)" if not asked or not p.training else
+                    "kept only on the Hopper walk, unsplit, with an unsegmented backward"))
+
+    # -- WY form
+    if walk != "hopper":
+        residual, why = False, "the residual form runs on the Hopper walk only"
+        if o.residual:
+            raise ValueError("overrides(residual=True): the residual form runs on the Hopper walk only")
+    elif keep:
+        residual, why = False, "kept states need W"
+        if o.residual:
+            raise ValueError("overrides(residual=True): kept states need W, U")
+    else:
+        residual, why = _forced("residual", o.residual, True,
+                                "no W, U made: the WY stage writes Tb (256 B a token and head) instead of W, U")
+    reasons.append(("residual", why))
+    wy = wy_launch(p.K, p.V, p.element_size, True)
+
+    # -- backward: recompute, overlap, reverse pass
+    if keep:
+        recompute, rwhy = "none", "the forward kept its states"
+    elif wy_on_chip(p.K, p.V, p.states, p.element_size, caps.interpret):
+        recompute, rwhy = "on_chip", "16-bit with a wide, spill-free V-block: W, U made on chip, U never in HBM"
+    else:
+        recompute, rwhy = "two_launch", "fp32, K = 256 or narrow V-blocks: the on-chip variant spills"
+    reasons.append(("recompute", rwhy))
+    recompute_launch = walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)
+    if recompute == "two_launch" and segments == 1:
+        overlap, owhy = _forced("overlap", o.overlap,
+                                caps.two_streams and p.states <= OVERLAP_MAX_STATES
+                                and p.long_sequences(OVERLAP_MIN_TOKENS),
+                                f"the recompute walk beside the reverse pass where sequences x heads <= "
+                                f"{OVERLAP_MAX_STATES} on {OVERLAP_MIN_TOKENS}+ tokens leave SMs idle")
+    else:
+        overlap = False
+        owhy = "segments run the recompute walk on the side stream" if segments > 1 else "nothing to overlap"
+    if overlap and not caps.two_streams:
+        raise ValueError("overrides(overlap=True) needs two CUDA streams (a GPU, not the interpreter)")
+    reasons.append(("overlap", owhy))
+
+    if not (hopper_fits and p.training):
+        reverse, why = "portable", "the Hopper pass needs what the Hopper walk needs"
+        if o.hopper_reverse:
+            raise ValueError(f"overrides(hopper_reverse=True): {why}")
+    else:
+        reverse, why = _forced(
+            "hopper_reverse", o.hopper_reverse,
+            HOPPER_REVERSE_MIN_STATES <= p.states <= caps.num_sms and p.long_sequences(HOPPER_REVERSE_MIN_TOKENS),
+            f"measured faster from {HOPPER_REVERSE_MIN_STATES} sequences x heads to one wave, on sequences of "
+            f"{HOPPER_REVERSE_MIN_TOKENS}+ tokens")
+        reverse = "hopper" if reverse else "portable"
+    reasons.append(("reverse", why))
+    rev_launch = (hopper_launch(p.states, caps.num_sms) if reverse == "hopper" else
+                  reverse_launch(p.K, p.V, p.states, p.element_size, caps.num_sms, caps.interpret))
+
+    return ChunkPlan(problem=p, caps=caps, walk=walk, residual=residual, split_partitions=partitions,
+                     split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch, wy_launch=wy,
+                     recompute=recompute, recompute_launch=recompute_launch, overlap=overlap, segments=segments,
+                     reverse=reverse, reverse_launch=rev_launch, wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size),
+                     reasons=tuple(reasons))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a plan runs, in words
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """The launches of the forward and of the backward, in order (stage names as in the source tree)."""
+    p = plan.problem
+    walk = {"hopper": "hopper.walk", "portable_fused": "portable.walk (output fused)",
+            "portable": "portable.walk"}[plan.walk]
+    if plan.residual:
+        wy = "portable.wy (T~ and its Tb pair)"
+    else:
+        wy = "portable.wy (T~, W, U)"
+    fwd = [wy]
+    if plan.split:
+        fwd += [f"{walk} pass 1 without output, on U (and on W beside it, side stream)", "combine (torch)",
+                f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
+    else:
+        fwd.append(walk + (" (stores S^T, V'^T per chunk)" if plan.keep_states else ""))
+    if plan.walk == "portable":
+        fwd.append("portable.output")
+    if not p.training:
+        return tuple(fwd), ()
+    bwd = []
+    if plan.recompute == "on_chip":
+        bwd.append("portable.walk (W, U on chip from T~)")
+    elif plan.recompute == "two_launch":
+        bwd += ["portable.wy (W, U from T~)",
+                "portable.walk" + (" (side stream, beside the reverse pass)" if plan.overlap or plan.segments > 1
+                                   else "")]
+    rev = f"{plan.reverse}.reverse"
+    grads = "portable.grads, portable.wy_bwd"
+    if plan.segments > 1:
+        bwd.append(f"per segment (x{plan.segments}, last first): {rev}; then {grads} of the segment after it, "
+                   f"side stream")
+    else:
+        bwd += [rev, grads]
+    return tuple(fwd), tuple(bwd)
+
+
+def explain(plan: ChunkPlan) -> str:
+    """The plan as text: the problem, the device, each choice with its reason, and the launches."""
+    p = plan.problem
+    lines = [f"problem: {p.num_seqs} sequences, {p.total_tokens} tokens, {p.heads} heads, K = {p.K}, V = {p.V}, "
+             f"{_DTYPES.get(p.dtype, p.dtype)}, chunk {p.chunk_size}, "
+             f"{'training' if p.training else 'inference'}" + (", save_states" if p.save_states else ""),
+             f"device:  {plan.caps.name}", "choices:"]
+    values = {"walk": f"{plan.walk} [{plan.walk_launch}]", "split": (
+        f"{plan.split_partitions} partitions (sequences of {plan.split_min_tokens}+ tokens)" if plan.split else "no"),
+        "keep_states": "yes" if plan.keep_states else "no", "residual": "yes" if plan.residual else "no (W, U)",
+        "recompute": f"{plan.recompute} [{plan.recompute_launch}]" if plan.recompute != "none" else "none",
+        "overlap": "yes" if plan.overlap else "no", "reverse": f"{plan.reverse} [{plan.reverse_launch}]"}
+    for name, reason in plan.reasons:
+        lines.append(f"  {name:<12} {values[name]:<34} {reason}")
+    lines.append(f"  {'segments':<12} {plan.segments}")
+    lines.append(f"  {'wy':<12} [{plan.wy_launch}]; wy_bwd [{plan.wy_bwd_launch}]")
+    fwd, bwd = kernels(plan)
+    lines.append("forward:  " + " -> ".join(fwd))
+    if bwd:
+        lines.append("backward: " + " -> ".join(bwd))
+    return "\n".join(lines)
+
+
+def plan_for_shape(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, gpu: str = "sm90",
+                   lengths: Optional[Tuple[int, ...]] = None, chunk_size: int = 64, training: bool = True,
+                   save_states: bool = False) -> ChunkPlan:
+    """The plan of a call on a named GPU (named_capabilities): [B, T] sequences, or packed `lengths` (B = 1)."""
+    num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (B, B * T)
+    problem = Problem(dtype, H, K, V, num_seqs, tokens, chunk_size, training, save_states)
+    return make_plan(problem, named_capabilities(gpu))

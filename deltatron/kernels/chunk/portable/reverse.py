@@ -1,0 +1,95 @@
+"""Reverse state pass of the chunk backward (DESIGN.md §3): the gradient of the state runs backwards over
+the chunks of each sequence, from dht (or zero) after the last chunk to dh0 before the first:
+
+    dV'  = dV'_local + K dS_next                       (full gradient of the new values)
+    dS   = scale Q^T dO + dS_next - W^T dV'            (the gradient of the state entering the chunk)
+
+with dV'_local = scale (Q K^T ⊙ M)^T dO (M keeping j <= i). Serial over chunks, parallel over
+(sequence * head, V-blocks): the V columns of the state gradient are independent, and each program keeps
+its [K, BV] slice in fp32 registers for the whole sequence.
+
+One kernel, two variants (FUSE_DV_LOCAL):
+    fused (the backward's path): dV'_local is computed here from the Q, K and dO tiles the pass loads
+        anyway. Q and K are whole in K, so A^T = K Q^T is one product; it depends on K only and is
+        recomputed by every V-block program of a head (C^2 K flops per chunk and V-block), in exchange for
+        a launch and dV'_local's write and read through HBM;
+    unfused: dV'_local is read from grads.dv_local's output (the stage contract the tests check).
+Both round A^T to the input dtype alike (grads.causal_scores_t); the fused one keeps the local dV' in fp32, where
+the unfused one has it rounded to the input dtype by its store. Launches (V-block, warps) come from the plan
+(plan.reverse_launch); hopper/reverse.py is the same pass, fused, as a warp-specialized Gluon kernel."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...launch import launch
+from ..plan import Launch, reverse_launch
+from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
+                     state_block_v, state_offsets, store_rows)
+from .grads import causal_scores_t
+
+
+@triton.jit
+def state_bwd_kernel(q, k, w, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chunk_offsets, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                     FUSE_DV_LOCAL: tl.constexpr, PRECISION: tl.constexpr):
+    """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    first_chunk = tl.load(chunk_offsets + i_n)
+    dt = dout.dtype.element_ty
+    s_offs, s_mask = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
+    b_dsn = tl.zeros([BK, BV], dtype=tl.float32)  # gradient of the state leaving the current chunk
+    if USE_DHT:
+        b_dsn += tl.load(dht + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+    num_chunks = tl.cdiv(eos - bos, C)
+    for i in range(num_chunks):
+        i_c = num_chunks - 1 - i
+        start = bos + i_c * C
+        n = eos - start  # tokens left in the sequence: rows from n on are masked
+        c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+        tl.store(dh + c_offs, b_dsn.to(dh.dtype.element_ty), mask=c_mask)
+        b_k = load_rows(k, start, n, i_h, 0, H, K, C, BK)
+        b_q = load_rows(q, start, n, i_h, 0, H, K, C, BK)
+        b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_dv = mm(b_k, b_dsn.to(dt), PRECISION)
+        if FUSE_DV_LOCAL:
+            # Q and K are whole in K here, so A^T = K Q^T is one product; the local part stays in fp32
+            b_at = causal_scores_t(mm(b_k, tl.trans(b_q), PRECISION), scale, C, dt)
+            b_dv += mm(b_at, b_do, PRECISION)
+        else:
+            b_dv += load_rows(dv_local, start, n, i_h, i_v * BV, H, V, C, BV).to(tl.float32)
+        store_rows(dv, b_dv, start, n, i_h, i_v * BV, H, V, C, BV)
+        b_w = load_rows(w, start, n, i_h, 0, H, K, C, BK).to(dt)
+        b_dsn += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_w), b_dv.to(dt), PRECISION)
+    if STORE_DH0:
+        tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
+
+
+def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch.Tensor], scale: float,
+              need_dh0: bool, info, chunk_size: int, cfg: Optional[Launch] = None):
+    """(dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (grads.dqkw rounds it to that dtype
+    before its products anyway); dv [1, TT, H, V] in do's dtype: the full dV'; dh0 [N, H, K, V] fp32 or None).
+    dv_local: the local dV' from grads.dv_local, or None to compute it in this pass (fused: the backward's path)."""
+    H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
+    N = info.num_seqs
+    chunks = info.chunks(chunk_size)
+    dh = q.new_empty(chunks.num_chunks, H, K, V)
+    dv = torch.empty_like(do)
+    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    if cfg is None:
+        cfg = reverse_launch(K, V, N * H, q.element_size(), num_sms(q.device))
+    if N:
+        launch(
+            state_bwd_kernel, (cdiv(V, cfg.block_v), N * H),
+            q, k, w, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets, scale,
+            H, K, V, chunk_size, head_block(K), cfg.block_v, dht is not None, need_dh0, dv_local is None,
+            dot_precision(q.dtype), num_warps=cfg.warps, num_stages=PIPELINE_STAGES,
+        )
+    return dh, dv, dh0

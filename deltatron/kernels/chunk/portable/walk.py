@@ -1,0 +1,160 @@
+"""The walk: the chunk forward's serial pass over chunks (DESIGN.md §2), portable Triton, one kernel in variants.
+
+One program per (V-block, sequence, head) walks the chunks of its sequence with S [K, BV] in fp32 registers. Per
+chunk, with S the state entering it: V' = U - W S (S and V' rounded to the input dtype), S <- S + K^T V'.
+Variants (constexprs of state_fwd_kernel):
+    state_fwd         writes h[chunk] = S and V' for the output stage (output.py) and the backward;
+    state_output_fwd  FUSE_OUTPUT: writes O = scale (Q S + (Q K^T ⊙ M) V') while S and V' are on chip, neither h nor
+                      V' (Q K^T is recomputed by every V-block program of a head: the price of V-blocking);
+    state_wy_fwd      WY_ON_CHIP: W and U computed per chunk from the stored T~ with wy.py's products (the same bits
+                      as recompute_w_u), so U never reaches HBM; the V-block-0 programs write W for the reverse pass.
+The loads do not depend on S, so the compiler fetches the next chunk's tiles while the current chunk's products
+run. Launches (V-block, warps) come from the plan (plan.walk_launch)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...launch import launch as launch_kernel
+from ..plan import Launch, walk_launch
+from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_offsets
+from .output import causal_output
+from .wy import tinv_beta_pair, wy_product
+
+
+@triton.jit
+def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
+                     WY_ON_CHIP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused).
+    WY_ON_CHIP: W and U's V-block computed from tinv, beta, k, v (SPLIT: Tinv diag(beta) as a 16-bit
+    pair, wy.tinv_beta_pair), W written to w by the V-block-0 programs, u unused; else W, U read from w, u
+    (v, beta, tinv unused)."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
+
+    rows = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    o_kv, m_kv = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)  # this program's [K, BV] state slice
+    if HAS_H0:
+        b_s = tl.load(h0 + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+
+    num_chunks = tl.cdiv(eos - bos, C).to(tl.int32)
+    for i_t in range(0, num_chunks):
+        start = bos + i_t * C
+        m_rows = rows < eos - start
+        if not FUSE_OUTPUT:
+            h_kv, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+            tl.store(h + h_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
+
+        o_qk = (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :]
+        m_qk = m_rows[:, None] & (ck[None, :] < K)
+        # K^T [BK, C], loaded transposed
+        b_kt = tl.load(k + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
+                       mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
+        o_uv = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
+        m_uv = m_rows[:, None] & (cv[None, :] < V)
+        if WY_ON_CHIP:
+            # W = (Tinv diag(beta)) K and U's V-block = (Tinv diag(beta)) V, by wy.py's products (the same
+            # bits as recompute_w_u's W, U). They do not depend on S: off the chain S -> V' -> S
+            dt = k.dtype.element_ty
+            b_t = load_rows(tinv, start, eos - start, i_h, 0, H, C, C, C)
+            b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta + start * H + i_h, eos - start, H, C, dt)
+            b_w = wy_product(b_tb_hi, b_tb_lo, tl.trans(b_kt), SPLIT, PRECISION).to(dt)
+            b_v = tl.load(v + o_uv, mask=m_uv, other=0.0)
+            b_u = wy_product(b_tb_hi, b_tb_lo, b_v, SPLIT, PRECISION).to(dt)
+            if i_v == 0:  # W is the same in every V-block program; the reverse pass reads it
+                tl.store(w + o_qk, b_w, mask=m_qk)
+        else:
+            b_w = tl.load(w + o_qk, mask=m_qk, other=0.0)
+            b_u = tl.load(u + o_uv, mask=m_uv, other=0.0)
+
+        # S in the input dtype: what h holds for the unfused output stage
+        b_sd = b_s.to(b_w.dtype)
+        b_vn = b_u.to(tl.float32) - mm(b_w, b_sd, PRECISION)
+        b_vn = b_vn.to(b_u.dtype)
+        if FUSE_OUTPUT:
+            # Q S with the S entering the chunk; the rest of O after S moves on (fewer registers live at
+            # once than the whole of O first: offline sm_90 compile)
+            b_q = tl.load(q + o_qk, mask=m_qk, other=0.0)
+            b_qs = mm(b_q, b_sd, PRECISION)
+        else:
+            tl.store(v_new + o_uv, b_vn, mask=m_uv)
+        b_s += mm(b_kt, b_vn, PRECISION)
+        if FUSE_OUTPUT:
+            b_o = causal_output(b_qs, mm(b_q, b_kt, PRECISION), b_vn, scale, C, PRECISION)
+            tl.store(o + o_uv, b_o.to(o.dtype.element_ty), mask=m_uv)
+
+    if STORE_HT:
+        tl.store(ht + o_kv, b_s, mask=m_kv)
+
+
+def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o,
+          cfg: Optional[Launch]):
+    """Launches the walk: fused when o is given (then h, v_new are None), else plain; with wy_inputs = (v, beta,
+    tinv), W and U computed on chip (W written to w, u None). Returns the final state [N, H, K, V] fp32, or None."""
+    v, beta, tinv = (None, None, None) if wy_inputs is None else wy_inputs
+    H, K, V = k.shape[2], k.shape[3], (u if v is None else v).shape[3]
+    N = info.num_seqs
+    final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    fused = o is not None
+    if cfg is None:
+        cfg = walk_launch(K, V, N * H, k.element_size(), fused)
+    if N * H:
+        launch_kernel(
+            state_fwd_kernel, (N * H, cdiv(V, cfg.block_v)),
+            q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
+            info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), cfg.block_v,
+            initial_state is not None, output_final_state, fused, wy_inputs is not None,
+            k.dtype != torch.float32, dot_precision(k.dtype), num_warps=cfg.warps, num_stages=PIPELINE_STAGES,
+        )
+    return final_state
+
+
+def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
+              output_final_state: bool, info: SeqInfo, chunk_size: int, cfg: Optional[Launch] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(h [NT, H, K, V]: the state entering each chunk, in the input dtype; v_new = U - W S in the input dtype;
+    final_state [N, H, K, V] fp32 or None). A sequence of length 0 passes its initial state (or zeros) through."""
+    H, K, V = k.shape[2], k.shape[3], u.shape[3]
+    h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
+    v_new = torch.empty_like(u)
+    final_state = _walk(None, k, w, u, None, None, initial_state, output_final_state, info, chunk_size, h, v_new,
+                        None, cfg)
+    return h, v_new, final_state
+
+
+def state_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, tinv: torch.Tensor,
+                 initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo, chunk_size: int,
+                 cfg: Optional[Launch] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """wy.recompute_w_u and state_fwd in one launch: (w: recompute_w_u's W bit for bit; h, v_new, final_state as
+    state_fwd's)."""
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    w = torch.empty_like(k)
+    h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
+    v_new = torch.empty_like(v)
+    final_state = _walk(None, k, w, None, (v, beta, tinv), None, initial_state, output_final_state, info,
+                        chunk_size, h, v_new, None, cfg)
+    return w, h, v_new, final_state
+
+
+def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
+                     initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
+                     chunk_size: int, cfg: Optional[Launch] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The walk with the output fused in: (o in the input dtype, final_state as state_fwd's); the same o as
+    output.output_fwd on state_fwd's h and v_new, up to the order of fp32 sums over K."""
+    o = torch.empty_like(u)
+    final_state = _walk(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None, None, o,
+                        cfg)
+    return o, final_state
