@@ -1,4 +1,4 @@
-"""Public API: fla-compatible entry points. Thin: validation, backend choice, autograd wiring.
+"""Public API (DESIGN.md §9): fla-compatible entry points. Thin: validation, backend choice, autograd wiring.
 
 Layout: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] (N = B, or the number of
 sequences in cu_seqlens, where B must be 1). Every entry point returns (o, final_state); o has the input
@@ -94,10 +94,10 @@ def chunk_delta_rule(
         cu_seqlens_cpu: the same offsets on the CPU; avoids a device sync when given.
         chunk_size: 16, 32 or 64.
         save_states: in training, keep the forward's per-chunk states for the backward instead of recomputing
-            them there: the same gradients, forward+backward 11-20 % faster on the H200 (bf16, K = V = 128), for
-            1 KiB more per token and head (K = V = 128) held from the forward to the backward. Taken where the
-            Hopper walk runs (sm_90, 16-bit, K = V = 128, chunk_size 64, no sequence split, an unsegmented
-            backward); elsewhere, and under torch.compile's forward, it changes nothing.
+            them there: the same gradients, a faster backward (it skips its recompute walk), for 1 KiB more per
+            token and head (K = V = 128) held from the forward to the backward. Taken where the Hopper walk runs
+            (sm_90, 16-bit, K = V = 128, chunk_size 64, no sequence split, an unsegmented backward; DESIGN.md §6);
+            elsewhere, and under torch.compile's forward, it changes nothing.
     Returns:
         (o [B, T, H, V] in the input dtype, final_state or None)."""
     if not isinstance(save_states, bool):

@@ -1,6 +1,6 @@
 """Autograd wiring of the Triton backend: one torch.autograd.Function serves every form.
 
-A form is a module of deltatron.kernels with two functions (contract):
+A form is a module of deltatron.kernels with two functions (the form contract, DESIGN.md §9):
 
     forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward, **options)
         -> (o, final_state or None, saved: tuple of tensors for backward, extras: tuple of outputs
@@ -9,8 +9,8 @@ A form is a module of deltatron.kernels with two functions (contract):
     backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, **options)
         -> (dq, dk, dv, dbeta, dh0 or None)
 
-A form that has plan_call(q, k, v, info, needs_backward, **options) -> plan, made once
-per call here and passed to both functions as options["plan"].
+A form may also have plan_call(q, k, v, info, needs_backward, **options) -> plan: the plan is made once per call
+here and passed to both functions as options["plan"] (the chunk form's, DESIGN.md §6).
 
 q and k arrive already L2-normalized when use_qk_l2norm_in_kernel is set (the norm and its chain rule
 are applied here, in Triton); `info` is the SeqInfo of the packed batch; dht is None when the final
@@ -74,5 +74,5 @@ class DeltaRuleFunction(torch.autograd.Function):
 
 def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x.to(dtype), without the call where x has that dtype already (a no-op .to() still costs the host a torch
-    call: about 1.7 µs on the development CPU)."""
+    call)."""
     return x if x.dtype == dtype else x.to(dtype)

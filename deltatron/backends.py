@@ -1,4 +1,4 @@
-"""Backend choice: the one dispatch point between the PyTorch implementations and the Triton kernels.
+"""Backend choice (DESIGN.md §9): the one dispatch point between the PyTorch implementations and the Triton kernels.
 
 DELTATRON_BACKEND=torch|triton|auto (default auto): auto runs Triton on CUDA tensors and PyTorch
 otherwise; triton on CPU tensors runs the kernels in Triton's interpreter (needs TRITON_INTERPRET=1)."""

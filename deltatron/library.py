@@ -15,10 +15,10 @@ DeltaRuleFunction). So compiled and eager runs compute the same function with th
         -> (dq, dk, dv, dbeta, dh0)              # dh0 is [0] without an initial state
 
 The backward op recomputes the forward with autograd and returns torch.autograd.grad; on the Triton
-backend that runs the form's forward and backward (deltatron.autograd), save_states (chunk_delta_rule's) applying
-between those two. It cannot reuse the tensors the
-form's forward saved: their number and shapes are form-specific and, with cu_seqlens, depend on the
-sequence lengths (one state per chunk), which a fake implementation cannot know."""
+backend that runs the form's forward and backward (deltatron.autograd), with save_states (chunk_delta_rule's)
+applying between those two. It cannot reuse the tensors the form's forward saved: their number and shapes are
+form-specific and, with cu_seqlens, depend on the sequence lengths (one state per chunk), which a fake
+implementation cannot know (DESIGN.md §9)."""
 from __future__ import annotations
 
 import contextlib

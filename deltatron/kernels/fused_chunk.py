@@ -1,40 +1,18 @@
-"""fused_chunk_delta_rule in Triton: after one launch that inverts every chunk's I + A, one kernel walks the
-chunks of a (sequence, head, V-block) and keeps every other intermediate of a chunk on chip (DESIGN.md §2,
-§3).
+"""fused_chunk_delta_rule in Triton (DESIGN.md §5, other forms): T~ for every chunk in one launch (wy.tinv_fwd: the
+chunk form's T~), then one walk per (sequence, head, V-block) that keeps every other per-chunk intermediate on chip.
+An independent second implementation of the chunkwise form, for cross-checks.
 
-Per chunk, with S the state entering it (fp32, in registers across the whole walk):
+Per chunk, with S the state entering it (fp32, in registers across the walk): X = V - K S, V' = T~ diag(beta) X
+(= U - W S: the residual form, DESIGN.md §3), O = scale (Q S + (Q K^T ⊙ M) V'), S <- S + K^T V'. W is never formed:
+one C x C x V product replaces two C x C x K ones.
 
-    Tinv = (I + tril(diag(beta) K K^T, -1))^{-1}                      (fp32, only depends on K)
-    X  = V - K S                                                       (what the state mispredicts)
-    V' = Tinv diag(beta) X                                             (= U - W S of DESIGN.md §2)
-    O  = scale (Q S + (Q K^T ⊙ M) V'),   S <- S + K^T V'
-
-Writing V' = Tinv R with R = diag(beta) X never forms W = Tinv (beta K) [C, K]: one C x C x V product
-replaces two C x C x K ones, and no [C, K] fp32 tile is live. Tinv only depends on K, so it is not part
-of the walk: the chunk pipeline's WY kernel computes it for all chunks at once beforehand
-(chunk.portable.wy.tinv_fwd, fp32 [TT, H, C], the same Tinv as chunk_delta_rule's, at
-tril_precision), and the walk loads it. HBM traffic of the forward: q, k, v, beta read once, Tinv written
-once and read by every V-block program, o written once, plus the initial and final state.
-
-Backward (two launches and a reduction):
-  1. the forward kernel again, in its state-saving mode (no output): the state entering every chunk,
-     fp32 [NT, H, K, V], which goes through HBM (as Tinv does): the price of walking the chunks in
-     reverse without inverting the transitions (numerically unsafe);
-  2. one kernel per (sequence, head, V-block) walking the chunks in reverse with dS [K, BV] in
-     registers, recomputing X, V' on chip from the loaded Tinv. With
-     dV' = (scale Q K^T ⊙ M)^T dO + K dS_next and dR = Tinv^T dV', the gradient through the inverse
-     collapses to dA = -tril(dR V'^T, -1) (from (I + A) V' = R), so no C x C x C product is needed:
-         dQ = scale (dO S^T + G K),  G = dO V'^T ⊙ M
-         dK = scale G^T Q + V' dS_next^T - diag(beta) dR S^T + diag(beta) dA K + (diag(beta) dA)^T K
-         dV = diag(beta) dR,  dbeta = rowsum(dR ⊙ X) + rowsum(dA ⊙ K K^T)
-         dS = scale Q^T dO + dS_next - K^T diag(beta) dR          (dh0 after the first chunk)
-  3. dq, dk and dbeta sum over all of V: each V-block program writes its own fp32 partial
-     [NV, ...] and torch sums them in a fixed order, so two runs give bitwise-identical gradients.
-
-V-blocking: Q K^T only depends on K, so each V-block program recomputes it (C^2 K flops per chunk). That
-buys parallelism, the only kind a serial chunk walk has besides sequences x heads, and bounds the
-registers of the [K, BV] state tiles; BV is the whole V (capped by register budget) unless there are too
-few (sequence, head) programs to fill the GPU."""
+Backward: the forward kernel again, storing the state entering every chunk (fp32 [NT, H, K, V]; walking back by
+inverting the transitions would be numerically unsafe), then one reverse walk per (sequence, head, V-block) with dS
+[K, BV] in registers that recomputes X and V' from T~. The gradient through the inverse is dA = -tril(dR V'^T, -1)
+with dR = T~^T dV' (from (I + A) V' = diag(beta) X), so no C x C x C product is needed (the kernel's comments give
+each gradient). dq, dk and dbeta sum over V: each V-block program writes an fp32 partial [NV, ...] and torch adds them
+in a fixed order (deterministic). Every V-block program recomputes Q K^T: the price of V-blocking, the walk's only
+parallelism besides sequences x heads."""
 from __future__ import annotations
 
 import torch
@@ -171,21 +149,20 @@ def fused_chunk_bwd_kernel(
 
 
 def _f32_dot_dtype(dtype: torch.dtype):
-    """Operand dtype of the dots between two fp32 intermediates (Tinv R, Tinv^T dV', dR V'^T). Measured in
-    the interpreter with unnormalized keys and beta up to 2, T = 200: bf16 operands double the error of bf16
-    inputs (to the 1e-2 bound), so those stay fp32; fp16 operands cost fp16 inputs 1.8e-3, under its bound."""
+    """Operand dtype of the dots between two fp32 intermediates (Tinv R, Tinv^T dV', dR V'^T). With unnormalized
+    keys and beta up to 2 (T = 200, interpreter), bf16 operands double the error of bf16 inputs (to the 1e-2
+    bound), so those stay fp32; fp16 operands cost fp16 inputs 1.8e-3, under its bound."""
     return tl.float16 if dtype == torch.float16 else tl.float32
 
 
 def _precision(dtype: torch.dtype) -> str:
     """PRECISION of this form's walks. With bf16 inputs the fp32 x fp32 dots run in ieee: on the H200 with
-    triton 3.6 the tf32 variant of these kernels returns garbage forward and makes illegal memory accesses
-    backward, while ieee is right (benchmarks/diagnostics/fused_chunk_16bit.py, NOTES.md)."""
+    triton 3.6 the tf32 variant of these kernels returns wrong results forward and makes illegal memory
+    accesses backward, while ieee is right."""
     return "ieee" if dtype == torch.bfloat16 else dot_precision(dtype)
 
 
-# Every chunk's tiles live in registers; ptxas (sm_90, offline compiles of both kernels for K in {64, 128,
-# 256}, C in {32, 64}, BV in {16, 32, 64}) spilled less with 8 warps than with 4 in every case. A fixed
+# Every chunk's tiles live in registers: 8 warps spill less than 4 at every K, C and BV (sm_90). A fixed
 # config: autotuning would compile each kernel several times per shape.
 NUM_WARPS = 8
 
@@ -249,7 +226,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
         PRECISION=_precision(q.dtype), F32_DT=_f32_dot_dtype(q.dtype),
         # one stage: prefetching the next chunk's tiles (Tinv among them) overflows sm_90's shared memory at
-        # K = 256 (233,472 > 232,448 bytes, offline compile), and the walk's body is long enough to hide it
+        # K = 256 (233,472 > 232,448 bytes), and the walk's body is long enough to hide the loads
         num_warps=NUM_WARPS, num_stages=1,
     )
     return _sum_blocks(dq), _sum_blocks(dk), dv, _sum_blocks(dbeta), dh0

@@ -1,4 +1,4 @@
-"""fused_recurrent_delta_rule in Triton: the recurrence of DESIGN.md §1, token by token.
+"""fused_recurrent_delta_rule in Triton: the recurrence of DESIGN.md §1, token by token (§5, other forms).
 
 Forward: one program per (V-block, sequence, head) walks the tokens of its sequence with its [K, BV]
 slice of the fp32 state in registers. V-blocks are independent: S^T k, the update k v'^T and S^T q

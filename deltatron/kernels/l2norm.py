@@ -1,4 +1,5 @@
-"""Row-wise L2 normalization y = x / sqrt(sum(x^2) + eps) and its backward, for the in-op q/k norm."""
+"""Row-wise L2 normalization y = x / sqrt(sum(x^2) + eps) and its backward dx = r (dy - y <dy, y>), r the row's
+1 / sqrt(sum(x^2) + eps), for use_qk_l2norm_in_kernel (DESIGN.md §4, chain rules outside the form)."""
 from __future__ import annotations
 
 import torch

@@ -1,70 +1,19 @@
-"""launch(kernel, grid, *args, **kwargs): the same launch as kernel[grid](*args, **kwargs), with less host work
-once the kernel has been compiled for these arguments.
+"""launch(kernel, grid, *args, **kwargs): kernel[grid](*args, **kwargs) with less host work once the kernel has been
+compiled for these arguments (DESIGN.md §5, launch path).
 
-triton's JITFunction.run spends 16-22 µs of host time a launch (triton 3.6; benchmarks/diagnostics/host_time.md)
-binding the arguments, specializing each (native_specialize_impl), building its cache key (str() of the options
-every call), checking the used globals and building launch metadata, before its compiled kernel's launcher runs.
-Here the first launch of each specialization goes through kernel[grid](...) as always, and the CompiledKernel it
-returns is kept under a key of our own; a later launch with the same key calls that kernel's launcher directly,
-with the same arguments JITFunction.run would pass it.
-
-The key is at least as fine as triton 3.6's specialization, so that a launch triton would compile differently
-never reuses a binary (tests/kernels/test_launch.py checks it against JITFunction.run on kernels compiled for
-sm_90):
-  - the current device (triton launches on it, not on the tensors' device);
-  - per argument, in signature order (keyword arguments bound to their parameters):
-      constexpr parameters: the value and its type (True, 1 and 1.0 are different keys);
-      tensors: the dtype and whether data_ptr() is 16-byte aligned (recomputed every launch);
-      None; bools by value; ints by type, == 1, % 16 == 0 and triton's i32 / i64 / u64 range (an int outside
-      [-2**63, 2**64) takes kernel[grid], which raises); floats by type;
-      Gluon TMA descriptors by the base's dtype, the block shape, the layout and the padding;
-    any other argument (a tuple, a numpy scalar, another descriptor class) takes kernel[grid] every time;
-  - the launch options (num_warps, num_stages, maxnreg, ...) in the order given, as triton's str(options) has
-    them, with the kernel's debug flag and knobs.runtime.debug and knobs.compilation.instrumentation_mode, which
-    triton adds to them.
-And a launch takes kernel[grid] instead (and is not remembered) when:
-  - TRITON_INTERPRET is set (kernels are interpreted, not compiled), or triton is not a version whose launch
-    path this was checked against (_CHECKED_TRITON);
-  - JITFunction.run is not triton's own (offline_compile.py, isolated.forced_launch and the Gluon diagnostics
-    replace it to compile or to force launch options: they keep seeing every launch);
-  - the kernel has pre-run hooks, or knobs.runtime.launch_enter_hook / launch_exit_hook have hooks (profilers
-    such as proton see every launch with its metadata);
-  - a global the kernel read when it was compiled changed since (triton raises on that: kernel[grid] does);
-  - the grid is a callable (it takes the bound arguments).
-With no hooks the launcher gets None for the launch metadata and both hooks; JITFunction.run passes it the empty
-hook chains and their metadata, which it calls to no effect.
-
-Review (wip/host-cuts-review, read against triton 3.6's runtime/jit.py, backends/nvidia/driver.py, compiler.py and
-triton's specialize.cc; on the dev CPU only, no GPU run):
-  - Checked: the generated bind against create_function_from_signature (same parameter names, no defaults: our
-    top-level kernels have none, and a missing argument is a TypeError that takes kernel[grid]; keyword arguments
-    bind to parameters, the rest are options, as in triton); the key against native_specialize_impl argument by
-    argument (tensor dtype and data_ptr() & 15 recomputed per call, views with offsets included; int == 1, % 16,
-    i32 / i64 / u64; bool / float / None; Gluon descriptors: triton keys dtype, block shape and repr(layout), the
-    TMA map itself is filled per launch by the launcher from base.data_ptr(), shape and strides, so both paths
-    do that work); no kernel of ours has do_not_specialize(_on_alignment), annotations or defaults (introspected);
-    the launcher call against JITFunction.run's (grid, current stream read per call on the current device read
-    per call, function, packed metadata, metadata / hooks None only when no hook is installed, every bound
-    argument in signature order; the C launcher skips None hooks; global / profile scratch are allocated inside
-    CudaLauncher.__call__ on both paths); every fallback (tests/kernels/test_launch.py). The key holds no data
-    pointer or int value beyond what triton specializes, so it grows only with specializations (like triton's
-    own cache); _plans keeps each kernel alive (module-level kernels only). Dict updates under the GIL are safe;
-    two threads may both build a plan, harmlessly. torch.compile: kernels run inside the custom ops (library.py),
-    eagerly, so dynamo never traces launch; under CUDA graph capture the stream is read per launch, as triton does.
-    Also ran, outside the test (3 min): all four forms, bf16 / fp16 / fp32, fixed and varlen, Triton and Gluon
-    chunk paths: every launch picks JITFunction.run's CompiledKernel and launcher arguments.
-  - Found and fixed: an int argument >= 2**64 got the u64 key and reached the launcher, whose "K" format wraps it
-    without an overflow check (triton raises OverflowError); ints outside [-2**63, 2**64) now take kernel[grid].
-  - Not a divergence: constexprs equal under == but printed apart (-0.0 / 0.0, constexpr[1] / constexpr[1.0]):
-    triton's kernel_key_cache looks its key up by == too, so both paths reuse the first one's kernel (test rows).
-  - Remaining risks: option values are keyed by == where triton keys str(options) (enable_fp_fusion=1 vs True
-    share a kernel here, get two compiles of the same code from triton; not worth the ~0.4 µs a launch to key by
-    type); a triton 3.6.x patch release that changes run or the launcher would pass _CHECKED_TRITON; hooks,
-    launch_metadata callbacks and pre-run hooks are only honoured by falling back, so a hook added while a
-    launch is in flight on another thread may miss that launch; the checks run a stand-in driver, not CUDA.
-  - Estimate: bitwise-identical results to kernel[grid] on the H200 for every deltatron launch site: ~97%
-    (same CompiledKernel and same launcher arguments in every case checked; the residue is what a CPU stand-in
-    cannot show)."""
+triton's JITFunction.run binds, specializes and keys every argument on every call (16-22 µs of host time a launch
+on triton 3.6). Here the first launch of each specialization goes through kernel[grid], and the CompiledKernel it
+returns is kept under our own key; a later launch with that key calls its launcher directly, with the arguments
+JITFunction.run would pass. The key is at least as fine as triton 3.6's specialization, so a launch triton would
+compile differently never reuses a binary: the current device; per argument in signature order, constexprs by value
+and type, tensors by dtype and 16-byte alignment, ints by type, == 1, % 16 == 0 and i32 / i64 / u64 range, bools by
+value, floats by type, Gluon TMA descriptors by dtype, block shape, layout and padding (anything else takes
+kernel[grid]); the launch options in the order given, with the debug and instrumentation settings triton adds.
+kernel[grid] also runs (and nothing is remembered) under TRITON_INTERPRET, on a triton version not in
+_CHECKED_TRITON, where JITFunction.run has been replaced (tools that compile offline or force launch options),
+where pre-run or launch enter / exit hooks are set (profilers see every launch), where a global the kernel read has
+changed (triton raises), for ints outside [-2**63, 2**64) (the launcher would wrap them) and for callable grids.
+Option values are keyed by ==, where triton keys str(options): enable_fp_fusion=1 and True share one binary here."""
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple
@@ -88,8 +37,8 @@ if _ENABLED:
     from triton.runtime.jit import JITFunction
 
     _TRITON_RUN = JITFunction.run
-    # triton's own run, not a replacement in place when deltatron was imported (a forced_launch's would put kernels
-    # compiled under forced options in the cache)
+    # triton's own run, not a replacement in place when deltatron was imported (one that forces launch options would
+    # put kernels compiled under them in the cache)
     _ENABLED = (_TRITON_RUN.__module__, _TRITON_RUN.__qualname__) == ("triton.runtime.jit", "JITFunction.run")
 
 _I32_MIN, _I32_MAX, _U64_MIN = -2 ** 31, 2 ** 31 - 1, 2 ** 63

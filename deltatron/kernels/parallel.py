@@ -1,25 +1,16 @@
-"""parallel_delta_rule in Triton: the whole sequence as one chunk (O(T^2) work and memory).
+"""parallel_delta_rule in Triton: the whole sequence as one chunk (O(T^2) work and memory; DESIGN.md §5).
 
-Per (sequence, head), with rows stacked over all L tokens of the sequence, q already scaled (Q~ = scale Q):
+Per (sequence, head), rows stacked over all L tokens, Q~ = scale Q, L = I + A, A = tril(diag(beta) K K^T, -1):
+    V' = L^{-1} diag(beta) (V - K S0)  (= U - W S0 of DESIGN.md §2, the sequence as the chunk),
+    o = Q~ S0 + (Q~ K^T ⊙ M) V',   S_final = S0 + K^T V',   P = (Q~ K^T ⊙ M) L^{-1} diag(beta).
+The tokens are cut into row blocks of BT; only the diagonal blocks Tinv_ii of L^{-1} are formed (solve_tril's
+tril_inverse, from K and beta), and everything else is a blocked triangular solve: V' by forward substitution over
+row blocks (vnew kernel, serial over blocks), o parallel over row blocks (output kernel), P row block by row block
+(attention kernel: the rank-K structure of A turns the update sum_{m>j} P~_im A_mj into R K_j^T). Backward: dX =
+L^{-T} dV' by back substitution (dx kernel, also dv = diag(beta) dX and dS0), then dA = strictly_lower(-dX V'^T)
+(DESIGN.md §4's dA with the sequence as the chunk) and dq, dk, dbeta parallel over row blocks (dqk kernel).
 
-    A  = tril(diag(beta) K K^T, -1),   L = I + A,   X = diag(beta) (V - K S0)
-    V' = L^{-1} X                          (= U - W S0 of DESIGN.md §2 with the sequence as the chunk)
-    o  = Q~ S0 + (Q~ K^T ⊙ M) V',   S_final = S0 + K^T V',   P = (Q~ K^T ⊙ M) L^{-1} diag(beta)
-
-The tokens are cut into row blocks of BT; only the BT x BT diagonal blocks Tinv_ii of L^{-1} are ever formed
-(by solve_tril's tril_inverse, straight from K and beta). Everything else is a blocked triangular solve:
-
-    forward   V'_i = Tinv_ii (X_i - sum_{j<i} A_ij V'_j)               serial over i (vnew kernel)
-              o_i  = Q~_i S0 + sum_{j<=i} (Q~_i K_j^T ⊙ M) V'_j            parallel over i (output kernel)
-              P_i. solves P~ L = Q~ K^T ⊙ M row block by row block: the rank-K structure of A turns the
-              update sum_{m>j} P~_im A_mj into R K_j^T with R = sum_{m>j} P_im K_m (attention kernel)
-    backward  dV'  = (Q~ K^T ⊙ M)^T dO + K dS_final
-              dX   = L^{-T} dV'  by back substitution, dX_i = Tinv_ii^T (dV'_i - sum_{m>i} A_mi^T dX_m)
-              dA   = strictly_lower(-dX V'^T)                       (= -Tinv^T dTinv Tinv^T of §3)
-              dv = diag(beta) dX,  dS0 = dS_final + Q~^T dO - K^T diag(beta) dX
-              dq, dk, dbeta from o, A and X (dqk kernel, parallel over row blocks)
-
-Forward saves Tinv_ii and V' (fp32); there are no atomics, so results are deterministic."""
+The forward saves Tinv_ii and V' (fp32); there are no atomics, so results are deterministic."""
 from __future__ import annotations
 
 import torch
@@ -32,7 +23,7 @@ from .launch import launch
 from .utils import cdiv, dot_precision, head_block, load_tile, mm, store_tile, tril_precision
 
 # No software pipelining: on the H200 (triton 3.6) depths 2 and 3 run out of shared memory at K = 64-128
-# in 16-bit, and 1 is right everywhere (benchmarks/diagnostics/num_stages_sweep.py).
+# in 16-bit, and 1 is right for these kernels.
 NUM_STAGES = 1
 
 
@@ -347,7 +338,7 @@ def _config(q, v):
 def _precision(dtype: torch.dtype) -> str:
     """Precision of the dots with fp32 operands (16-bit tiles are widened to meet them). V', dX, the state
     and P are fp32 intermediates that feed long sums with cancellation (the state is much smaller than the
-    sum of its |k v'^T| terms): measured at T = 256, rounding them to bf16 costs ~4e-3 relative error on the
+    sum of its |k v'^T| terms): at T = 256, rounding them to bf16 costs ~4e-3 relative error on the
     state and gradients, truncating them to tf32 ~1.5e-3 with fp16 inputs (bounds 1e-2 and 3e-3), against
     the output rounding alone with tf32x3, which keeps fp32 accuracy on the tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32x3"

@@ -1,8 +1,8 @@
 """Helpers shared by the Triton kernels: sequence/chunk bookkeeping for packed (varlen) batches, the
-interpreter-safe matrix product, dot precision switches.
+interpreter-safe matrix product, dot precisions, V-blocks and pipelining depths.
 
-Every Triton kernel of deltatron sees the batch as packed sequences: a fixed-length [B, T, H, ...] tensor
-is, in memory, the same as [1, B*T, H, ...] with cu_seqlens = [0, T, 2T, ..., B*T]. So one code path
+Every Triton kernel of deltatron sees the batch as packed sequences (DESIGN.md §5): a fixed-length [B, T, H, ...]
+tensor is, in memory, the same as [1, B*T, H, ...] with cu_seqlens = [0, T, 2T, ..., B*T]. So one code path
 serves fixed-length and variable-length batches, and chunks never cross a sequence boundary."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Under TRITON_INTERPRET=1 tl.dot on bf16 operands multiplies the raw uint16 bits (DESIGN.md §6):
+# Under TRITON_INTERPRET=1 tl.dot on bf16 operands multiplies the raw uint16 bits (DESIGN.md §10):
 # the interpreter path widens 16-bit operands to fp32 first, which is exact.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 IS_INTERPRET = tl.constexpr(INTERPRET)
@@ -69,7 +69,7 @@ def tf32_high(x):
 def mm_split_tf32(a, b):
     """a @ b for fp32 a, b at about fp32 accuracy from three tf32 products: a = a_hi + a_lo, b = b_hi + b_lo split
     by truncation, a_lo b_lo dropped. What input_precision="tf32x3" computes, with the split by a bit mask instead
-    of tf32 rounding, which the sm_90 compile expands into compare-and-select sequences (offline SASS, session 15)."""
+    of tf32 rounding, which the sm_90 compile expands into compare-and-select sequences."""
     a_hi = tf32_high(a)
     b_hi = tf32_high(b)
     return mm(a_hi, b - b_hi, "tf32") + mm(a - a_hi, b_hi, "tf32") + mm(a_hi, b_hi, "tf32")
@@ -141,7 +141,7 @@ def tril_precision(dtype: torch.dtype) -> Tuple[str, bool]:
     Plain tf32 is not offered: with nearly parallel keys (repeated tokens) the products cancel heavily, and
     tf32 alone puts 1e-2 of error in T and 8e-3 in one chunk's 16-bit output, over fp16's 3e-3 bound; the
     Newton step brings that to 1.9e-4, as tf32x3 throughout does, at the cost of two products instead of
-    tripling every one (benchmarks/diagnostics/tril_precision_emulation.py)."""
+    tripling every one (DESIGN.md §2, §8)."""
     p = os.environ.get("DELTATRON_TRIL_PRECISION", "ieee" if dtype == torch.float32 else "tf32_newton")
     if p not in TRIL_PRECISIONS:
         raise ValueError(f"DELTATRON_TRIL_PRECISION must be one of {', '.join(TRIL_PRECISIONS)}; got {p!r}")
@@ -196,22 +196,19 @@ def state_block_v(K: int, V: int, num_states: int, min_programs: int = 128, max_
     """V-block of a serial state pass (one program walks a whole sequence with S [K, BV] in registers):
     as wide as registers allow (the tile is at most max_tile fp32: 8192 is 64 registers a thread at 4
     warps; and at most max_tile / 128 columns, 64 by default), halved while sequences * heads * V-blocks
-    would leave the 132 SMs short of programs (shrink; not under the interpreter, where programs run in turn)."""
+    are fewer than min_programs, which would leave SMs idle (shrink; not under the interpreter, where programs
+    run in turn). The plan's launches (plan.walk_launch, plan.reverse_launch) call it."""
     bv = min(max_tile // 128, head_block(V), max_tile // head_block(K))
     while shrink and bv > 16 and num_states * cdiv(V, bv) < min_programs:
         bv //= 2
     return bv
 
 
-# Software-pipelining depth of the chunk kernels' loops. Measured on the H200 with triton 3.6
-# (benchmarks/diagnostics/num_stages_sweep.py, forward + backward, K = 64/128/256, bf16 and fp32): 1 gives
-# wrong results or illegal memory accesses with 16-bit dots, 3 runs out of shared memory at K = 256, 2 is
-# right everywhere.
+# Software-pipelining depth of the chunk kernels' loops (triton 3.6, H200): 1 gives wrong results or illegal
+# memory accesses with 16-bit dots, 3 runs out of shared memory at K = 256; 2 is right everywhere.
 PIPELINE_STAGES = 2
-# The two WY kernels (W, U and their backward) pipeline 3 deep: their tiles are at most 64 wide whatever
-# K, V are, so a third stage fits in shared memory at every head size, and at K = V = 128 on the H200 it
-# took 0.237 -> 0.209 ms (forward) and 0.362 -> 0.344 ms (backward) with the same outputs
-# (benchmarks/diagnostics/stage_configs.py, b8-t2048-h16, bf16).
+# The WY kernels (W, U and their backward) pipeline 3 deep: their tiles are at most 64 wide whatever K, V are,
+# so a third stage fits in shared memory at every head size, and it is faster with the same outputs.
 WY_PIPELINE_STAGES = 3
 
 
@@ -251,8 +248,7 @@ def _chunk_index(cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.de
     total = int(offsets[-1])
     # sequence of each chunk: how many sequences begin at or before it (an empty sequence begins where the
     # next one does). Not torch.repeat_interleave: on the CPU it hands every sequence to the thread pool
-    # (parallel_for with grain 1), and on the H200's busy host that took 10 ms a call (torch.profiler, 20
-    # sequences: the benchmark's packed row ran at 11.8 ms instead of about 1)
+    # (parallel_for with grain 1), which costs milliseconds a call on a busy host
     begins = torch.zeros(total + 1, dtype=torch.int64)
     begins.index_add_(0, offsets[1:-1], torch.ones_like(offsets[1:-1]))
     seq = begins[:total].cumsum(0)

@@ -1,4 +1,5 @@
-"""Pure-PyTorch delta rule: the float64 oracles of every kernel and the CPU backend of the public API."""
+"""Pure-PyTorch delta rule: the float64 oracles of every kernel (DESIGN.md §10) and the CPU backend of the public
+API (§9)."""
 from .chunk import chunk_delta_rule_reference, intra_chunk_wy
 from .common import L2NORM_EPS, l2norm
 from .parallel import parallel_delta_rule_reference

@@ -1,87 +1,27 @@
-"""The forward's fused state+output walk (state.state_output_fwd) as a warp-specialized Gluon kernel for Hopper
-(triton 3.6, sm_90, 16-bit, K = V = 128, C = 64): state_output_fwd runs it where state.gluon_walk_pays (from 16
-sequences x heads; the measurements are there and at split_v).
+"""The forward's walk as a warp-specialized Gluon kernel for sm_90 (triton 3.6; 16-bit, K = V = 128, C = 64): the
+contract of portable/walk.py's state_output_fwd, run where the plan chooses the Hopper walk (DESIGN.md §5, §6).
 
-One program per (sequence, head, V-block of BV rows of S^T) walks its chunks as state.transposed_walk does,
-with its S^T rows [BV, K] fp32 in registers, but split over three partitions that run side by side:
-    loader (1 warp): TMA loads of each chunk's W, K, Q tiles [C, 128] and U's V-block [C, BV] into a ring of
-        STAGES slots, each slot guarded by a `ready` mbarrier (TMA bytes) and an `empty` one (the chain and
-        the output done);
-    chain (the default partition, BV / 16 warps, S^T rows split over them: 2 warp groups at BV = 128):
-        V'^T = U^T - S^T W^T        (S^T rounded to the input dtype, from registers)
-        S^T += V'^T K               (V'^T rounded to the input dtype, from registers)
-        and hands S^T (rounded, the state entering the chunk) and V'^T to the output through a
-        double-buffered pair of shared-memory tiles (mbarriers sv_ready / sv_empty);
-    output (4 warps = 1 warp group):
-        O = scale (Q S + (Q K^T ⊙ M) V')   (Q K^T masked j <= i and rounded as output.causal_output; O, S, V'
-        the V-block's columns) stored straight from the accumulator's registers, rows past the end masked.
-So the serial chain S -> W S -> V' -> K^T V' -> S runs only its two products, while the output's three and
-the loads of the next chunks run in the other warps (plain Triton 3.6 waits on every product in program
-order, so there all five products of a chunk are serial within a program).
+One program per (sequence, head, V-block of BV rows of S^T); three partitions run side by side:
+    loader (1 warp): TMA loads of each chunk's W, K, Q tiles [C, 128] and U's V-block [C, BV] into a ring of slots,
+        each guarded by a `ready` mbarrier (TMA bytes) and an `empty` one (the chain and the output done);
+    chain (BV / 16 warps, S^T [BV, K] fp32 in registers): V'^T = U^T - S^T W^T, S^T += V'^T K, each product taking
+        the rounded S^T or V'^T from registers as wgmma's A operand (hence S^T, not S); it hands the rounded S^T and
+        V'^T to the output through double-buffered shared tiles (sv_ready / sv_empty);
+    output (1 warp group): O = scale (Q S + (Q K^T ⊙ M) V'), stored from the accumulator's registers.
+So the serial chain runs only its two products while the output's three and the next chunks' loads run in other
+warps (plain Triton waits on every product in program order).
+Variants (constexprs of gluon_walk_kernel): RESIDUAL, V'^T = (V^T - S^T K^T) Tb^T with Tb = T~ diag(beta) as its
+16-bit pair in W's slot (DESIGN.md §3); WITH_OUTPUT = False, final states only, for the sequence split's pass 1 (no Q
+tiles, no hand-off, the chain's arithmetic unchanged: the full walk's final states bit for bit); SAVE_STATES, each
+chunk's S^T and V'^T also stored by TMA from the hand-off, for the backward (plan.keep_states).
 
-Without its output (WITH_OUTPUT = False; gluon_state_final_fwd, run by state.state_final_fwd for the sequence
-split's pass 1, which needs only final states): the loader and the chain alone; no Q tiles in the ring, no S^T /
-V'^T hand-off, no o; each ring slot released by the chain only. The chain's products and roundings are the same
-instructions on the same operands, so its final states are the full walk's bit for bit (the hand-off only copies
-S^T and V'^T out). A slot is then 40 KiB at BV = 64 and 48 KiB at 128, so the ring holds 5 and 4 slots (WALK_CONFIGS).
-
-Packed sequences: the descriptors span all B*T rows; a sequence's partial last chunk reads rows of the next
-sequence (or TMA's zero fill past the end), which touch only V' rows past the end: those are zeroed before
-K^T V' (so the final state is right) and O rows past the end are not stored (causal M keeps them out of the
-valid rows). Initial state (HAS_H0): the chain loads S^T before its loop; final state (STORE_HT): the chain
-stores S^T after it. The host wrapper takes [B, T, H, 128] or packed [1, TT, H, 128] (the descriptors are
-[B * T, H * 128] either way) and, with no token at all, launches nothing (a TMA descriptor's shape must be
-positive) and passes the initial state (or zeros) through as the final one.
-
-The V-block width BV (u's descriptor's block width; WALK_CONFIGS, split_v):
-    BV = 128, one program a head: the kernel measured on the H200 (below);
-    BV = 64, two programs a head (faster while the grid fits one wave, measured; split_v): for few sequences x
-        heads, where BV = 128 leaves most SMs idle (1 x 16 heads: 16 programs on 132 SMs). V' = U - W S and S +=
-        K^T V' are separable by V columns, so each V-block of S^T walks alone given W, K and U's block; only Q K^T
-        (a fifth of a program's products at BV = 64) is computed by both programs of a head. The chain is one warp
-        group (S^T [64, 128]: 64 fp32 registers a thread), a ring slot 56 KiB, so 3 slots fit; the two programs of
-        a head are neighbours in the grid, so they run at once and share W, K, Q in L2 (HBM reads as at BV = 128).
-        Narrower blocks do not fit this chain: wgmma's M is 64 a warp group, and the chain's products take S^T's
-        (V'^T's) rows as M from registers; BV = 32 would need the walk on S with both operands in shared memory, a
-        different chain, and four programs a head repeating Q K^T and the loads of W, K, Q. Two programs an SM do
-        not fit either (2 ring slots and the S^T, V'^T tiles are already 160 KiB a program).
-
-Checked without a GPU (session 9 review): the TTGIR maps each partition's captures to the right ring slots and
-descriptors; each mbarrier.arrive lowers to one thread's arrive after a partition-wide bar.sync (so count 1 a
-partition, 2 for the ring's empties); each [64, 128] TMA load is two 128-byte-swizzled [64, 64] boxes, 8,192 B
-each, 65,536 B a slot as expected; tests/test_gluon_walk_model.py runs a PyTorch model of this arithmetic
-through the GPU test's check() (bitwise equal to the shipped walk in the interpreter at fp16, and check()
-fails on a missing V' mask or causal diagonal).
-
-Offline sm_90 compile (triton 3.6, bf16; benchmarks/diagnostics/gluon_walk.py --offline), BV = 128: 16 warps
-(8 + 4 + 1 padded to 4), setmaxnreg 176 / 128 / 24, no spills without the states (12 B in the chain with
-them); shared memory 229,704 B of sm_90's 232,448 (ring 131,072, S^T tiles 65,536, V'^T tiles 32,768, the rest
-barriers and scratch), so one program per SM and no room for a third ring slot. The V-block changes nothing
-in its PTX (the same instructions as before BV was a parameter, debug lines apart: i_v folds to 0). BV = 64:
-12 warps (4 + 4 + 1 padded to 4), 168 registers at launch, setmaxnreg 256 / 128 / 24 (the pool's 64,512
-leave the chain the maximum), no spills with or without the states, bf16 and fp16; shared memory 221,544 B
-(3 ring slots 172,032, S^T tiles 32,768, V'^T tiles 16,384); the same products and barriers per partition as
-at BV = 128 (32 wgmma instructions, narrower), 7 TMA boxes a slot. In the PTX (either BV) each partition's
-loop synchronizes only on its own named barrier (bar.sync 0, 256 in the chain, 0, 128 at BV = 64; 2, 128 in
-the output; none in the loader) and on mbarriers; the CTA-wide barrier 1 appears only where the partitions
-start and end, and each wgmma.wait_group waits on its own warp group's products only. On the H200 (session 9,
-BV = 128): tests/gpu's checks pass (o within 2e-5 of the Triton walk, the final state bitwise equal, reruns
-bitwise equal).
-
-Offline, the walk without its output (session 14, bf16, with and without the initial state, the same numbers):
-BV = 64: 8 warps (4 + 1 padded to 4), 255 registers at launch, setmaxnreg 256 (chain) / 24 (loader), no spills,
-shared memory 205,036 B (5 ring slots 204,800), 12 wgmma instructions (the chain's two products), 5 TMA boxes a
-slot (W, K two each, U one); BV = 128: 12 warps (8 + 1 padded to 4), 168 registers at launch, setmaxnreg 240 / 24
-(no spills: the 12 B the chain spills at 176 with the states are gone with the output's registers), 196,820 B (4
-slots 196,608), 12 wgmma, 6 boxes a slot. The walk with its output compiles to the same PTX as before the flag
-(and so does gluon_reverse.py, which shares the loader), debug lines apart. On the H200 (session 14,
-benchmarks/diagnostics/gluon_walk.py, bf16, walk alone without final state, ms) the walk without its output takes
-half the time of the walk with it or less: b8-t2048-h16 0.062 against 0.104 (BV = 128), b2-t8192-h32 0.108 against
-0.207 (BV = 64), 1 x 16 heads at T = 32768 0.309 against 0.722 (BV = 64). So the output partition, not the chain,
-sets the walk's pace; its final states are bitwise the full walk's (tests/gpu/test_gluon_walk_gpu.py).
-
-Imported only where it can run (state.gluon_walk_applies imports it lazily, on a CUDA sm_90 device): Gluon
-does not run in TRITON_INTERPRET, and CI's triton may lack its Hopper API."""
+BV (plan.hopper_block_v): 128, one program a head, or 64, two programs a head that are neighbours in the grid and
+share W, K, Q in L2 (only Q K^T is computed by both). Narrower blocks do not fit wgmma's 64-row M per warp group, and
+two programs an SM do not fit shared memory. Packed sequences: the descriptors span all rows; a partial last chunk
+reads the next sequence's rows (or TMA's zero fill), so V' rows past the end are zeroed before K^T V' and O rows past
+the end are not stored. With no token at all nothing launches (a TMA descriptor's shape must be positive) and the
+final state is the initial one (or zeros). Imported only where it runs (plan.gluon_available: a CUDA sm_90 device
+with this Gluon API); Gluon does not run in the interpreter."""
 from __future__ import annotations
 
 import functools
@@ -109,19 +49,11 @@ class WalkConfig(NamedTuple):
     final_only_stages: int  # ring slots of W, U, K tiles in the walk without its output (no Q tile, no S^T, V'^T)
 
 
-# per V-block width BV (the S^T rows a program walks), registers a thread per partition (setmaxnreg: the
-# loader's 1 warp is padded to a warp group) and ring slots. Offline (ptxas, sm_90a):
-# BV = 128: 16 warps, loader 24, output 128, and the chain what is left of 65,536, (65536 - 128 (24 + 128)) /
-#     256 = 176. No spills at output 128 (none at 152 either, where the chain's 168 spill 20 B with the states);
-#     the chain spills 12 B (3 registers) at 176 when it loads and stores the states, none without. 2 slots
-#     (64 KiB a slot at bf16; a third does not fit).
-# BV = 64: 12 warps (4 + 4 + 1 padded to 4), 168 registers a thread at launch: loader 24, output 128 and the
-#     chain setmaxnreg's maximum, 256 (what is left, 64,512 - 128 (24 + 128) over 128 threads, is more); no
-#     spills with or without the states. 3 slots (56 KiB a slot at bf16: W, K, Q [64, 128], U [64, 64]).
-# The walk without its output (final states only) holds only the ring (and its barriers): a slot is W, K
-# [64, 128] and U [64, BV] at 16 bits, 48 KiB at BV = 128 and 40 KiB at 64, so of sm_90's 232,448 B 4 slots fit
-# at BV = 128 (196,608 B; 5 would be 245,760) and 5 at BV = 64 (204,800 B; 6 would be 245,760): the loader
-# runs further ahead of the chain at no cost, one program an SM either way (the pass-1 grids fit one wave).
+# per V-block width BV (the S^T rows a program walks): the chain's warps, the output partition's setmaxnreg (the
+# loader's 1 warp is padded to a warp group; the chain gets the rest of the register file: 176 a thread at
+# BV = 128, setmaxnreg's maximum 256 at 64) and the ring slots that fit sm_90's 232,448 B of shared memory: a slot
+# is W, K, Q [64, 128] and U [64, BV], 2 slots at BV = 128 and 3 at 64; without the output a slot has no Q tile
+# and there is no hand-off, so 4 and 5 fit and the loader runs further ahead.
 WALK_CONFIGS = {128: WalkConfig(chain_warps=8, output_regs=128, stages=2, final_only_stages=4),
                 64: WalkConfig(chain_warps=4, output_regs=128, stages=3, final_only_stages=5)}
 
@@ -143,15 +75,15 @@ def states_buffers(k: torch.Tensor, v: torch.Tensor, info: SeqInfo,
 
 @functools.lru_cache(maxsize=None)
 def tile_layout(dtype: torch.dtype, rows: int, cols: int) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a [rows, cols] TMA tile of a 16-bit dtype (cached: building it took 17 us of
-    host time a call on the development CPU, triton 3.6; descriptors 5 us each)."""
+    """The shared-memory layout of a [rows, cols] TMA tile of a 16-bit dtype (cached: building one costs host
+    time on every call)."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 @gluon.constexpr_function
 def accumulator_layout(num_warps, n):
     """A wgmma accumulator's layout, [rows, n] fp32: warps stacked along the rows (16 a warp). In the chains
-    (the walk's and gluon_reverse.py's) the two products' accumulators and the register operand made from one
+    (this walk's and hopper/reverse.py's) the two products' accumulators and the register operand made from one
     for the other share this row split, so no data moves between threads."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
@@ -167,7 +99,7 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl
                      REVERSE: gl.constexpr = False):
     """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once its consumers
     released it; descs and ring are (W, U, K, Q), or (W, U, K) where no partition reads Q (the walk without its
-    output). REVERSE, for gluon_reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
+    output). REVERSE, for hopper/reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
     sequence walked backwards, and dO's V-block [C, BV] takes U's place."""
     w_desc, u_desc, k_desc = descs[0], descs[1], descs[2]
     w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
@@ -384,7 +316,7 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
 
 
 def check_inputs(kernel: str, tensors: Dict[str, torch.Tensor], info: SeqInfo) -> None:
-    """The checks of both Gluon kernels' wrappers (this walk's and gluon_reverse.py's) before TMA descriptors are
+    """The checks of both Gluon kernels' wrappers (this walk's and hopper/reverse.py's) before TMA descriptors are
     built on their inputs: one 16-bit dtype, heads of K = V = 128, the batch's tokens as contiguous rows (the
     descriptors and the kernels' offsets address row r of head h at r * H * 128 + h * 128), 16-byte aligned
     bases. tensors: the inputs by name, k among them."""
@@ -426,18 +358,15 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
                       final_state: Optional[torch.Tensor], info: SeqInfo, block_v: int = D_WALK,
                       checked: bool = False, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                       residual: bool = False):
-    """Launches (or, under benchmarks/diagnostics' offline compile, compiles) the kernel on q, k, w, u [B, T, H,
-    128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the descriptors and o's offsets address row
-    r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape), 128 / block_v programs a sequence and
-    head (WALK_CONFIGS' V-block widths). o None: the walk without its output, into final_state only (q and
-    scale unused, q may be None). With no tokens at all (TT = 0, where a TMA descriptor cannot be built: its
-    shape must be positive) nothing is launched and final_state gets the initial state (or zeros), as the
-    shipped walk's programs without chunks store it. checked: the caller has made check_inputs' checks (the
-    chunk forward's state.state_output_fwd and state_final_fwd: the API's shapes and dtypes,
-    gluon_walk_applies, contiguity and alignment; states from state.states_buffers), so they are not made again.
-    states: (st, vt) from state.states_buffers, into which the walk with its output also stores each chunk's S^T
-    and V'^T. residual: the residual form (gluon_walk_kernel's RESIDUAL), w being Tb [.., H, 2 * 64] from
-    wy.tinv_pair_fwd and u being V."""
+    """Launches the kernel on q, k, w, u [B, T, H, 128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the
+    descriptors and o's offsets address row r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape),
+    128 / block_v programs a sequence and head (WALK_CONFIGS' V-block widths). o None: the walk without its output,
+    into final_state only (q and scale unused, q may be None). With no tokens at all nothing is launched and
+    final_state gets the initial state (or zeros), as the kernel's programs without chunks store it. checked: the
+    caller (the chunk forward, on the plan's Hopper walk) has made check_inputs' checks and built states with
+    states_buffers, so they are not made again. states: (st, vt) from states_buffers, into which the walk with its
+    output also stores each chunk's S^T and V'^T. residual: the residual form (gluon_walk_kernel's RESIDUAL), w being
+    Tb [.., H, 2 * 64] from wy.tinv_pair_fwd and u being V."""
     with_output = o is not None
     if not checked:
         check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
@@ -486,9 +415,9 @@ def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
                            chunk_size: int = C_WALK, block_v: Optional[int] = None, checked: bool = False,
                            states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, residual: bool = False
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """state.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
+    """portable walk.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
     C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
-    split_v chooses unless given; checked, states and residual (w = Tb, u = V) as gluon_walk_launch's."""
+    plan.hopper_block_v chooses unless given; checked, states and residual (w = Tb, u = V) as gluon_walk_launch's."""
     # contiguous: u is (checked by the caller, or by gluon_walk_launch before o is used)
     o = torch.empty_like(u)
     final_state = run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked,
@@ -499,15 +428,15 @@ def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u:
 def gluon_state_final_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
                           info: SeqInfo, chunk_size: int = C_WALK, block_v: Optional[int] = None,
                           checked: bool = False, residual: bool = False) -> torch.Tensor:
-    """state.state_final_fwd's contract (the final states [N, H, 128, 128] fp32 of gluon_state_output_fwd's walk,
-    bit for bit, without its output: no Q read, no O written) on the Gluon walk; arguments as there."""
+    """The final states [N, H, 128, 128] fp32 of gluon_state_output_fwd's walk, bit for bit, without its output (no Q
+    read, no O written): the sequence split's pass 1. Arguments as there."""
     return run_walk(None, k, w, u, None, 1.0, initial_state, True, info, chunk_size, block_v, checked,
                     residual=residual)
 
 
 def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked, states=None,
              residual=False):
-    """Both wrappers' launch: the final state allocated (if asked for), the initial state as fp32, split_v's
+    """Both wrappers' launch: the final state allocated (if asked for), the initial state as fp32, plan.hopper_block_v's
     V-block unless one is given."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")

@@ -1,12 +1,12 @@
-"""Backward of the chunk output O = scale (Q S + (Q K^T ⊙ M) V') (DESIGN.md §3), in two kernels:
+"""The backward's gradient stage (DESIGN.md §4, §5), parallel over chunks, in two kernels:
 
-    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (the unfused stage: the backward's reverse state
-                                                           pass computes it itself, state_bwd.py)
+    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (the unfused stage: the backward's reverse pass computes
+                                                           it itself, reverse.py)
     dqkw:     dQ = scale (dO S^T + (dO V'^T ⊙ M) K)
-              dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; WY backward adds the rest)
-              dW = -dV' S^T                                 (after it: needs dS_next and the full dV')
+              dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; the WY backward adds the rest)
+              dW = -dV' S^T                                 (after the reverse pass: needs dS_next and the full dV')
 
-Both are parallel over chunks; every output element is written by exactly one program (deterministic)."""
+Every output element is written by exactly one program (deterministic)."""
 from __future__ import annotations
 
 import torch
@@ -49,8 +49,8 @@ def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
 def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seqlens, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, STATES_T: tl.constexpr):
-    """STATES_T: h and v_new as the forward's Gluon walk saves them (state.states_buffers): S^T [NT, H, V, K]
-    and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (state.state_fwd's)."""
+    """STATES_T: h and v_new as the forward's Hopper walk keeps them (hopper.walk.states_buffers): S^T [NT, H, V, K]
+    and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's)."""
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     dt = dout.dtype.element_ty
@@ -62,7 +62,7 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
         if STATES_T:  # V'^T rows of this V-block, whole: zero past the sequence's end (states_buffers), and a mask
-            # on n along the contiguous dimension would turn the vector loads into scalar ones (offline sm_90 SASS)
+            # on n along the contiguous dimension would turn the vector loads into scalar ones
             b_vn = tl.trans(load_tile(v_new, i_s * V + i_v * BV, (i_s + 1) * V, C, 0, C, BV, C)).to(dt)
         else:
             b_vn = load_rows(v_new, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
@@ -107,14 +107,13 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
 def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False):
     """dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward) and dW (q's dtype).
 
-    The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its round trip through
-    HBM (written here, read by the WY backward, which adds it in fp32). The cost is one 16-bit rounding of one
-    summand of dK, far below the dtype's bound, and the final dK is rounded to the dtype anyway.
+    The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its HBM round trip (written here,
+    read and added in fp32 by the WY backward), for one 16-bit rounding of one summand (DESIGN.md §4).
 
     h: states entering each chunk, dh: gradients of the states leaving each chunk ([NT, H, K, V]);
-    dv: the full dV' (= dU) from the reverse state pass. states_t: h and v_new are the forward's saved S^T and
-    V'^T (state.states_buffers) instead. dq: where to write dQ (q's shape and dtype,
-    contiguous: the segmented backward passes its segment's view of the batch's), else a new tensor."""
+    dv: the full dV' (= dU) from the reverse pass. states_t: h and v_new are the forward's kept S^T and V'^T
+    (hopper.walk.states_buffers) instead. dq: where to write dQ (q's shape and dtype, contiguous: the segmented
+    backward passes its segment's view of the batch's), else a new tensor."""
     H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
     dq = torch.empty_like(q) if dq is None else dq

@@ -1,8 +1,8 @@
-"""Stage 1 of the chunk forward: A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2).
+"""A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2), and the chunk bookkeeping the portable kernels share.
 
-A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The
-forward itself does not call this stage (wy.wy_fwd builds A on chip); it is the first half of the
-two-launch pipeline kkt -> solve_tril, kept for the stage contract and for tests."""
+A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The forward
+does not launch this stage (wy.wy_fwd builds A on chip through kkt_tile and never stores it); kkt -> solve_tril on a
+stored A is kept for the stage contract and the tests (DESIGN.md §10)."""
 from __future__ import annotations
 
 import torch

@@ -1,9 +1,8 @@
-"""Stage 5 of the chunk forward: O = scale (Q S + (Q K^T ⊙ M) V') per chunk (DESIGN.md §2), M keeping
-j <= i. Every (chunk, head, V-block) is independent: S is the state entering the chunk (h from the
-state pass) and V' its new values.
+"""O = scale (Q S + (Q K^T ⊙ M) V') per chunk (DESIGN.md §2), M keeping j <= i, from the walk's h (the state entering
+each chunk) and V'. Every (chunk, head, V-block) is independent.
 
-Where state.fused_output_pays, the forward does not launch this stage: state.state_output_fwd computes the
-same O inside the state pass (through causal_output below, so both round alike)."""
+The forward launches this stage only where the plan runs the walk without its output (K = 256, fp32, narrow
+V-blocks; DESIGN.md §6); elsewhere the walk computes O itself through causal_output, so both round alike."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +18,7 @@ from .kkt import chunk_span
 def causal_output(b_qs, b_qk, b_vn, scale, C: tl.constexpr, PRECISION: tl.constexpr):
     """scale (Q S + (Q K^T ⊙ M) V') of one chunk, fp32 [C, BV], from Q S and Q K^T (fp32) and V' (in the
     input dtype). Q K^T is masked here and rounded to the dtype of V' for the product, as fla does. Shared
-    with the fused variant of the state pass (state.py), so that both paths round alike."""
+    with walk.state_output_fwd, so that both paths round alike."""
     rows = tl.arange(0, C)
     b_qk = tl.where(rows[:, None] >= rows[None, :], b_qk, 0.0)
     return (b_qs + mm(b_qk.to(b_vn.dtype), b_vn, PRECISION)) * scale

@@ -1,22 +1,16 @@
-"""Reverse state pass of the chunk backward (DESIGN.md §3): the gradient of the state runs backwards over
-the chunks of each sequence, from dht (or zero) after the last chunk to dh0 before the first:
+"""The reverse pass of the chunk backward (DESIGN.md §4, §5): the state gradient runs backwards over the chunks of
+each sequence, from dht (or zero) after the last chunk to dh0 before the first:
 
-    dV'  = dV'_local + K dS_next                       (full gradient of the new values)
-    dS   = scale Q^T dO + dS_next - W^T dV'            (the gradient of the state entering the chunk)
+    dV' = dV'_local + K dS_next,    dS = scale Q^T dO + dS_next - W^T dV'     (dS: the state entering the chunk)
 
-with dV'_local = scale (Q K^T ⊙ M)^T dO (M keeping j <= i). Serial over chunks, parallel over
-(sequence * head, V-blocks): the V columns of the state gradient are independent, and each program keeps
-its [K, BV] slice in fp32 registers for the whole sequence.
+with dV'_local = scale (Q K^T ⊙ M)^T dO. One program per (V-block, sequence x head) keeps its [K, BV] slice of the
+state gradient in fp32 registers for the whole sequence: the V columns are independent.
 
-One kernel, two variants (FUSE_DV_LOCAL):
-    fused (the backward's path): dV'_local is computed here from the Q, K and dO tiles the pass loads
-        anyway. Q and K are whole in K, so A^T = K Q^T is one product; it depends on K only and is
-        recomputed by every V-block program of a head (C^2 K flops per chunk and V-block), in exchange for
-        a launch and dV'_local's write and read through HBM;
-    unfused: dV'_local is read from grads.dv_local's output (the stage contract the tests check).
-Both round A^T to the input dtype alike (grads.causal_scores_t); the fused one keeps the local dV' in fp32, where
-the unfused one has it rounded to the input dtype by its store. Launches (V-block, warps) come from the plan
-(plan.reverse_launch); hopper/reverse.py is the same pass, fused, as a warp-specialized Gluon kernel."""
+FUSE_DV_LOCAL (the backward's path) computes dV'_local from the Q, K and dO tiles the pass loads anyway: A^T = K Q^T
+is recomputed by every V-block program of a head, in exchange for a launch and dV'_local's HBM round trip. Unfused,
+dV'_local is read from grads.dv_local (the stage contract). Both round A^T alike (grads.causal_scores_t); the fused
+pass keeps dV'_local in fp32, the unfused one has it rounded by its store. The plan chooses between this pass and
+hopper/reverse.py and sets its launch (plan.reverse_launch)."""
 from __future__ import annotations
 
 from typing import Optional

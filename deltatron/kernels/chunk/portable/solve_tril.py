@@ -1,30 +1,16 @@
-"""Stage 2 of the chunk forward: Tinv = (I + A)^{-1} per chunk, A strictly lower triangular (DESIGN.md §2).
+"""T~ = (I + A)^{-1} per chunk, A strictly lower triangular, grown by doubling in registers (DESIGN.md §2).
 
-The whole C x C tile of A stays in registers (from K by one product, or loaded), and the inverse is grown
-by doubling: if T is the inverse of the S-block diagonal part of I + A, the inverse of its 2S-block
-diagonal part follows from
+If T inverts the S-block diagonal part of I + A, then T - T E T (E: the blocks of A below the diagonal S-blocks
+inside each diagonal 2S-block) inverts the 2S-block diagonal part. From T = I: S = 1, 2, 4, 8 on the C/16 diagonal
+16-blocks taken out as a batch [C/16, 16, 16] (S = 1 needs no product: T = I - E), then S = 16, 32 on the whole
+tile: 6 dependent levels instead of C - 1 row steps, all fp32. With tril_precision's tf32_newton (the 16-bit
+default) the levels run in tf32 and one Newton step T <- T + T (I - (I + A) T) follows, its residual at fp32
+accuracy (utils.mm_split_tf32); fp32 inputs run ieee (DESIGN.md §2, §8).
 
-    [[L11, 0], [A21, L22]]^{-1} = [[T11, 0], [T21, T22]],   T21 = -T22 A21 T11,
-
-applied to every 2S-block at once as T <- T - T E T, with E the A21 blocks of that level (T is block
-diagonal, so T E T has exactly the T22 A21 T11 blocks). Starting from T = I (1-blocks):
-
-1. S = 1, 2, 4, 8 on the C/16 diagonal 16-blocks taken out as a batch [C/16, 16, 16] (batched products
-   of 16 x 16 tiles instead of whole-tile ones; S = 1 needs none: from T = I it gives I - E);
-2. S = 16, 32 on the whole tile;
-3. with tril_precision's tf32_newton (the 16-bit default) the products are tf32 and one Newton step
-   T <- T + T (I - (I + A) T) follows, its residual's product at fp32 accuracy (utils.mm_split_tf32: three
-   tf32 products): it squares the relative error that tf32 leaves (1e-2 with nearly parallel keys, where the
-   products cancel heavily). fp32 inputs run every product in ieee.
-
-In the WY forward this kernel's time follows its instruction count more than its products (session 15: the
-products' operand conversions and the whole-tile masks and reshapes are most of its SASS; benchmarks/NOTES.md),
-hence the product-free first level, the one-compare block masks and the bit-mask split.
-
-That is 6 dependent levels instead of C - 1 row steps, everything in fp32. The jit helper tril_inverse
-works on register tiles so that fused kernels can use it: with FROM_K=True it builds A straight from K and
-beta and never materializes it (wy.wy_fwd does this); the standalone solve_tril below only sees the fp32 A
-and runs ieee."""
+The kernel's time follows its instruction count more than its products: hence the product-free first level, the
+one-compare block masks and the bit-mask split. tril_inverse works on register tiles so that fused kernels use it:
+with FROM_K it builds A from K and beta and never stores it (wy.wy_fwd, parallel.py); the standalone solve_tril
+takes a stored fp32 A (ieee) for the stage contract and the tests."""
 from __future__ import annotations
 
 import torch

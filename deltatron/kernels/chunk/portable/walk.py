@@ -1,13 +1,15 @@
-"""The walk: the chunk forward's serial pass over chunks (DESIGN.md §2), portable Triton, one kernel in variants.
+"""The walk: the chunk forward's serial pass over chunks (DESIGN.md §2, §5), portable Triton, one kernel in variants.
 
 One program per (V-block, sequence, head) walks the chunks of its sequence with S [K, BV] in fp32 registers. Per
 chunk, with S the state entering it: V' = U - W S (S and V' rounded to the input dtype), S <- S + K^T V'.
 Variants (constexprs of state_fwd_kernel):
-    state_fwd         writes h[chunk] = S and V' for the output stage (output.py) and the backward;
+    state_fwd         writes h[chunk] = S and V' for output.py and the backward: the plan's unfused walk and the
+                      backward's two-launch recompute;
     state_output_fwd  FUSE_OUTPUT: writes O = scale (Q S + (Q K^T ⊙ M) V') while S and V' are on chip, neither h nor
                       V' (Q K^T is recomputed by every V-block program of a head: the price of V-blocking);
     state_wy_fwd      WY_ON_CHIP: W and U computed per chunk from the stored T~ with wy.py's products (the same bits
                       as recompute_w_u), so U never reaches HBM; the V-block-0 programs write W for the reverse pass.
+                      The backward's one-launch recompute, where plan.wy_on_chip holds.
 The loads do not depend on S, so the compiler fetches the next chunk's tiles while the current chunk's products
 run. Launches (V-block, warps) come from the plan (plan.walk_launch)."""
 from __future__ import annotations
@@ -85,7 +87,7 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
         b_vn = b_vn.to(b_u.dtype)
         if FUSE_OUTPUT:
             # Q S with the S entering the chunk; the rest of O after S moves on (fewer registers live at
-            # once than the whole of O first: offline sm_90 compile)
+            # once than with the whole of O first)
             b_q = tl.load(q + o_qk, mask=m_qk, other=0.0)
             b_qs = mm(b_q, b_sd, PRECISION)
         else:

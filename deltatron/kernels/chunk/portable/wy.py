@@ -1,17 +1,15 @@
-"""Stage 3 of the chunk forward: the WY factors W = Tinv (beta*K), U = Tinv (beta*V) (DESIGN.md §2).
+"""The WY stage (DESIGN.md §2, §3, §5): T~ = (I + A)^{-1} per chunk, then W = T~ (beta K), U = T~ (beta V), or
+T's pair instead.
 
-Four entry points share one kernel:
-    recompute_w_u(k, v, beta, Tinv, ...) -> (w, u)       from a stored Tinv (the backward's recompute where
-                                                          state.wy_on_chip is false);
-    wy_fwd(k, v, beta, ...) -> (Tinv, w, u)              stages 1-3 in one launch: A is built from K on
-                                                          chip, inverted, applied, and only W, U and (for
-                                                          the backward) Tinv are written;
-    tinv_fwd(k, beta, ...) -> Tinv                       stages 1-2 only (fused_chunk's input);
-    tinv_pair_fwd(k, beta, ...) -> (Tinv, Tb)            stages 1-2 and Tb = Tinv diag(beta) as its 16-bit pair
-                                                          (tinv_beta_pair), the input of the Gluon walk's
-                                                          residual form (V' = Tb (V - K S): no W, U at all).
-W and U have the input dtype: they feed 16-bit dots in the state pass. The products that make them
-(tinv_beta_pair, wy_product) are shared with state.state_wy_fwd, which computes W, U inside the walk."""
+One kernel, four entry points:
+    wy_fwd(k, v, beta, ...) -> (T~, W, U)           A from K on chip, inverted, applied; T~ stored for training only;
+    tinv_pair_fwd(k, beta, ...) -> (T~, Tb)         Tb = T~ diag(beta) as its 16-bit pair: the residual form's input
+                                                    (the Hopper walk forms V' = Tb (V - K S), no W, U at all);
+    tinv_fwd(k, beta, ...) -> T~                    fused_chunk's input;
+    recompute_w_u(k, v, beta, T~, ...) -> (W, U)    from a stored T~: the backward's two-launch recompute.
+W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
+walk.state_wy_fwd, goes through tinv_beta_pair and wy_product, so they agree bit for bit. The plan chooses the form
+(plan.residual); the launch comes from plan.wy_launch."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -30,13 +28,12 @@ from .solve_tril import tril_inverse
 
 @triton.jit
 def tinv_beta_pair(b_t, beta_c, n, H: tl.constexpr, C: tl.constexpr, DT: tl.constexpr):
-    """Tinv diag(beta) of one chunk as a pair hi + lo of dtype DT (the input dtype; lo is zero for fp32).
+    """T~ diag(beta) of one chunk as a pair hi + lo of dtype DT (the input dtype; lo is zero for fp32).
     beta_c points at the chunk's first token and its head; beta past the chunk's end (row n on) reads as 0.
 
-    W = (Tinv diag(beta)) K, U = (Tinv diag(beta)) V take K, V as they are (exact operands). With 16-bit
-    inputs the fp32 Tinv diag(beta) goes in as the 16-bit pair: rounded to 16 bits alone it would put 2^-9
-    (bf16) of error in every term of W's rows, which cancel when keys are nearly parallel (one chunk's W
-    then 7e-2 off in bf16); the pair leaves 2^-18."""
+    W = (T~ diag(beta)) K, U = (T~ diag(beta)) V take K, V as they are (exact operands). Rounded to 16 bits alone,
+    T~ diag(beta) would put 2^-9 (bf16) of error in every term of W's rows, which cancel when keys are nearly
+    parallel; the pair leaves 2^-18 (DESIGN.md §2)."""
     rows = tl.arange(0, C)
     b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
     b_tb = b_t * b_beta[None, :]
@@ -62,9 +59,8 @@ def apply_tinv(t_hi, t_lo, x, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.con
     SPLIT). x and y point at the chunk's first token and its head; t_hi, t_lo have x's dtype."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, BD)
-    # one tile of offsets for all steps, the base pointers moved by d0: offsets computed per step were
-    # carried by the software pipeliner as whole [C, BD] int32 tiles for the steps ahead, which spilled
-    # under a register cap (offline sm_90 compile, K = V = 128, 32-wide tiles, maxnreg 152-168)
+    # one tile of offsets for all steps, the base pointers moved by d0: offsets computed per step are carried
+    # by the software pipeliner as whole [C, BD] int32 tiles for the steps ahead, which spill under the cap
     offs = rows[:, None] * (H * D) + cols[None, :]
     for d0 in range(0, D, BD):
         mask = (rows[:, None] < n) & (d0 + cols[None, :] < D)

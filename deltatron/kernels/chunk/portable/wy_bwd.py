@@ -1,24 +1,16 @@
-"""WY backward (DESIGN.md §3): from dW and dU to dK, dV and dbeta through W = T~ (beta K), U = T~ (beta V),
+"""The WY backward (DESIGN.md §4): dK, dV and dbeta from dW and dU through W = T~ (beta K), U = T~ (beta V),
 T~ = (I + A)^{-1}, A = tril(diag(beta) K K^T, -1):
 
-    dT~  = dW (beta K)^T + dU (beta V)^T
-    dKb  = T~^T dW,  dVb = T~^T dU
-    dA   = strictly_lower(-T~^T dT~ T~^T)
-    dK   = dK_direct + beta (dKb + dA K) + dA^T (beta K)
-    dV   = beta dVb
+    dT~ = dW (beta K)^T + dU (beta V)^T,   dKb = T~^T dW,   dVb = T~^T dU,   dA = strictly_lower(-T~^T dT~ T~^T)
+    dK  = dK_direct + beta (dKb + dA K) + dA^T (beta K),   dV = beta dVb
     dbeta = rowsum(dVb ⊙ V) + rowsum((dKb + dA K) ⊙ K)
 
-One program per (chunk, head); the chunk's C x C matrices stay in fp32 registers, K and V are looped
-over in tiles. Products whose result is a gradient of 16-bit data take 16-bit operands (the tensor cores'
-full rate): dT~ from dW, dU and beta K, beta V rounded to the input dtype, and T~^T dW, T~^T dU with T~
-rounded to it. On random dW, dU these sums do not cancel even when keys are nearly parallel
-(tests/kernels/test_chunk_backward.py::test_wy_bwd checks such keys). The problem's own dW, dU do cancel there:
-with beta near 1.95 this stage alone puts 1.6e-2 into dv and 1.3e-2 into dbeta in bf16, against 2.2e-3 on random
-ones (benchmarks/diagnostics/ill_conditioned_accuracy.py --wy-stage). In the whole backward that stays below
-what the 16-bit U and V' already put there (README, Known limitation); a hi + lo T~ here would pay only with
-those fixed too.
-dA = -T~^T dT~ T~^T and its two products with K keep fp32 operands (dot_precision): dT~ is an fp32 sum,
-and dA's products cancel when keys are nearly parallel."""
+One program per (chunk, head): the chunk's C x C matrices stay in fp32 registers, K and V are looped over in tiles.
+Products whose result is a gradient of 16-bit data take 16-bit operands (dT~ from dW, dU and the rounded beta K,
+beta V; T~^T dW, T~^T dU with T~ rounded); dA and its two products with K keep fp32 operands (dot_precision): dT~
+is an fp32 sum, and dA's products cancel when keys are nearly parallel. Near beta = 2 in bf16 this stage's error
+stays below what the 16-bit U and V' already put there (DESIGN.md §8), so a hi + lo T~ would pay only with those
+fixed too."""
 from __future__ import annotations
 
 import functools
@@ -117,7 +109,7 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None)
     in the kernel, so that the API returns it without a conversion launch).
 
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
-    the output and the state update (k's dtype, as output_bwd.dqkw stores it; added in fp32). out: (dk, dv,
+    the output and the state update (k's dtype, as grads.dqkw stores it; added in fp32). out: (dk, dv,
     dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
     views of the batch's), else new tensors."""
     H, K, V = k.shape[-2], k.shape[-1], v.shape[-1]

@@ -1,1 +1,1 @@
-"""Scheduling of the chunk stages: the sequence split (forward) and the segmented backward."""
+"""Scheduling of the chunk stages (DESIGN.md §7): the sequence split (forward) and the segmented backward."""

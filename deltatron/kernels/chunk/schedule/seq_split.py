@@ -10,8 +10,9 @@ partition, S_out = M_p S_in + B_p. The forward then runs
               I - S_{c+1} = M_c (I - S_c));
     combine: S_{p+1} = S_p + B_p - G_p S_p for p = 1..P-2, batched fp32 products in torch (no host sync);
     pass 2: the forward's walk on all partitions as packed sequences, from the states S_p.
-In the residual form (W = Tb K, U = V) the walk on W is the walk on (Tb, K). The WY stage and what the backward
-reads (T~) are the same split or not; the backward recomputes on the whole sequences."""
+In the residual form (the walks take Tb and V for W and U) the walk on W is the walk on (Tb, K), since
+W - W S = Tb (K - K S) (DESIGN.md §3). The WY stage and what the backward reads (T~) are the same split or not; the
+backward recomputes on the whole sequences, so its gradients are bitwise the unsplit ones."""
 from __future__ import annotations
 
 import functools
@@ -164,7 +165,7 @@ def partition_states(final_states: FinalStates, k: torch.Tensor, w: torch.Tensor
                      initial_state: Optional[torch.Tensor], plan: SplitPlan, residual: bool = False) -> torch.Tensor:
     """Pass 1 and the combine: the state entering each of plan.parts' sequences, [len(parts), H, K, V] fp32 (a
     sequence's first partition, and an unsplit sequence, start from its initial state, or zeros). residual
-    (residual_runs): w is Tb and u is V (the residual form's walks)."""
+    (plan.residual): w is Tb and u is V (the residual form's walks)."""
     N, H, K, V = plan.parts.num_seqs, k.shape[2], k.shape[3], u.shape[3]
     h0_u = None
     if initial_state is not None:
