@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..utils import SeqInfo
-from .plan import ChunkPlan, Problem, device_capabilities, make_plan
+from .plan import ChunkPlan, call_plan
 from .portable.output import output_fwd
 from .portable.walk import state_fwd, state_output_fwd
 from .portable.wy import tinv_pair_fwd, wy_fwd
@@ -24,9 +24,8 @@ def plan_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, 
               chunk_size: int = 64, save_states: bool = False) -> ChunkPlan:
     """The plan of a call on these (contiguous) tensors, under the calling context's overrides."""
     aligned = q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-    problem = Problem(q.dtype, k.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
-                      needs_backward, save_states, aligned)
-    return make_plan(problem, device_capabilities(q.device))
+    return call_plan(q.dtype, k.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
+                     needs_backward, save_states, aligned, q.device)
 
 
 def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None):

@@ -329,6 +329,25 @@ def _forced(name: str, value, rule_value, reason: str) -> Tuple[object, str]:
     return (rule_value, reason) if value is None else (value, f"forced by overrides({name}={value!r})")
 
 
+_CALL_PLANS: dict = {}  # the plans of recent calls by their key: the host's cost of a call's plan is a lookup
+_MAX_CALL_PLANS = 4096
+
+
+def call_plan(dtype: torch.dtype, heads: int, K: int, V: int, num_seqs: int, total_tokens: int, chunk_size: int,
+              training: bool, save_states: bool, tma_aligned: bool, device: torch.device) -> ChunkPlan:
+    """make_plan for a call on `device` under the calling context's overrides, from the call's facts (a dict lookup
+    where the same call was planned before: building a Problem costs the host more than the lookup)."""
+    forced = _OVERRIDES.get()
+    key = (dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned, device, forced)
+    plan = _CALL_PLANS.get(key)
+    if plan is None:
+        if len(_CALL_PLANS) >= _MAX_CALL_PLANS:
+            _CALL_PLANS.clear()
+        problem = Problem(dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned)
+        plan = _CALL_PLANS[key] = _make_plan(problem, device_capabilities(device), forced)
+    return plan
+
+
 def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] = None) -> ChunkPlan:
     """The plan for problem on a device with caps (docs/DESIGN.md §6). forced: the overrides (default: the
     calling context's, current_overrides())."""
