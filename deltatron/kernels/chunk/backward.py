@@ -49,7 +49,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
         dq, dk_direct, dw = dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True)
         del dh
-        dk, dv, dbeta = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
+        dk, dv, dbeta = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch)
         return dq, dk, dv, dbeta, dh0
     if plan.segments > 1:
         segment_plan = seg.segment_plan(info, plan.segments, chunk_size)
@@ -61,7 +61,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
     elif plan.overlap:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch)
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # an event after recompute_w_u: the walk waits for W, U, not for the reverse pass
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)  # queued first: its programs first
@@ -75,14 +75,14 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         v_new.record_stream(main)
         del u
     else:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch)
         h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg)
         del u
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
     del w
     dq, dk_direct, dw = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
     del h, v_new, dh
-    dk, dv, dbeta = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size)
+    dk, dv, dbeta = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch)
     return dq, dk, dv, dbeta, dh0
 
 
@@ -117,7 +117,7 @@ def segmented_backward(plan, q, k, v, beta, scale, initial_state, tinv, do, dht,
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size,
                                       cfg=plan.recompute_launch)
     else:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch)
     revs = [None] * len(segment_plan)  # (dh, dV', dh0) of each segment; (None, None, dh0) once its grads are queued
     # the gradients, allocated here on the current stream: each segment's gradient stage writes its tokens' views
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)

@@ -57,10 +57,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if plan is None:
         plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states)
     if plan.residual:  # the walks' W and U slots take Tb and V
-        tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward)
+        tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
         u = v
     else:
-        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward)
+        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
     split = (split_plan_for(info, plan.split_partitions, plan.split_min_tokens, chunk_size, k.device)
              if plan.split else None)
     if split is not None:

@@ -307,9 +307,10 @@ class ChunkPlan:
     split_min_tokens: int
     keep_states: bool  # the forward stores S^T, V'^T per chunk; the backward recomputes nothing
     walk_launch: Launch
-    wy_launch: Launch
+    wy_launch: Launch  # the forward's WY kernel (it inverts)
     recompute: str  # "none" (kept states) | "on_chip" (one launch) | "two_launch" (WY kernel, then the walk)
-    recompute_launch: Launch
+    recompute_launch: Launch  # the recompute's walk
+    recompute_wy_launch: Launch  # the two-launch recompute's WY kernel (from the stored T~)
     overlap: bool  # the two-launch recompute's walk on a side stream beside the reverse pass
     segments: int  # the reverse pass and the gradient stage run in this many segments (1: whole)
     reverse: str  # "hopper" | "portable"
@@ -472,7 +473,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
 
     return ChunkPlan(problem=p, caps=caps, walk=walk, residual=residual, split_partitions=partitions,
                      split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch, wy_launch=wy,
-                     recompute=recompute, recompute_launch=recompute_launch, overlap=overlap, segments=segments,
+                     recompute=recompute, recompute_launch=recompute_launch,
+                     recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False), overlap=overlap, segments=segments,
                      reverse=reverse, reverse_launch=rev_launch, wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size),
                      reasons=tuple(reasons))
 

@@ -58,11 +58,10 @@ REVERSE_CONFIGS = {128: ReverseConfig(chain_warps=8, offchain_regs=128, stages=2
 @gluon.jit
 def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h, i_v,
                     bos, eos, first_chunk, num_chunks, H: gl.constexpr, C: gl.constexpr, D: gl.constexpr,
-                    USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, STORE_OUTPUTS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, num_warps: gl.constexpr):
     """The serial chain on the V-block i_v of dS^T, [BV, D] fp32 (rows V, columns K), backwards over the chunks,
     both products with the rounded dS_next^T or dV'^T as the register operand; stores dh (dS_next) and dv (dV')
-    of each chunk, the V-block's columns, where STORE_OUTPUTS (else dh0 alone)."""
+    of each chunk, the V-block's columns."""
     w_ring, do_ring, k_ring, q_ring = ring
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = do_ring.shape[2]
@@ -102,11 +101,10 @@ def chain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty
         # dS^T -= dV'^T W: the negation of the rounded dV' is exact
         b_dst = warpgroup_mma(gl.convert_layout(-b_dvd, vn_operand), w_ring.index(s), b_dst, is_async=True)
         # while that runs: the stores (here rather than beside the first product, where they spill)
-        if STORE_OUTPUTS:
-            o_dv = (bos + t * C + tokens[None, :]).to(gl.int64) * (H * D) + i_h * D + i_v * BV + vv[:, None]
-            gl.store(dv + o_dv, b_dvd, mask=tokens[None, :] < n)
-            o_dh = ((first_chunk + t) * H + i_h).to(gl.int64) * D * D
-            gl.store(dh + o_dh + o_st, b_dsd)
+        o_dv = (bos + t * C + tokens[None, :]).to(gl.int64) * (H * D) + i_h * D + i_v * BV + vv[:, None]
+        gl.store(dv + o_dv, b_dvd, mask=tokens[None, :] < n)
+        o_dh = ((first_chunk + t) * H + i_h).to(gl.int64) * D * D
+        gl.store(dh + o_dh + o_st, b_dsd)
         b_dst = warpgroup_mma_wait(num_outstanding=0, deps=(b_dst, ))
         mbarrier.arrive(empty.index(s), count=1)
 
@@ -168,7 +166,7 @@ def offchain_partition(ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_em
 @gluon.jit
 def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scale, cu_seqlens, chunk_offsets,
                          H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-                         STORE_OUTPUTS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                         LOADER_REGS: gl.constexpr,
                          OFFCHAIN_WARPS: gl.constexpr, OFFCHAIN_REGS: gl.constexpr, STAGES: gl.constexpr,
                          num_warps: gl.constexpr):
     C: gl.constexpr = w_desc.block_type.shape[0]
@@ -211,7 +209,7 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
 
     gl.warp_specialize([
         (chain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, dh, dv, dht, dh0, i_nh, i_h,
-                           i_v, bos, eos, first_chunk, num_chunks, H, C, D, USE_DHT, STORE_DH0, STORE_OUTPUTS,
+                           i_v, bos, eos, first_chunk, num_chunks, H, C, D, USE_DHT, STORE_DH0,
                            num_warps)),
         (offchain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, scale, bos, eos,
                               num_chunks, C, D)),
@@ -222,16 +220,15 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
 
 def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
                     scale: float, need_dh0: bool, info: SeqInfo, chunk_size: int = C_WALK,
-                    block_v: Optional[int] = None, checked: bool = False, store_outputs: bool = True
-                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+                    block_v: Optional[int] = None, checked: bool = False
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """portable reverse.state_bwd's contract with the local dV' fused (dv_local=None): (dh [NT, H, 128, 128] in q's
     dtype, dv in do's shape and dtype, dh0 [N, H, 128, 128] fp32 or None), on q, k, w, do [B, T, H, 128] or packed
     [1, TT, H, 128], one 16-bit dtype, contiguous rows (the descriptors and the stores address row r of head h
     at r * H * 128 + h * 128). 128 / block_v programs a sequence and head (REVERSE_CONFIGS' V-block widths);
     block_v as plan.hopper_block_v chooses unless given. With no tokens at all nothing is launched (a TMA
     descriptor's shape must be positive): dh is empty, dh0 the dht (or zeros). checked: the caller (the chunk
-    backward, on the plan's Hopper reverse pass) has made check_inputs' checks, so they are not made again. Without
-    store_outputs dh and dv are neither allocated nor written (None, None, dh0)."""
+    backward, on the plan's Hopper reverse pass) has made check_inputs' checks, so they are not made again."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_reverse: chunk_size {C_WALK} only, got {chunk_size}")
     if block_v is not None and block_v not in REVERSE_CONFIGS:
@@ -243,8 +240,8 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     if dht is not None and tuple(dht.shape) != (N, H, D, D):
         raise ValueError(f"gluon_reverse: dht must be [{N}, {H}, {D}, {D}], got {tuple(dht.shape)}")
     chunks = info.chunks(chunk_size)
-    dh = q.new_empty(chunks.num_chunks, H, D, D) if store_outputs else None
-    dv = torch.empty_like(do) if store_outputs else None  # contiguous: do is (checked)
+    dh = q.new_empty(chunks.num_chunks, H, D, D)
+    dv = torch.empty_like(do)  # contiguous: do is (checked)
     dh0 = q.new_empty(N, H, D, D, dtype=torch.float32) if need_dh0 else None
     dht = dht.float().contiguous() if dht is not None else None
     if TT == 0 or N * H == 0:
@@ -256,6 +253,6 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     descs = tma_descriptors(((w, D), (do, block_v), (k, D), (q, D)), TT, H)
     cfg = REVERSE_CONFIGS[block_v]
     launch(gluon_reverse_kernel, (N * H * (D // block_v), ), *descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
-           chunks.chunk_offsets, H, dht is not None, need_dh0, store_outputs, LOADER_REGS, OFFCHAIN_WARPS,
+           chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS, OFFCHAIN_WARPS,
            cfg.offchain_regs, cfg.stages, num_warps=cfg.chain_warps)
     return dh, dv, dh0

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from ...launch import launch
 from ..plan import Launch, reverse_launch
-from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms,
-                     state_block_v, state_offsets, store_rows)
+from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms, state_offsets,
+                     store_rows)
 from .grads import causal_scores_t
 
 

@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import (WY_PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, load_rows, mm, store_rows,
-                     tril_precision)
-from ..plan import wy_launch
+from ...utils import WY_PIPELINE_STAGES, SeqInfo, dot_precision, load_rows, mm, store_rows, tril_precision
+from ..plan import Launch, wy_launch
 from .kkt import chunk_span
 from .solve_tril import tril_inverse
 
@@ -101,7 +100,7 @@ def wy_kernel(k, v, beta, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.const
                    C, SPLIT, PRECISION)
 
 
-def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None):
+def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, cfg: Optional[Launch] = None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
     no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd)."""
     H, K = k.shape[2], k.shape[3]
@@ -109,7 +108,8 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None):
     w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
-    cfg = wy_launch(K, V, k.element_size(), fused)
+    if cfg is None:
+        cfg = wy_launch(K, V, k.element_size(), fused)
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
@@ -123,17 +123,18 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None):
 
 
 def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: torch.Tensor, info: SeqInfo,
-                  chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  chunk_size: int, cfg: Optional[Launch] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """W = Tinv (beta*K) [B, T, H, K], U = Tinv (beta*V) [B, T, H, V], in the input dtype."""
-    return _wy(k, v, beta, Tinv, False, info, chunk_size)
+    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg)
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
-           chunk_size: int, store_tinv: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+           chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None
+           ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
     (inference: nothing needs it after W and U), w, u)."""
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
-    w, u = _wy(k, v, beta, tinv, True, info, chunk_size)
+    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg)
     return tinv, w, u
 
 
@@ -146,7 +147,7 @@ def tinv_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int
 
 
 def tinv_pair_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int,
-                  store_tinv: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+                  store_tinv: bool = True, cfg: Optional[Launch] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """(Tinv [B, T, H, C] fp32, or None without store_tinv, Tb [B, T, H, 2C] in k's dtype): wy_fwd's Tinv, and
     Tb = Tinv diag(beta) as the 16-bit pair hi + lo that wy_fwd applies to K and V (tinv_beta_pair, the same
     bits), hi in columns [0, C) and lo in [C, 2C). In a short last chunk the columns past the sequence end are
@@ -155,5 +156,5 @@ def tinv_pair_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size
         raise ValueError(f"tinv_pair_fwd: 16-bit k only (Tinv diag(beta) as a pair of k's dtype), got {k.dtype}")
     tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
     tb = k.new_empty(*k.shape[:3], 2 * chunk_size)
-    _wy(k, None, beta, tinv, True, info, chunk_size, tb=tb)
+    _wy(k, None, beta, tinv, True, info, chunk_size, tb=tb, cfg=cfg)
     return tinv, tb

@@ -13,16 +13,15 @@ stays below what the 16-bit U and V' already put there (DESIGN.md §8), so a hi 
 fixed too."""
 from __future__ import annotations
 
-import functools
-from types import MappingProxyType
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import WY_PIPELINE_STAGES, dot_precision, head_tile, load_rows, mm, store_rows
-from ..plan import wy_bwd_launch
+from ...utils import WY_PIPELINE_STAGES, dot_precision, load_rows, mm, store_rows
+from ..plan import Launch, wy_bwd_launch
 from .kkt import chunk_span
 
 
@@ -104,7 +103,7 @@ def wy_bwd_kernel(k, v, beta, tinv, dw, du, dk_direct, dk, dv, dbeta, chunk_indi
     tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
 
 
-def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None):
+def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None, cfg: Optional[Launch] = None):
     """Returns (dk in k's dtype, dv in v's dtype, dbeta in beta's dtype [.., TT, H]: summed in fp32 and rounded once
     in the kernel, so that the API returns it without a conversion launch).
 
@@ -117,7 +116,8 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None)
     if out is None:
         out = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dk, dv, dbeta = out
-    cfg = wy_bwd_launch(K, V, k.element_size())
+    if cfg is None:
+        cfg = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
         launch(
             wy_bwd_kernel, (chunks.num_chunks, H),
