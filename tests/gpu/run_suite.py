@@ -2,10 +2,16 @@
 
     python tests/gpu/run_suite.py [--out DIR] [--no-check] [--paths PATH ...] [pytest args...]
 
---paths runs part of the suite (default: all of tests/gpu), e.g. one half per GPU of a two-GPU machine; the
-session-10 split (6 workers on an H200): test_chunk_backward_gpu, test_chunk_forward_gpu,
-test_fused_recurrent_gpu, test_gluon_reverse_gpu (261 s) against test_parallel_gpu, test_fused_chunk_gpu,
-test_layers_gpu, test_gluon_walk_gpu (297 s).
+The GPU tests live beside the CPU tests of what they test (tests/kernels/chunk/test_forward_gpu.py,
+tests/kernels/chunk/hopper/test_walk_gpu.py, ...), marked `gpu`; the suite is `pytest tests -m gpu`, which
+selects them from the whole tree (this folder holds only this script and LAST_RUN.md).
+
+--paths runs part of the suite (default: the whole tests tree), e.g. one half per GPU of a two-GPU machine; the
+session-10 split (6 workers on an H200), by today's paths: tests/kernels/chunk/test_backward_gpu.py,
+tests/kernels/chunk/test_forward_gpu.py, tests/kernels/test_fused_recurrent_gpu.py,
+tests/kernels/chunk/hopper/test_reverse_gpu.py (261 s) against tests/kernels/test_parallel_gpu.py,
+tests/kernels/test_fused_chunk_gpu.py, tests/test_layers_gpu.py, tests/kernels/chunk/hopper/test_walk_gpu.py
+(297 s).
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
 (default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it.
@@ -31,8 +37,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "tests", "gpu"))
     parser.add_argument("--no-check", action="store_true", help="skip deltatron check after the suite")
-    parser.add_argument("--paths", nargs="+", default=[os.path.join("tests", "gpu")],
-                        help="test files or folders, relative to the repository (default: tests/gpu)")
+    parser.add_argument("--paths", nargs="+", default=["tests"],
+                        help="test files or folders, relative to the repository (default: tests, all of it: "
+                             "-m gpu selects the GPU tests)")
     args, pytest_args = parser.parse_known_args()
     os.makedirs(args.out, exist_ok=True)
     junit = os.path.join(args.out, "junit.xml")

@@ -1,8 +1,9 @@
-"""The Gluon reverse pass's host wrapper (kernels/chunk/gluon_reverse.py) where it launches nothing, so on the
+"""The Hopper reverse pass's host wrapper (kernels/chunk/hopper/reverse.py) where it launches nothing, so on the
 CPU: the batch without tokens (a TMA descriptor cannot be built on zero rows: dh is empty, dh0 is dht, or
 zeros), the misuse it refuses, and the launch it makes (the kernel replaced by a recorder): the V-block width
-(gluon_walk.split_v's unless given) with its grid, dO's descriptor block and REVERSE_CONFIGS' warps, registers
-and ring slots. The kernel itself is checked on the GPU (tests/gpu/test_gluon_reverse_gpu.py)."""
+(plan.hopper_block_v's unless given) with its grid, dO's descriptor block and REVERSE_CONFIGS' warps, registers
+and ring slots. The kernel itself is checked on the GPU (test_reverse_gpu.py); a PyTorch model of its arithmetic in
+test_reverse_model.py."""
 import functools
 
 import pytest
@@ -10,11 +11,11 @@ import torch
 
 from deltatron.kernels.utils import seq_info
 
-from .helpers import make_inputs, misaligned, random_cu_seqlens
+from ....helpers import make_inputs, misaligned, random_cu_seqlens
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-from deltatron.kernels.chunk import gluon_reverse  # noqa: E402
+from deltatron.kernels.chunk.hopper import reverse as gluon_reverse  # noqa: E402
 
 D = gluon_reverse.D_WALK
 
@@ -51,7 +52,7 @@ class LaunchRecorder:
                                                      (4, 16, None, 64), (8, 16, None, 128), (8, 16, 64, 64),
                                                      (1, 16, 128, 128)])
 def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
-    # split_v's width on the tensors' device's SMs (here as the H200's 132: 64 while 2 x sequences x heads fit
+    # plan.hopper_block_v's width on the tensors' device's SMs (here as the H200's 132: 64 while 2 x sequences x heads fit
     # one wave) unless one is given; 128 / block_v programs a head, on that width's config
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
@@ -67,7 +68,8 @@ def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
 
 
 def test_output_free_launch(monkeypatch):
-    # store_outputs=False (the reverse split's pass 1): no dh or dV' allocated, None in their places, STORE_OUTPUTS
+    # store_outputs=False (the kernel's variant for a pass that needs dh0 only; its caller, the reverse split, was
+    # removed in a03f02d, the option kept in hopper/reverse.py): no dh or dV' allocated, None in their places, STORE_OUTPUTS
     # off; the rest of the launch as with the outputs
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
@@ -114,7 +116,7 @@ def reshaped_descriptors(pairs, TT, H):
     what tma_descriptors' must equal, field by field."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from deltatron.kernels.chunk.gluon_walk import tile_layout
+    from deltatron.kernels.chunk.hopper.walk import tile_layout
     return [TensorDescriptor.from_tensor(x.reshape(TT, H * D), [64, width], tile_layout(x.dtype, 64, width))
             for x, width in pairs]
 
@@ -129,7 +131,7 @@ def assert_same_descriptors(got, expected):
 @pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (2, 70, 3, 128), (1, 5, 16, None)])
 def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     # the descriptors given the [TT, H * 128] view's shape and strides directly are the reshaped tensors' ones;
-    # the production path (checked=True: state_bwd's checks made, not check_inputs again) launches the same
+    # the production path (checked=True: backward.reverse_pass's checks made, not check_inputs again) launches the same
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
     x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)

@@ -1,23 +1,23 @@
-"""The Gluon walk's host wrapper (kernels/chunk/gluon_walk.py) where it launches nothing, so on the CPU: the
+"""The Hopper walk's host wrapper (kernels/chunk/hopper/walk.py) where it launches nothing, so on the CPU: the
 batch without tokens (a TMA descriptor cannot be built on zero rows: the final state is the initial state,
-or zeros), the misuse it refuses, and the V-block width it launches (split_v's unless given); the walk without its
-output (gluon_state_final_fwd) launches the same kernel and grid without Q, o and the output partition, and
-state.state_final_fwd runs it where state_output_fwd runs the Gluon walk. The kernel itself is checked on the GPU
-(tests/gpu/test_gluon_walk_gpu.py)."""
+or zeros), the misuse it refuses, and the V-block width it launches (plan.hopper_block_v's unless given); the walk
+without its output (gluon_state_final_fwd) launches the same kernel and grid without Q, o and the output partition,
+and forward.walk_final_states runs it where the plan's walk is the Hopper one. The kernel itself is checked on the
+GPU (test_walk_gpu.py); a PyTorch model of its arithmetic in test_walk_model.py."""
 import functools
-import types
+import importlib
 
 import pytest
 import torch
 
-from deltatron.kernels.chunk import state
+from deltatron.kernels.chunk import plan
 from deltatron.kernels.utils import seq_info
 
-from .helpers import make_inputs, misaligned, random_cu_seqlens
+from ....helpers import make_inputs, misaligned, random_cu_seqlens
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-from deltatron.kernels.chunk import gluon_walk  # noqa: E402
+from deltatron.kernels.chunk.hopper import walk as gluon_walk  # noqa: E402
 
 D = gluon_walk.D_WALK
 
@@ -42,17 +42,10 @@ def test_no_tokens_passes_the_state_through(poison, lengths, block_v):
     assert s.shape == (N, H, D, D) and not s.any()
 
 
-@pytest.mark.parametrize("num_seq_heads, expected", [(1, 64), (16, 64), (64, 64), (66, 64), (67, 128), (128, 128),
-                                                     (320, 128)])
-def test_split_v_while_the_doubled_grid_fits_one_wave(num_seq_heads, expected):
-    # two programs a head while 2 x sequences x heads fit the H200's 132 SMs (measured faster there), else one
-    assert gluon_walk.split_v(num_seq_heads, 132) == expected
-
-
 @pytest.mark.parametrize("B, H, block_v, expected", [(1, 16, None, 64), (3, 21, None, 64), (4, 16, None, 64),
                                                      (8, 16, None, 128), (8, 16, 64, 64), (1, 16, 128, 128)])
 def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
-    # split_v's width on the tensors' device's SMs (here as the H200's 132) unless one is given
+    # plan.hopper_block_v's width on the tensors' device's SMs (here as the H200's 132) unless one is given
     launched = []
     monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a, **kw: launched.append(a[-1]))
     monkeypatch.setattr(gluon_walk, "num_sms", lambda device: 132)
@@ -96,7 +89,7 @@ def test_refuses_misuse():
 def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     # as tests/test_gluon_reverse_host.py's: the descriptors without a reshape are the reshaped tensors' ones,
     # and the production path (checked=True) launches the same
-    from .test_gluon_reverse_host import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
+    from .test_reverse import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
     x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
@@ -121,7 +114,7 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
 def test_final_only_launch(monkeypatch, B, T, H, block_v, has_h0):
     # the same kernel, grid and chain warps as the walk with its output; no Q descriptor, no o, WITH_OUTPUT off,
     # the final state stored and the ring of WALK_CONFIGS' final_only_stages
-    from .test_gluon_reverse_host import LaunchRecorder, assert_same_descriptors
+    from .test_reverse import LaunchRecorder, assert_same_descriptors
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
     x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
@@ -143,16 +136,16 @@ def test_final_only_launch(monkeypatch, B, T, H, block_v, has_h0):
 
 @pytest.mark.parametrize("lengths, block_v", [([70, 0, 130], 64), ([70, 0, 130], 128), ([1], None)])
 def test_saves_states_through_their_descriptors(monkeypatch, lengths, block_v):
-    # states (state.states_buffers): their descriptors over [NT * H * 128, width] rows with the hand-off's blocks
+    # states (gluon_walk.states_buffers): their descriptors over [NT * H * 128, width] rows with the hand-off's blocks
     # [block_v, width] (block_v rows of S^T or V'^T), the chunks' global numbering (chunk_offsets) and SAVE_STATES
-    from .test_gluon_reverse_host import LaunchRecorder
+    from .test_reverse import LaunchRecorder
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
     H, TT = 3, sum(lengths)
     x = make_inputs(1, TT, H, D, D, torch.bfloat16)
     cu = random_cu_seqlens(lengths)
     info = seq_info(1, TT, torch.device("cpu"), cu, cu)
-    states = state.states_buffers(x["k"], x["v"], info, 64)
+    states = gluon_walk.states_buffers(x["k"], x["v"], info, 64)
     NT = info.chunks(64).num_chunks
     assert [tuple(s.shape) for s in states] == [(NT, H, D, D), (NT, H, D, 64)]
     gluon_walk.gluon_state_output_fwd(x["q"], x["k"], x["k"], x["v"], 0.1, None, False, info, block_v=block_v,
@@ -169,7 +162,7 @@ def test_refuses_states_it_cannot_save():
     x = make_inputs(2, 64, 2, D, D, torch.bfloat16)
     info = seq_info(2, 64, torch.device("cpu"), None, None)
     q, k, v = x["q"], x["k"], x["v"]
-    st, vt = state.states_buffers(k, v, info, 64)
+    st, vt = gluon_walk.states_buffers(k, v, info, 64)
     for bad in ((st[:1], vt), (st, vt[..., :32]), (st.float(), vt), (st.transpose(2, 3), vt)):
         with pytest.raises(ValueError, match="states"):
             gluon_walk.gluon_state_output_fwd(q, k, k, v, 0.1, None, False, info, states=bad)
@@ -177,30 +170,35 @@ def test_refuses_states_it_cannot_save():
         gluon_walk.gluon_walk_launch(None, k, k, v, None, 0.1, None, torch.empty(2, 2, D, D), info, states=(st, vt))
 
 
-def test_state_final_fwd_dispatch(monkeypatch):
-    # state.state_final_fwd runs the Gluon walk without its output where state_output_fwd would run the Gluon walk
-    # (checks already made, as there), else state_output_fwd's final state (here recorded, not run)
+@pytest.mark.parametrize("hopper", [True, False])
+def test_walk_final_states_dispatch(monkeypatch, hopper):
+    # forward.walk_final_states (the split's pass 1) runs the Hopper walk without its output where the plan's walk is
+    # the Hopper one (checks already made, its V-block and WY form), else the portable fused walk's final state (here
+    # recorded, not run)
+    chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
     x = make_inputs(1, 64, 2, D, D, torch.bfloat16, initial_state=True)
     info = seq_info(1, 64, torch.device("cpu"), None, None)
     calls = []
     monkeypatch.setattr(gluon_walk, "gluon_state_final_fwd", lambda *a, **kw: calls.append(("gluon", a, kw)) or "s")
-    monkeypatch.setattr(state, "state_output_fwd", lambda *a, **kw: calls.append(("output", a, kw)) or ("o", "s2"))
-    args = (x["q"], x["k"], x["k"], x["v"], x["initial_state"], info, 64)
-    for runs, expected in ((True, "s"), (False, "s2")):
-        monkeypatch.setattr(state, "gluon_walk_runs", lambda *a, _runs=runs: _runs)
-        assert state.state_final_fwd(*args) == expected
-    (gluon, gluon_args, gluon_kw), (output, output_args, output_kw) = calls
-    assert gluon == "gluon" and gluon_args == (x["k"], x["k"], x["v"], x["initial_state"], info, 64)
-    assert gluon_kw == dict(checked=True, residual=False) and output_kw == dict(residual=False)
-    assert output == "output" and output_args == (x["q"], x["k"], x["k"], x["v"], 1.0, x["initial_state"], True, info,
-                                                  64)
+    monkeypatch.setattr(chunk_forward, "state_output_fwd", lambda *a, **kw: calls.append(("output", a, kw)) or ("o", "s2"))
+    with plan.overrides(hopper_walk=hopper):
+        call_plan = plan.make_plan(plan.Problem(torch.bfloat16, 2, D, D, 1, 64), plan.named_capabilities("sm90"))
+    args = (x["q"], x["k"], x["k"], x["v"], x["initial_state"], info)
+    assert chunk_forward.walk_final_states(call_plan, *args) == ("s" if hopper else "s2")
+    ((name, call_args, kw), ) = calls
+    if hopper:
+        assert name == "gluon" and call_args == (x["k"], x["k"], x["v"], x["initial_state"], info, 64)
+        assert kw == dict(block_v=64, checked=True, residual=True)
+    else:
+        assert name == "output" and kw == {}
+        assert call_args == (x["q"], x["k"], x["k"], x["v"], 1.0, x["initial_state"], True, info, 64)
 
 
 @pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (1, 5, 16, None)])
 def test_residual_form_launch(monkeypatch, B, T, H, block_v):
     # the residual form: Tb's descriptor ([.., H, 2 x 64], W's box [64, 128]) in W's place and V's in U's, RESIDUAL on,
     # everything else as the walk on W, U launches it
-    from .test_gluon_reverse_host import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
+    from .test_reverse import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
     x = make_inputs(B, T, H, D, D, torch.bfloat16, initial_state=True)
@@ -215,48 +213,3 @@ def test_residual_form_launch(monkeypatch, B, T, H, block_v):
                                                             B * T, H))
     assert (args[17], args2[17]) == (False, True) and grid2 == grid and kwargs2 == kwargs
     assert args2[18:] == args[18:] and args2[12:17] == args[12:17]
-
-
-def test_forward_dispatches_the_residual_form(monkeypatch):
-    # chunk.forward takes the residual form (tinv_pair_fwd, then the walks with residual on Tb and V) where
-    # state.residual_walk_runs, unless a training forward keeps its states (they need W; save_states where
-    # keeps_forward_states is false keeps nothing and runs the residual form); where the sequence split runs, only
-    # with seq_split.RESIDUAL_SPLIT (its pass 1 then gets residual too). The kernels are recorded, not run
-    from deltatron.kernels import chunk
-    x = make_inputs(1, 64, 2, D, D, torch.bfloat16, initial_state=True)
-    info = seq_info(1, 64, torch.device("cpu"), None, None)
-    final = torch.zeros(1, 2, D, D)
-    calls = []
-    monkeypatch.setattr(chunk, "tinv_pair_fwd", lambda *a, **kw: calls.append(("pair", kw)) or ("tinv", "tb"))
-    monkeypatch.setattr(chunk, "wy_fwd", lambda *a, **kw: calls.append(("wy", kw)) or ("tinv", "w", "u"))
-    monkeypatch.setattr(chunk, "state_output_fwd", lambda *a: calls.append(("walk", a[2:4], a[9:])) or ("o", final))
-    monkeypatch.setattr(chunk, "fused_output_pays", lambda *a: True)
-    monkeypatch.setattr(chunk.seq_split, "partition_states",
-                        lambda *a: calls.append(("pass 1", a[2:4], a[7:])) or x["initial_state"])
-    monkeypatch.setattr(state, "gluon_walk_pays", lambda *a: True)
-    split = types.SimpleNamespace(parts=info, walk_u=info, walk_w=info, last_part=torch.zeros(1, dtype=torch.long))
-    args = (x["q"], x["k"], x["v"], x["beta"], 0.1, x["initial_state"], True, info)
-    # keeps: what keeps_forward_states says (asked only for a training forward with save_states and no split)
-    for switch, split_switch, needs_backward, save_states, keeps, plan, residual in [
-            (True, False, True, False, True, None, True), (True, False, False, False, True, None, True),
-            (True, False, False, True, True, None, True), (True, False, True, True, True, None, False),
-            (True, False, True, True, False, None, True), (True, False, True, False, True, split, False),
-            (True, True, True, False, True, split, True), (True, True, True, True, True, split, True),
-            (False, True, True, False, True, split, False), (False, False, True, False, True, None, False)]:
-        monkeypatch.setattr(state, "RESIDUAL_WALK", switch)
-        monkeypatch.setattr(chunk.seq_split, "RESIDUAL_SPLIT", split_switch)
-        monkeypatch.setattr(chunk.seq_split, "plan_for", lambda *a, _plan=plan: _plan)
-        monkeypatch.setattr(chunk, "keeps_forward_states", lambda *a, _keeps=keeps: _keeps)
-        kept = needs_backward and save_states and keeps and plan is None
-        calls.clear()
-        o, _, saved, extras = chunk.forward(*args, needs_backward=needs_backward, save_states=save_states)
-        assert o == "o" and extras == ()
-        if kept:
-            assert saved[:2] == ("tinv", "w") and len(saved) == 4
-        else:
-            assert saved == (("tinv",) if needs_backward else ())
-        slots = ("tb", x["v"]) if residual else ("w", "u")
-        first = ("pair", dict(store_tinv=needs_backward)) if residual else ("wy", dict(store_tinv=needs_backward))
-        walks = [("pass 1", slots, (residual, ))] if plan is not None else []
-        states = tuple(saved[2:]) if kept else None
-        assert calls == [first] + walks + [("walk", slots, (states, residual))]

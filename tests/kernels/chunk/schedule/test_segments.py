@@ -1,17 +1,22 @@
-"""The segmented backward (deltatron/kernels/chunk/segmented_bwd.py, backward.SEGMENTED_BACKWARD): the plan of
-segments, gradients against the float64 recurrence and bitwise against the unsegmented backward, the rule."""
+"""The segmented backward (deltatron/kernels/chunk/schedule/segments.py, backward.segmented_backward, forced with
+plan.overrides(segments=S)): the plan of segments, gradients against the float64 recurrence and bitwise against the
+unsegmented backward, and the order of its streams (modelled on the CPU). The rule (plan.SEGMENTS...) is in
+tests/kernels/chunk/test_plan.py."""
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
-from deltatron.kernels.chunk import segmented_bwd
-from deltatron.kernels.utils import SeqInfo, seq_info
+from deltatron.kernels import chunk
+from deltatron.kernels.chunk import plan
+from deltatron.kernels.chunk.portable import wy
+from deltatron.kernels.chunk.schedule import segments as segmented_bwd
+from deltatron.kernels.utils import SeqInfo
 
-from ..helpers import DEVICE, INTERPRET
-from .test_chunk_backward import check_against_recurrence
+from ..helpers import check_against_recurrence, needs_triton, packed_growing
 
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = needs_triton
 
 chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
 
@@ -60,13 +65,12 @@ def gradients_both_ways(monkeypatch, S, *args, **kwargs):
     recurrence there) and unsegmented; asserts that the segmented path ran."""
     ran = []
     segmented = chunk_backward.segmented_backward
-    monkeypatch.setattr(chunk_backward, "segmented_backward", lambda *a: ran.append(len(a[-2])) or segmented(*a))
-    monkeypatch.setattr(chunk_backward, "SEGMENTED_BACKWARD", True)
-    monkeypatch.setattr(chunk_backward, "FORCED_SEGMENTS", S)
-    got, _ = check_against_recurrence(monkeypatch, *args, **kwargs)
+    monkeypatch.setattr(chunk_backward, "segmented_backward", lambda *a: ran.append(len(a[-1])) or segmented(*a))
+    with plan.overrides(segments=S):
+        got, _ = check_against_recurrence(monkeypatch, *args, **kwargs)
     assert ran and 2 <= ran[0] <= S
-    monkeypatch.setattr(chunk_backward, "SEGMENTED_BACKWARD", False)
-    want, _ = check_against_recurrence(monkeypatch, *args, **kwargs)
+    with plan.overrides(segments=1):
+        want, _ = check_against_recurrence(monkeypatch, *args, **kwargs)
     assert len(ran) == 1
     return got, want
 
@@ -105,30 +109,18 @@ def test_segmented_varlen(monkeypatch, S, lengths, dtype, with_state, with_dht, 
 
 def test_segmented_unsplittable_runs_unsegmented(monkeypatch, poison):
     # one chunk: no cut, the plain backward
-    monkeypatch.setattr(chunk_backward, "SEGMENTED_BACKWARD", True)
     monkeypatch.setattr(chunk_backward, "segmented_backward", lambda *a: pytest.fail("segmented"))
-    check_against_recurrence(monkeypatch, 1, 16, 1, 16, 16, torch.float32, 16, True, True, seed=1)
+    with plan.overrides(segments=2):
+        check_against_recurrence(monkeypatch, 1, 16, 1, 16, 16, torch.float32, 16, True, True, seed=1)
 
 
-@pytest.mark.parametrize("N, T, H, expected", [
-    (1, 32768, 16, 2), (2, 16384, 16, 2), (1, 16384, 32, 2), (32, 16384, 1, 2),
-    (1, 32768, 33, 1), (1, 32768, 64, 1), (2, 16384, 32, 1),  # too many sequences x heads
-    (1, 16383, 16, 1), (4, 8192, 8, 1), (8, 2048, 2, 1)])  # sequences too short
-def test_segmented_pays_on_few_long_sequences_x_heads(N, T, H, expected):
-    # the rule of SEGMENTED_BACKWARD = None: 2 segments at most 32 sequences x heads of 16,384 tokens or more on
-    # average, else 1
-    assert segmented_bwd.segmented_pays(N, H, N * T) == expected
-
-
-def test_segmented_backward_by_rule_on_two_streams_only(monkeypatch):
-    # by default the rule decides, and only where a side stream exists (CUDA tensors, not the interpreter): on one
-    # stream the segments would only add launches
-    assert chunk_backward.SEGMENTED_BACKWARD is None
-    k = torch.empty(1, 32768, 16, 8)
-    info = seq_info(1, 32768, torch.device("cpu"), None, None)
-    for streams, expected in ((False, 1), (True, 2)):
-        monkeypatch.setattr(chunk_backward, "two_streams", lambda k, _s=streams: _s)
-        assert chunk_backward.num_segments(k, info) == expected
+def test_segments_off_by_rule_on_one_stream():
+    # by the rule only where a side stream exists (CUDA, not the interpreter): on one stream the segments would only
+    # add launches; forced (tests), they run on one stream too
+    assert plan.plan_for_shape(1, 32768, 16, 8, 8, torch.float32, "cpu").segments == 1
+    assert plan.plan_for_shape(1, 32768, 16, 8, 8, torch.float32, "sm80").segments == 2
+    with plan.overrides(segments=3):
+        assert plan.plan_for_shape(1, 32768, 16, 8, 8, torch.float32, "cpu").segments == 3
 
 
 class FakeStream:
@@ -161,13 +153,12 @@ def before(a, b):
 @pytest.mark.parametrize("S, with_state, dtype", [(2, True, torch.float32), (3, False, torch.float32),
                                                   (2, True, torch.bfloat16)])
 def test_segmented_stream_order(monkeypatch, S, with_state, dtype, poison):
-    # the CUDA path's streams, modelled on the CPU (the kernels run in turn; vector clocks stand for the streams):
+    # the CUDA path's streams, modelled on the CPU (the kernels run in turn; vector clocks stand for the streams; the
+    # CPU plan given the caps of a device with two streams):
     # state_fwd on the side stream (fp32: the two-launch recompute; bf16 here recomputes h in one launch with W, on
     # the current stream), rev(S) and rev(s) on the current one, grad(s) for s > 1 on the side stream after rev(s)
     # and h's recompute, grad(1) on the current one after both, and the current stream, which the caller goes on
     # with, after everything; the gradients as on one stream
-    from deltatron.kernels.chunk import state
-
     log = []
     main, side = FakeStream("main", log), FakeStream("side", log)
     current = [main]
@@ -184,25 +175,38 @@ def test_segmented_stream_order(monkeypatch, S, with_state, dtype, poison):
 
     def logged(module, name, op):
         fn = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, **kw: current[-1].tick(op(a)) or fn(*a, **kw))
+        monkeypatch.setattr(module, name,
+                            lambda *a, **kw: (current[-1] is not None and current[-1].tick(op(a))) or fn(*a, **kw))
 
-    monkeypatch.setattr(chunk_backward, "two_streams", lambda k: True)
     monkeypatch.setattr(chunk_backward, "side_stream", lambda index: side)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    logged(state, "state_fwd", lambda a: "state_fwd")
-    logged(state, "state_wy_fwd", lambda a: "state_fwd")
-    two_launch = not state.wy_on_chip(16, 16, 1, dtype.itemsize)
-    assert two_launch == (dtype == torch.float32)  # both recompute paths are modelled
+    logged(chunk_backward, "state_fwd", lambda a: "state_fwd")
+    logged(chunk_backward, "state_wy_fwd", lambda a: "state_fwd")
     logged(segmented_bwd, "reverse_segment", lambda a: ("rev", a[0].t0))
     logged(segmented_bwd, "grad_segment", lambda a: ("grad", a[0].t0))
-    got, want = gradients_both_ways(monkeypatch, S, 1, 48 * (S - 1), 1, 16, 16, dtype, 16, with_state, True,
-                                    seed=S)
+    # the CPU plan, segmented, with the streams of a GPU (two_streams: the caps' cuda and not interpret)
+    T, C = 48 * (S - 1), 16
+    inp, info, _ = packed_growing([T], 1, 16, 16, dtype, seed=S)
+    q, k, v, beta = inp["q"], inp["k"], inp["v"], inp["beta"]
+    h0 = torch.randn(1, 1, 16, 16) if with_state else None
+    g = torch.Generator().manual_seed(S)
+    do, dht = torch.randn(1, T, 1, 16, generator=g).to(dtype), torch.randn(1, 1, 16, 16, generator=g)
+    tinv = wy.tinv_fwd(k, beta, info, C)
+    with plan.overrides(segments=S):
+        cpu_plan = chunk.plan_call(q, k, v, info, True, C)
+    two_launch = cpu_plan.recompute == "two_launch"
+    assert two_launch == (dtype == torch.float32)  # both recompute paths are modelled
+    streams_plan = dataclasses.replace(cpu_plan, caps=dataclasses.replace(cpu_plan.caps, cuda=True, interpret=False))
+    assert streams_plan.caps.two_streams and streams_plan.segments == S
+    got = chunk_backward.backward(q, k, v, beta, 0.3, h0, (tinv,), do, dht, info, C, plan=streams_plan)
+    current.append(None)  # the unsegmented backward's launches are not logged
+    with plan.overrides(segments=1):
+        want = chunk_backward.backward(q, k, v, beta, 0.3, h0, (tinv,), do, dht, info, C)
     assert_bitwise(got, want)
-    # the segmented backward: state_fwd, S reverse passes, S grad stages; then the unsegmented one's state_fwd
-    assert [op for op, *_ in log[1 + 2 * S:]] == ["state_fwd"]
-    log = log[:1 + 2 * S]
+    # the segmented backward: state_fwd, S reverse passes, S grad stages
+    assert len(log) == 1 + 2 * S
     ops = {op: (op, s, c) for op, s, c in log}
     starts = sorted({op[1] for op in ops if op != "state_fwd"})
     assert len(starts) == S and len(ops) == len(log)

@@ -1,69 +1,45 @@
-"""The chunk forward's sequence split (deltatron/kernels/chunk/seq_split.py): the rule, the plan of the passes, and
-the forward and its gradients with the split forced (SEQ_SPLIT = True, P = 2..4) against the float64 recurrence.
-Tiny shapes for the interpreter; tests/gpu/test_seq_split_gpu.py runs realistic ones."""
+"""The chunk forward's sequence split (deltatron/kernels/chunk/schedule/seq_split.py): the split plan of the passes,
+and the forward and its gradients with the split forced (plan.overrides(split_partitions=P, split_min_tokens=n),
+P = 2..4, here on the portable walks) against the float64 recurrence. The rule (plan.split_partitions) is in
+tests/kernels/chunk/test_plan.py. Tiny shapes for the interpreter; test_seq_split_gpu.py runs realistic ones."""
+import contextlib
+import importlib
+
 import pytest
 import torch
 
 import deltatron
 from deltatron.kernels import chunk
-from deltatron.kernels.chunk import seq_split, state
+from deltatron.kernels.chunk import plan as chunk_plan
+from deltatron.kernels.chunk.schedule import seq_split
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import recurrent_delta_rule
 
-from ..helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, random_cu_seqlens, rel_rms
+from ....helpers import BOUNDS, DEVICE, make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import needs_triton
 
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = needs_triton
+
+chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")  # the package exports a function
 
 
 @pytest.fixture
 def split(monkeypatch):
-    """force(P, min_tokens) forces the split; returns the list to which each forward's plan is appended."""
+    """force(P, min_tokens) forces the split (plan.overrides until the test ends); returns the list to which each
+    forward that splits appends its split plan (split_plan_for's result: None where no sequence is long enough). The
+    unsplit forward (overrides(split_partitions=1)) does not ask for one."""
     plans = []
-    plan_for = seq_split.plan_for
+    plan_for = chunk_forward.split_plan_for
+    monkeypatch.setattr(chunk_forward, "split_plan_for", lambda *a: plans.append(plan_for(*a)) or plans[-1])
+    with contextlib.ExitStack() as stack:
+        def force(P, min_tokens):
+            stack.enter_context(chunk_plan.overrides(split_partitions=P, split_min_tokens=min_tokens))
+            return plans
 
-    def spy(*args):
-        plan = plan_for(*args)
-        plans.append(plan)
-        return plan
-
-    monkeypatch.setattr(seq_split, "plan_for", spy)
-
-    def force(P, min_tokens):
-        monkeypatch.setattr(seq_split, "SEQ_SPLIT", True)
-        monkeypatch.setattr(seq_split, "SPLIT_PARTITIONS", P)
-        monkeypatch.setattr(seq_split, "SPLIT_MIN_TOKENS", min_tokens)
-        return plans
-
-    return force
+        yield force
 
 
-# ---------------------------------------------------------------- the rule and the plan
-
-@pytest.mark.parametrize("N, H, T, sms, expected", [
-    (1, 16, 32768, 132, 3),  # b1-t32768-h16: (2P - 3) x 16 x 2 <= 132 up to P = 3
-    (1, 22, 32768, 132, 3), (1, 23, 32768, 132, 1),  # 3 x 23 x 2 > 132: no P >= 3 fits
-    (2, 8, 16384, 132, 1), (2, 8, 65536, 264, 4),  # two sequences: (4P - 3) x 8 x 2 <= SMs (fillers counted)
-    (1, 16, 32768, 264, 5),  # more SMs, more partitions
-    (1, 16, 8192, 264, 4),  # partitions of 2048 tokens at least
-    (1, 8, 32768, 132, 1),  # below 16 sequences x heads
-    (1, 64, 32768, 132, 1), (2, 32, 8192, 132, 1), (20, 16, 32768, 132, 1),  # 64 and more
-    (1, 16, 8191, 132, 1), (2, 8, 16382, 132, 1),  # sequences shorter than 8192 tokens on average
-])
-def test_split_partitions_rule(N, H, T, sms, expected):
-    assert seq_split.split_partitions(N, H, T, sms) == expected
-
-
-def test_partition_count_by_switch(monkeypatch):
-    k = torch.empty(1, 1, 16, 128, dtype=torch.bfloat16)
-    info = seq_info(1, 32768, torch.device("cpu"), None, None)
-    monkeypatch.setattr(seq_split, "num_sms", lambda device: 132)
-    for switch, gluon, expected in [(False, True, 1), (None, False, 1), (None, True, 3), (True, False, 3)]:
-        monkeypatch.setattr(seq_split, "SEQ_SPLIT", switch)
-        monkeypatch.setattr(state, "gluon_walk_applies", lambda k, v, C, _gluon=gluon: _gluon)
-        assert seq_split.partition_count(k, k, info, 64) == expected, (switch, gluon)
-    monkeypatch.setattr(seq_split, "SPLIT_PARTITIONS", 5)
-    assert seq_split.partition_count(k, k, info, 64) == 5
-
+# ---------------------------------------------------------------- the plan
 
 def rows(x, r):
     return list(range(len(x)))[r] if isinstance(r, slice) else r.tolist()
@@ -89,11 +65,6 @@ def test_split_plan():
     assert w == [49, 97, 129, 177, 225, 239, 271, 303]
     assert plan.rows_w[0] is None and [rows(w[1:], r) for r in plan.rows_w[1:]] == [[0, 5], [1, 6]]
     assert [rows(range(11), r) for r in plan.rows_parts] == [[2, 7], [3, 8], [4, 9], [5, 10]]
-    assert plan.first_part.tolist() == [0, 1, 2, 6, 7]
-    # the backward's pass 1 (reverse_split.py): partitions 1..3, fillers over [151, 239)
-    rev = plan.walk_rev.cu_seqlens_cpu.tolist()
-    assert rev == [49, 97, 129, 151, 199, 239, 271, 303, 320]
-    assert plan.rows_rev[0] is None and [rows(rev[1:], r) for r in plan.rows_rev[1:]] == [[0, 5], [1, 6], [2, 7]]
     # P = 2: no walk on W; nothing long enough: no plan
     assert seq_split.split_plan(cu, 2, 64, 16, torch.device("cpu")).walk_w is None
     assert seq_split.split_plan(cu, 4, 151, 16, torch.device("cpu")) is None
@@ -130,10 +101,9 @@ def test_forward_split(poison, split, dtype, C, lengths, K, V, has_h0, P):
         if L == 0:
             assert torch.equal(final[n], inp["initial_state"][n] if has_h0 else torch.zeros_like(final[n]))
     # Tinv is the unsplit forward's, bit for bit; without the final state or the backward, the same o
-    seq_split.SEQ_SPLIT = False
-    _, _, saved_unsplit, _ = chunk.forward(*args, False, info, chunk_size=C)
-    assert plans[-1] is None and torch.equal(saved[0], saved_unsplit[0])
-    seq_split.SEQ_SPLIT = True
+    with chunk_plan.overrides(split_partitions=1):
+        _, _, saved_unsplit, _ = chunk.forward(*args, False, info, chunk_size=C)
+    assert len(plans) == 1 and torch.equal(saved[0], saved_unsplit[0])
     o2, no_final, nothing, _ = chunk.forward(*args, False, info, needs_backward=False, chunk_size=C)
     assert no_final is None and nothing == () and torch.equal(o2, o)
 
@@ -162,31 +132,34 @@ def test_no_sequence_long_enough(poison, split):
     args = (inp["q"], inp["k"], inp["v"], inp["beta"], 0.25, None, True, info)
     o, final, _, _ = chunk.forward(*args, chunk_size=16)
     assert plans == [None]
-    seq_split.SEQ_SPLIT = False
-    o2, final2, _, _ = chunk.forward(*args, chunk_size=16)
+    with chunk_plan.overrides(split_partitions=1):
+        o2, final2, _, _ = chunk.forward(*args, chunk_size=16)
     assert torch.equal(o, o2) and torch.equal(final, final2)
 
 
-def test_pass1_output_free_same_bits(poison, split, monkeypatch):
-    # pass 1 through state.state_final_fwd (PASS1_OUTPUT_FREE, the default) or state_output_fwd, its outputs
-    # dropped: the same final states, so the same split forward bit for bit (here on the Triton walk, whose final
-    # states state_final_fwd takes from state_output_fwd; the Gluon walk's: tests/gpu/test_seq_split_gpu.py)
+def test_pass1_walks_for_final_states(poison, split, monkeypatch):
+    # pass 1 runs the plan's walk for its final states only (forward.walk_final_states: the portable walk's final
+    # states here, the Hopper walk without its output on the GPU, test_seq_split_gpu.py): twice, on U and on W
     split(4, 32)
     calls = []
-    final_fwd = state.state_final_fwd
-    monkeypatch.setattr(state, "state_final_fwd", lambda *a: calls.append(a[5].num_seqs) or final_fwd(*a))
+    final_states = chunk_forward.walk_final_states
+    monkeypatch.setattr(chunk_forward, "walk_final_states", lambda *a: calls.append(a[6].num_seqs) or final_states(*a))
     lengths = [150, 1, 100]
     inp = make_inputs(1, sum(lengths), 2, 16, 24, torch.float16, device=DEVICE, seed=6, initial_state=True,
                       N=len(lengths))
     cu = random_cu_seqlens(lengths, DEVICE)
     info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
     args = (inp["q"], inp["k"], inp["v"], inp["beta"], 0.25, inp["initial_state"], True, info)
-    results = {}
-    for output_free in (False, True):
-        monkeypatch.setattr(seq_split, "PASS1_OUTPUT_FREE", output_free)
-        results[output_free] = chunk.forward(*args, needs_backward=False, chunk_size=16)[:2]
-        assert len(calls) == (2 if output_free else 0)  # the walks on U and on W
-    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    o, final = chunk.forward(*args, needs_backward=False, chunk_size=16)[:2]
+    assert len(calls) == 2 and plans_split(info, 4, 32) is not None
+    ref = {n: x.cpu().double() for n, x in inp.items()}
+    o_ref, final_ref = recurrent_delta_rule(ref["q"], ref["k"], ref["v"], ref["beta"], 0.25, ref["initial_state"],
+                                            True, cu_seqlens=cu.cpu())
+    assert rel_rms(o, o_ref) <= BOUNDS[torch.float16] and rel_rms(final, final_ref) <= BOUNDS[torch.float16]
+
+
+def plans_split(info, P, min_tokens):
+    return seq_split.split_plan_for(info, P, min_tokens, 16, info.cu_seqlens.device)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
@@ -232,7 +205,8 @@ def test_gradients_split(poison, split, monkeypatch, dtype, C, lengths, P):
     want = gradients(ref_inp, do, dht, cu.cpu(), recurrent_delta_rule)
     for name, x, ref in zip(("dq", "dk", "dv", "dbeta", "dh0"), got, want):
         assert rel_rms(x, ref) <= BOUNDS[dtype], name
-    seq_split.SEQ_SPLIT = False
-    unsplit = gradients(inp, do.to(DEVICE), dht.to(DEVICE), cu, deltatron.chunk_delta_rule, chunk_size=C)
-    assert plans[-1] is None
+    count = len(plans)
+    with chunk_plan.overrides(split_partitions=1):
+        unsplit = gradients(inp, do.to(DEVICE), dht.to(DEVICE), cu, deltatron.chunk_delta_rule, chunk_size=C)
+    assert len(plans) == count
     assert all(torch.equal(a, b) for a, b in zip(got, unsplit))
