@@ -225,7 +225,7 @@ def test_no_overlap_off_cuda(monkeypatch, poison):
     # never asks for the side stream, takes the one-stream path and matches the recurrence
     monkeypatch.setattr(chunk_backward, "side_stream", lambda *args: pytest.fail("asked for a side stream"))
     recomputes, recompute_w_u = [], wy.recompute_w_u
-    monkeypatch.setattr(chunk_backward, "recompute_w_u", lambda *a: recomputes.append(1) or recompute_w_u(*a))
+    monkeypatch.setattr(chunk_backward, "recompute_w_u", lambda *a, **kw: recomputes.append(1) or recompute_w_u(*a, **kw))
     plans, plan_call = [], chunk.plan_call
     monkeypatch.setattr(chunk, "plan_call", lambda *a, **kw: plans.append(plan_call(*a, **kw)) or plans[-1])
     # fp32: the two-launch recompute (on chip is 16-bit only)

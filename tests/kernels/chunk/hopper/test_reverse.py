@@ -67,25 +67,6 @@ def test_launches_the_chosen_v_block(monkeypatch, B, H, block_v, expected):
     assert kwargs == {"num_warps": expected // 16} and args[-2:] == (cfg.offchain_regs, cfg.stages)
 
 
-def test_output_free_launch(monkeypatch):
-    # store_outputs=False (the kernel's variant for a pass that needs dh0 only; its caller, the reverse split, was
-    # removed in a03f02d, the option kept in hopper/reverse.py): no dh or dV' allocated, None in their places, STORE_OUTPUTS
-    # off; the rest of the launch as with the outputs
-    kernel = LaunchRecorder()
-    monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
-    x = make_inputs(1, 70, 2, D, D, torch.bfloat16, initial_state=True)
-    info = seq_info(1, 70, torch.device("cpu"), None, None)
-    with_outputs = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], x["initial_state"], 0.1, True, info)
-    dh, dv, dh0 = gluon_reverse.gluon_state_bwd(x["q"], x["k"], x["k"], x["v"], x["initial_state"], 0.1, True, info,
-                                                store_outputs=False)
-    assert dh is None and dv is None and dh0.shape == with_outputs[2].shape
-    (_, full, _), (_, free, _) = kernel.launches
-    assert torch.is_tensor(full[4]) and torch.is_tensor(full[5]) and free[4] is None and free[5] is None  # dh, dv
-    store_outputs = 4 + 10  # dh, dv, dht, dh0, scale, cu_seqlens, chunk_offsets, H, USE_DHT, STORE_DH0
-    assert full[store_outputs] is True and free[store_outputs] is False
-    assert full[store_outputs + 1:] == free[store_outputs + 1:]
-
-
 def test_refuses_misuse():
     x = make_inputs(2, 64, 2, D, D, torch.bfloat16, initial_state=True)
     info = seq_info(2, 64, torch.device("cpu"), None, None)

@@ -1,0 +1,85 @@
+"""portable/grads.py: dV'_local (dv_local) and dQ, the direct dK, dW (dqkw, also on the forward's kept S^T, V'^T
+layout) with the reverse pass before it (portable/reverse.py, unfused: dv_local given), against torch.autograd
+through float64 models of the same per-chunk quantities."""
+import pytest
+import torch
+
+from deltatron.kernels.chunk.portable import grads, reverse
+
+from ....helpers import BOUNDS, DEVICE, chunk_spans, rel_rms, transposed_states
+from ..helpers import DTYPES, ONE_ROUNDING_BWD, heads_first, needs_triton, packed_growing, state_model, to_dev
+
+pytestmark = needs_triton
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [16, 64])
+def test_dv_local(dtype, C, poison):
+    lengths, H, K, V = [C + 1, 1, 2 * C], 2, 40, 24
+    inp, info, ref = packed_growing(lengths, H, K, V, dtype, seed=1)
+    do = torch.randn(1, sum(lengths), H, V, dtype=dtype, device=DEVICE)
+    scale = 0.3
+    got = grads.dv_local(inp["q"], inp["k"], do, scale, info, C)
+    want = torch.zeros(sum(lengths), H, V, dtype=torch.float64)
+    dod = do[0].cpu().double()
+    for t0, t1 in chunk_spans(lengths, C):
+        qk = (heads_first(ref["q"], t0, t1) @ heads_first(ref["k"], t0, t1).transpose(1, 2)).tril()
+        want[t0:t1] = (scale * qk.transpose(1, 2) @ heads_first(dod, t0, t1)).transpose(0, 1)
+    assert got.dtype == dtype
+    assert rel_rms(got[0], want) <= BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype, C, lengths, with_dht", [
+    (torch.float32, 16, [0, 1, 17, 16, 40], True),
+    (torch.float32, 64, [65, 0, 64], False),
+    (torch.float16, 32, [63], True),
+    (torch.float16, 16, [0, 1, 17, 16, 40], False),
+    (torch.bfloat16, 64, [65, 0, 64], True),
+    (torch.bfloat16, 32, [63], False),
+])
+def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
+    """Reverse state pass + dQ/dK/dW against autograd through the float64 state pass given W, U."""
+    H, K, V = 2, 24, 40
+    inp, info, ref = packed_growing(lengths, H, K, V, dtype, seed=C + len(lengths))
+    N, TT = len(lengths), sum(lengths)
+    g = torch.Generator().manual_seed(7)
+    # W, U of moderate size so that the chunk states stay O(1)
+    w, u = (0.3 * torch.randn(TT, H, D, generator=g, dtype=torch.float64) for D in (K, V))
+    w, u = (x.to(dtype).double().requires_grad_() for x in (w, u))
+    q, k = (ref[n].clone().requires_grad_() for n in ("q", "k"))
+    s0 = torch.randn(N, H, K, V, generator=g, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(TT, H, V, generator=g, dtype=torch.float64).to(dtype)
+    dht = torch.randn(N, H, K, V, generator=g, dtype=torch.float64) if with_dht else None
+    scale = 0.4
+
+    o, final, entering, leaving, v_new = state_model(q, k, w, u, s0, scale, lengths, C)
+    for s in leaving:
+        s.retain_grad()
+    loss = (o * do.double()).sum() + (0 if dht is None else (final * dht).sum())
+    loss.backward()
+
+    h = torch.stack(entering).detach().to(device=DEVICE, dtype=torch.float32)
+    dt_ = lambda x: to_dev(x.detach(), dtype)
+    dv_loc = grads.dv_local(inp["q"], inp["k"], dt_(do), scale, info, C)
+    dh, dv, dh0 = reverse.state_bwd(inp["q"], inp["k"], dt_(w), dt_(do), dv_loc,
+                                      None if dht is None else dht.float().to(DEVICE), scale, True, info, C)
+    dq, dk, dw = grads.dqkw(inp["q"], inp["k"], dt_(v_new), h, dh, dt_(do), dv, scale, info, C)
+    # the same stage on the forward's saved layout (states_t: S^T, V'^T per chunk): the same products on operands
+    # laid out otherwise (the interpreter's fp32 sums then run in another order: 1e-7 apart)
+    st, vt = transposed_states(h, dt_(v_new), lengths, C)
+    for got, want in zip(grads.dqkw(inp["q"], inp["k"], vt, st, dh, dt_(do), dv, scale, info, C, states_t=True),
+                         (dq, dk, dw)):
+        assert got.dtype == want.dtype and rel_rms(got, want) <= ONE_ROUNDING_BWD[dtype]
+
+    bound = BOUNDS[dtype]
+    want_dh = torch.stack([s.grad if s.grad is not None else torch.zeros_like(s) for s in leaving])
+    assert rel_rms(dh, want_dh) <= bound
+    assert rel_rms(dh0, s0.grad) <= bound
+    assert rel_rms(dv[0], u.grad) <= bound
+    assert rel_rms(dq[0], q.grad) <= bound
+    assert dq.dtype == dk.dtype == dw.dtype == dtype  # the direct dK too: the WY backward adds it in fp32
+    assert rel_rms(dk[0], k.grad) <= bound
+    assert rel_rms(dw[0], w.grad) <= bound
+    for n, L in enumerate(lengths):
+        if L == 0:  # no chunks: the gradient passes through untouched
+            assert torch.equal(dh0[n].cpu(), torch.zeros(H, K, V) if dht is None else dht[n].float())

@@ -1,0 +1,76 @@
+"""portable/wy.py: T~, W, U per chunk (wy_fwd, recompute_w_u, tinv_fwd) and the residual form's pair Tb (tinv_pair_fwd)
+against float64 intra_chunk_wy on the same (dtype-rounded) inputs."""
+import pytest
+import torch
+
+from deltatron.kernels.chunk.portable import wy
+from deltatron.reference.chunk import intra_chunk_wy
+
+from ....helpers import DEVICE, nearly_parallel_keys, rel_rms
+from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, packed, per_sequence_chunks
+
+pytestmark = needs_triton
+
+
+@pytest.mark.parametrize("dtype, C, lengths, K, V", [
+    (torch.float32, 32, [1, 33, 32], 24, 40),
+    (torch.float16, 64, [65, 3], 32, 16),
+    (torch.bfloat16, 16, [0, 15, 17], 40, 24),
+])
+def test_wy(poison, dtype, C, lengths, K, V):
+    inp, info, ref = packed(lengths, 2, K, V, dtype, seed=4)
+    _, T_ref, W_ref, U_ref = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    tinv, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)
+    assert tinv.dtype == torch.float32 and w.dtype == dtype and u.dtype == dtype
+    assert rel_rms(tinv, T_ref) < 1e-5
+    assert rel_rms(w, W_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(u, U_ref) < STAGE_BOUNDS[dtype]
+    # the backward's path: the same W, U from the stored Tinv
+    w2, u2 = wy.recompute_w_u(inp["k"], inp["v"], inp["beta"], tinv, info, C)
+    assert torch.equal(w2, w) and torch.equal(u2, u)
+    # fused_chunk's path: Tinv alone (no W, U), the same bits
+    assert torch.equal(wy.tinv_fwd(inp["k"], inp["beta"], info, C), tinv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wy_nearly_parallel_keys(poison, dtype):
+    # W's rows sum terms T~_ij beta_j k_j of size ~4 to a result of size ~1 when keys are almost equal and
+    # beta is near 2: with T~ diag(beta) rounded to 16 bits alone, W here is 4.0e-3 (fp16) and 2.9e-2
+    # (bf16) off, over the bounds; it goes into the products as a 16-bit hi + lo pair
+    lengths, C, K = [128, 61], 64, 64
+    inp, info, ref = packed(lengths, 2, K, 32, dtype, seed=8)
+    inp["k"], inp["beta"] = nearly_parallel_keys(inp["k"].shape, 1.95, dtype, DEVICE, seed=8)
+    ref = {n: x.detach().cpu().double() for n, x in inp.items()}
+    _, _, w_ref, u_ref = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    _, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)
+    assert rel_rms(w, w_ref) < STAGE_BOUNDS[dtype]
+    assert rel_rms(u, u_ref) < STAGE_BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype, lengths, K", [(torch.float16, [65, 3, 0, 64], 32), (torch.bfloat16, [1, 130], 48)])
+def test_tinv_pair(poison, dtype, lengths, K):
+    # the residual form's input: Tinv (the backward's, bit for bit wy_fwd's) and Tb = Tinv diag(beta) as the
+    # pair hi + lo of the input dtype that wy_fwd applies (hi the rounding of the fp32 product, lo the rounding of
+    # what is left), hi in columns [0, C), lo in [C, 2C); beta of tokens past a short chunk's end reads as 0
+    C = 64
+    inp, info, ref = packed(lengths, 2, K, 16, dtype, seed=12)
+    _, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
+    tinv, tb = wy.tinv_pair_fwd(inp["k"], inp["beta"], info, C)
+    assert tinv.dtype == torch.float32 and tb.dtype == dtype and tb.shape == (*inp["k"].shape[:3], 2 * C)
+    assert torch.equal(tinv, wy.tinv_fwd(inp["k"], inp["beta"], info, C))
+    assert wy.tinv_pair_fwd(inp["k"], inp["beta"], info, C, store_tinv=False)[0] is None
+    beta_cols = torch.zeros_like(tinv)  # [1, TT, H, C]: the beta of each column's token in the row's chunk
+    for t0, t1, _ in chunk_rows(lengths, C):
+        beta_cols[0, t0:t1, :, :t1 - t0] = inp["beta"][0, t0:t1].float().T[None]
+    tb_fp32 = tinv * beta_cols
+    hi = tb_fp32.to(dtype)
+    assert torch.equal(tb[..., :C], hi)
+    assert torch.equal(tb[..., C:], (tb_fp32 - hi.float()).to(dtype))
+    pair = tb[..., :C].double() + tb[..., C:].double()
+    assert rel_rms(pair, T_ref * beta_cols.double()) < 1e-5
+
+
+def test_tinv_pair_refuses_fp32():
+    inp, info, _ = packed([16], 1, 16, 16, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="16-bit k only"):
+        wy.tinv_pair_fwd(inp["k"], inp["beta"], info, 16)
