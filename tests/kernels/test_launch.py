@@ -214,11 +214,15 @@ def main() -> int:
 
 
 def check_chunk(check, torch):
-    """The chunk form's forward and backward (bf16, K = V = 128, 2 x 2 heads) and the Gluon walk and reverse
-    pass forced on: every launch of deltatron's wrappers checked as above (each module's `launch` replaced by
-    check, which calls the real one)."""
+    """The chunk form's forward and backward (bf16, K = V = 128, 2 x 2 heads) with the Hopper walk and reverse pass
+    forced on (plan.overrides; the plan made for sm90's capabilities, which the stand-in driver answers): every
+    launch of deltatron's wrappers checked as above (each module's `launch` replaced by check, which calls the real
+    one)."""
+    import importlib
+
     from deltatron.kernels import chunk
-    from deltatron.kernels.chunk import gluon_reverse, gluon_walk, state, state_bwd  # noqa: F401 (their launch too)
+    from deltatron.kernels.chunk import plan
+    from deltatron.kernels.chunk.hopper import reverse, walk  # noqa: F401 (their launch too)
     from deltatron.kernels.utils import seq_info
 
     sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
@@ -233,19 +237,26 @@ def check_chunk(check, torch):
         check(kernel, grid, *args, **kwargs)
 
     originals = {m: m.launch for m in modules}
-    saved = state.gluon_walk_applies, state_bwd.gluon_reverse_applies, state.GLUON_WALK, state_bwd.GLUON_REVERSE
-    state.gluon_walk_applies = state_bwd.gluon_reverse_applies = lambda *a, **k: True
-    state.GLUON_WALK = state_bwd.GLUON_REVERSE = True
+    chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
+    device_capabilities = chunk_forward.device_capabilities if hasattr(chunk_forward, "device_capabilities") else None
+    plan_device_capabilities = plan.device_capabilities
+    sm90 = plan.named_capabilities("sm90")  # the tensors are the CPU's: the plan is made for the stand-in's device
+    plan.device_capabilities = lambda device: sm90
+    if device_capabilities is not None:
+        chunk_forward.device_capabilities = lambda device: sm90
     for m in modules:
         m.launch = checking
     try:
         x = inputs(2, 128, 2, 128, 128, torch.bfloat16)
         info = seq_info(2, 128, torch.device("cpu"), None, None)
-        run_form(chunk, x, info)
+        with plan.overrides(hopper_walk=True, hopper_reverse=True):
+            run_form(chunk, x, info)
     finally:
         for m, fn in originals.items():
             m.launch = fn
-        state.gluon_walk_applies, state_bwd.gluon_reverse_applies, state.GLUON_WALK, state_bwd.GLUON_REVERSE = saved
+        plan.device_capabilities = plan_device_capabilities
+        if device_capabilities is not None:
+            chunk_forward.device_capabilities = device_capabilities
     # every kernel of the forward and the backward (a launch site calling kernel[grid] itself would be missing)
     assert set(checked) == {"wy_kernel", "gluon_walk_kernel", "state_fwd_kernel", "gluon_reverse_kernel",
                             "dqkw_kernel", "wy_bwd_kernel"}, checked

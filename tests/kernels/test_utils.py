@@ -1,4 +1,6 @@
 """Host-side helpers of deltatron/kernels/utils.py."""
+import dataclasses
+
 import pytest
 import triton
 
@@ -51,11 +53,9 @@ def test_chunk_index(lengths):
 
 
 def test_cached_launch_decisions_match_uncached():
-    # the per-shape launch decisions are cached (functools.lru_cache): pure functions of their integer arguments
-    # (num_sms, which tests and offline_compile.py patch, reaches reverse_launch as an argument, not a global)
-    from deltatron.kernels.chunk.state import walk_launch, wy_on_chip
-    from deltatron.kernels.chunk.state_bwd import reverse_launch
-    from deltatron.kernels.chunk.wy_bwd import wy_bwd_launch
+    # the plan's per-shape launch rules are cached (functools.lru_cache): pure functions of their arguments (the SM
+    # count and the interpreter reach them as arguments, not globals)
+    from deltatron.kernels.chunk.plan import reverse_launch, walk_launch, wy_bwd_launch, wy_launch
     from deltatron.kernels.utils import head_tile
 
     for K in (16, 64, 100, 128, 256):
@@ -63,12 +63,14 @@ def test_cached_launch_decisions_match_uncached():
         for V in (64, 128, 256):
             for es in (2, 4):
                 assert wy_bwd_launch(K, V, es) == wy_bwd_launch.__wrapped__(K, V, es)
-                for states in (1, 16, 128, 320):
-                    assert wy_on_chip(K, V, states, es) == wy_on_chip.__wrapped__(K, V, states, es)
-                    for fused in (False, True):
-                        assert walk_launch(K, V, states, es, fused) == walk_launch.__wrapped__(K, V, states, es, fused)
+                for interpret in (False, True):
+                    for states in (1, 16, 128, 320):
+                        for fused in (False, True):
+                            assert wy_launch(K, V, es, fused) == wy_launch.__wrapped__(K, V, es, fused)
+                            assert walk_launch(K, V, states, es, fused, interpret) == \
+                                walk_launch.__wrapped__(K, V, states, es, fused, interpret)
                         for sms in (1, 132):
-                            assert reverse_launch(K, V, states, es, fused, sms) == \
-                                reverse_launch.__wrapped__(K, V, states, es, fused, sms)
-    with pytest.raises(TypeError):
-        wy_bwd_launch(128, 128, 2)[2]["maxnreg"] = 0  # shared between calls: read-only
+                            assert reverse_launch(K, V, states, es, sms, interpret) == \
+                                reverse_launch.__wrapped__(K, V, states, es, sms, interpret)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        wy_bwd_launch(128, 128, 2).maxnreg = 0  # shared between calls: read-only

@@ -1,5 +1,5 @@
-"""The warp-specialized Gluon reverse state pass (kernels/chunk/gluon_reverse.py) against the Triton reverse pass
-(state_bwd.state_bwd with dv_local=None, the backward's fused pass) on the same q, k, W, dO: sm_90 only, 16-bit,
+"""The warp-specialized Hopper reverse state pass (kernels/chunk/hopper/reverse.py) against the portable reverse pass
+(portable/reverse.py's state_bwd with dv_local=None, the backward's fused pass) on the same q, k, W, dO: sm_90 only, 16-bit,
 K = V = 128, C = 64, each check for both V-block widths (block_v 128: one program a sequence and head; 64: two,
 each walking half of dS^T's rows). Both passes round dS_next, dV' and A^T to the input dtype at the same points,
 so they differ by the order of fp32 sums, and through it by a rounding of the dtype here and there.
@@ -9,23 +9,27 @@ failing a test, and would take the whole GPU suite with it. So the first use of 
 call of each V-block width, each in a child process under a time limit (gluon_smoke); if one hangs or
 crashes, its child is killed and every test of that width (and those of none) fails with its output, without
 a launch in this process."""
+import importlib
+
 import pytest
 import torch
 
-from deltatron.kernels.chunk import state_bwd, wy
+from deltatron.kernels import chunk
+from deltatron.kernels.chunk import plan
+from deltatron.kernels.chunk.portable import reverse as state_bwd
+from deltatron.kernels.chunk.portable import wy
 from deltatron.kernels.utils import seq_info
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
-from . import gluon_smoke, require_smoke_passed
+from ....helpers import BOUNDS, gluon_smoke, make_inputs, random_cu_seqlens, rel_rms, require_smoke_passed
 
 pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
-BLOCK_V = [128, 64]  # gluon_reverse.REVERSE_CONFIGS' V-block widths, each forced
+BLOCK_V = [128, 64]  # hopper.reverse.REVERSE_CONFIGS' V-block widths, each forced
 SMOKE = """
 import sys
 import torch
-from deltatron.kernels.chunk import gluon_reverse
+from deltatron.kernels.chunk.hopper import reverse as gluon_reverse
 from deltatron.kernels.utils import seq_info
 B, T, H, block_v = 2, 200, 2, int(sys.argv[1])
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -39,12 +43,6 @@ print(f"gluon reverse smoke call (block_v {block_v}) done, finite:",
 """
 
 
-@pytest.fixture(autouse=True)
-def triton_pass_as_reference(monkeypatch):
-    # state_bwd.state_bwd is the reference here: the Triton pass, whatever GLUON_REVERSE's default becomes
-    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
-
-
 @pytest.fixture(scope="module")
 def smoke_failures():
     """{block_v: why its smoke call failed, or None}."""
@@ -54,9 +52,9 @@ def smoke_failures():
 @pytest.fixture
 def gluon_reverse(smoke_failures, request):
     require_smoke_passed(smoke_failures, request, BLOCK_V, "the Gluon reverse pass")
-    from deltatron.kernels.chunk import gluon_reverse
+    from deltatron.kernels.chunk.hopper import reverse
 
-    return gluon_reverse
+    return reverse
 
 
 def reverse_inputs(B, T, H, dtype, device, N=None, seed=0, cu_seqlens=None):
@@ -135,15 +133,17 @@ def test_gluon_reverse_unpacked_batch(poison, gluon_reverse, block_v):
     assert torch.equal(packed[2], unpacked[2])
 
 
-def test_state_bwd_runs_gluon_reverse_where_forced(gluon_reverse, monkeypatch):
-    # 2 x 4 heads: forced, state_bwd runs the split (gluon_walk.split_v: 16 programs fit one wave)
+def test_backward_runs_hopper_reverse_where_forced(gluon_reverse):
+    # 2 x 4 heads: forced (plan.overrides(hopper_reverse=True)), the backward's reverse pass runs the Hopper pass
+    # at the plan's V-block (plan.hopper_block_v: 16 programs fit one wave, 64)
     (q, k, w, do, dht), info = reverse_inputs(2, 300, 4, torch.bfloat16, "cuda", seed=11)
     direct = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info, block_v=64)
-    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", True)
-    dispatched = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, True, info, C)
+    with plan.overrides(hopper_reverse=True):
+        call_plan = chunk.plan_call(q, k, do, info, True, C)
+    assert call_plan.reverse == "hopper" and call_plan.reverse_launch.block_v == 64
+    backward = importlib.import_module("deltatron.kernels.chunk.backward")
+    dispatched = backward.reverse_pass(call_plan, q, k, w, do, dht, D ** -0.5, True, info)
     assert all(torch.equal(x, y) for x, y in zip(direct, dispatched))
-    # the unfused pass (dv_local given) stays Triton's
-    assert not state_bwd.gluon_reverse_pays(q, k, w, do, torch.empty_like(do), info, C)
 
 
 def test_gluon_reverse_refuses_other_shapes(gluon_reverse):

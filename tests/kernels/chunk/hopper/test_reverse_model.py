@@ -17,8 +17,8 @@ import types
 import pytest
 import torch
 
-from .gpu import test_gluon_reverse_gpu as gpu_test
-from .helpers import INTERPRET, random_cu_seqlens
+from . import test_reverse_gpu as gpu_test
+from ....helpers import INTERPRET, random_cu_seqlens
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the Triton reverse pass on CPU tensors needs the interpreter")
 

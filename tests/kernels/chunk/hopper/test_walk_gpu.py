@@ -1,6 +1,5 @@
-"""The warp-specialized Gluon walk (kernels/chunk/gluon_walk.py, the forward's fused walk where
-state.gluon_walk_pays) against the Triton fused walk (state.state_output_fwd with the Gluon kernel switched
-off) on the same W, U: sm_90 only, 16-bit,
+"""The warp-specialized Hopper walk (kernels/chunk/hopper/walk.py, the forward's fused walk where the plan's walk is
+"hopper") against the portable fused walk (portable/walk.py's state_output_fwd) on the same W, U: sm_90 only, 16-bit,
 K = V = 128, C = 64, each check for both V-block widths (block_v 128: one program a sequence and head; 64:
 two, each walking half of S^T's rows). Both walks round S and V' to the input dtype at the same points, so they
 differ by the order of fp32 sums, and through it by a rounding of the dtype here and there. The walk without its
@@ -16,20 +15,22 @@ none) fails with its output, without a launch in this process."""
 import pytest
 import torch
 
-from deltatron.kernels.chunk import state, wy
+from deltatron.kernels.chunk.portable import walk as portable_walk
+from deltatron.kernels.chunk.portable import wy
 from deltatron.kernels.utils import seq_info
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms, transposed_states
-from . import gluon_smoke, require_smoke_passed
+from ....helpers import (BOUNDS, gluon_smoke, make_inputs, random_cu_seqlens, rel_rms, require_smoke_passed,
+                         transposed_states)
 
 pytestmark = pytest.mark.gpu
 
 D, C = 128, 64
-BLOCK_V = [128, 64]  # gluon_walk.WALK_CONFIGS' V-block widths, each forced
+BLOCK_V = [128, 64]  # hopper.walk.WALK_CONFIGS' V-block widths, each forced
 SMOKE = """
 import sys
 import torch
-from deltatron.kernels.chunk import gluon_walk, state, wy
+from deltatron.kernels.chunk.hopper import walk as gluon_walk
+from deltatron.kernels.chunk.portable import wy
 from deltatron.kernels.utils import seq_info
 from tests.helpers import make_inputs
 B, T, H, block_v = 2, 200, 2, int(sys.argv[1])
@@ -39,7 +40,7 @@ _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
 o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
                                          block_v=block_v)
 s_only = gluon_walk.gluon_state_final_fwd(x["k"], w, u, x["initial_state"], info, block_v=block_v)
-saved = state.states_buffers(x["k"], x["v"], info, 64)
+saved = gluon_walk.states_buffers(x["k"], x["v"], info, 64)
 o_saving, _ = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, 128 ** -0.5, x["initial_state"], True, info,
                                                 block_v=block_v, states=saved)
 _, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, 64, store_tinv=False)
@@ -55,13 +56,6 @@ print(f"gluon walk smoke calls (block_v {block_v}, with and without the output, 
 """
 
 
-@pytest.fixture(autouse=True)
-def triton_walk_as_reference(monkeypatch):
-    # state.state_output_fwd is the reference here: the Triton walk, not the Gluon kernel it runs by default
-    # from 16 sequences x heads
-    monkeypatch.setattr(state, "GLUON_WALK", False)
-
-
 @pytest.fixture(scope="module")
 def smoke_failures():
     """{block_v: why its smoke call failed, or None}."""
@@ -71,9 +65,9 @@ def smoke_failures():
 @pytest.fixture
 def gluon_walk(smoke_failures, request):
     require_smoke_passed(smoke_failures, request, BLOCK_V, "the Gluon walk")
-    from deltatron.kernels.chunk import gluon_walk
+    from deltatron.kernels.chunk.hopper import walk
 
-    return gluon_walk
+    return walk
 
 
 def packed(x, B, T, H):
@@ -87,7 +81,7 @@ def check(gluon_walk, x, info, states: bool, block_v: int = 128, residual: bool 
     within the bound too."""
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
     h0 = x["initial_state"] if states else None
-    o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, C)
+    o_ref, s_ref = portable_walk.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, states, info, C)
     slots, form = ((w, u), {})
     if residual:
         tinv, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False)
@@ -171,8 +165,8 @@ def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
     info = seq_info(1, TT, torch.device("cuda"), cu, cu.cpu())
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)
     h0 = x["initial_state"]
-    h, v_new, _ = state.state_fwd(x["k"], w, u, h0, False, info, C)
-    saved = state.states_buffers(x["k"], x["v"], info, C)
+    h, v_new, _ = portable_walk.state_fwd(x["k"], w, u, h0, False, info, C)
+    saved = gluon_walk.states_buffers(x["k"], x["v"], info, C)
     o, s = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info, block_v=block_v,
                                              states=saved)
     o_plain, s_plain = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info,
@@ -208,7 +202,7 @@ def test_gluon_walk_unpacked_batch(poison, gluon_walk, block_v):
     flat = [t.reshape(1, B * T, H, D) for t in (x["q"], x["k"], w, u)]
     o_p, s_p = gluon_walk.gluon_state_output_fwd(*flat, D ** -0.5, x["initial_state"], True, info, block_v=block_v)
     assert torch.equal(o.reshape(1, B * T, H, D), o_p) and torch.equal(s, s_p)
-    o_ref, s_ref = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info, C)
+    o_ref, s_ref = portable_walk.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info, C)
     assert rel_rms(o, o_ref) < BOUNDS[torch.bfloat16] and rel_rms(s, s_ref) < BOUNDS[torch.bfloat16]
 
 
@@ -241,7 +235,7 @@ def check_final_only(gluon_walk, x, w, u, info, block_v):
 
 @pytest.mark.parametrize("block_v", BLOCK_V)
 def test_gluon_walk_final_only_b1_t32768_h16(poison, gluon_walk, block_v):
-    # the shape of the sequence split's pass 1 (b1-t32768-h16, where split_v runs block_v 64)
+    # the shape of the sequence split's pass 1 (b1-t32768-h16, where plan.hopper_block_v gives block_v 64)
     x = make_inputs(1, 32768, 16, D, D, torch.bfloat16, device="cuda", initial_state=True, seed=4)
     info = seq_info(1, 32768, torch.device("cuda"), None, None)
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C)

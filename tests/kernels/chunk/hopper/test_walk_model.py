@@ -19,8 +19,8 @@ import torch
 
 from deltatron.kernels.utils import seq_info
 
-from .gpu import test_gluon_walk_gpu as gpu_test
-from .helpers import INTERPRET, make_inputs, random_cu_seqlens
+from . import test_walk_gpu as gpu_test
+from ....helpers import INTERPRET, make_inputs, random_cu_seqlens
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the shipped walk on CPU tensors needs the interpreter")
 
