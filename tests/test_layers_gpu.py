@@ -10,7 +10,7 @@ from deltatron import cli
 from deltatron.layers import DeltaNet, DeltaNetCache
 from deltatron.train import DeltaNetLM
 
-from ..helpers import random_cu_seqlens, rel_rms
+from .helpers import random_cu_seqlens, rel_rms
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import torch
 from deltatron import parallel_delta_rule
 
 from ..helpers import make_inputs, random_cu_seqlens
-from ..kernels.test_parallel import check
+from .test_parallel import check
 
 pytestmark = pytest.mark.gpu
 

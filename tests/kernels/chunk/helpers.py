@@ -186,3 +186,11 @@ def check_against_recurrence(monkeypatch, B, lengths_or_T, H, K, V, dtype, C, wi
         assert err <= BOUNDS[dtype], f"{name}: rel RMS {err:.2e} > {BOUNDS[dtype]:.0e}"
     return got, dht
 
+
+
+def hopper_fits(k, v, chunk_size: int = 64) -> bool:
+    """Whether the plan can run the Hopper kernels (hopper/walk.py, hopper/reverse.py) on these tensors: sm_90 with
+    Gluon (plan.device_capabilities), 16-bit, K = V = 128, chunk 64 (the rest of plan.make_plan's hopper_fits)."""
+    from deltatron.kernels.chunk import plan
+    return (plan.device_capabilities(k.device).hopper and k.dtype in (torch.bfloat16, torch.float16)
+            and k.shape[-1] == v.shape[-1] == 128 and chunk_size == 64)

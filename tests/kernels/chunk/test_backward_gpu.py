@@ -10,12 +10,17 @@ import pytest
 import torch
 
 import deltatron
-from deltatron.kernels.chunk import output_bwd, state, state_bwd, wy, wy_bwd
+from deltatron.kernels import chunk
+from deltatron.kernels.chunk import plan
+from deltatron.kernels.chunk.portable import grads as output_bwd
+from deltatron.kernels.chunk.portable import reverse as state_bwd
+from deltatron.kernels.chunk.portable import walk as state
+from deltatron.kernels.chunk.portable import wy
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
-from ..helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
-from . import CHUNK_SHAPES, smoke_both_widths
+from ...helpers import CHUNK_SHAPES, BOUNDS, make_inputs, random_cu_seqlens, rel_rms, smoke_both_widths
+from .helpers import hopper_fits
 
 pytestmark = pytest.mark.gpu
 
@@ -95,28 +100,31 @@ def test_backward_growing_transition(triton_backend, poison, dtype):
 
 @pytest.fixture(scope="module")
 def gluon_reverse_runs():
-    # the Gluon reverse pass's smoke call (test_gluon_reverse_gpu.py's) in a child process before this process
-    # launches it: a hang there must not take the suite with it. Both V-block widths: state_bwd runs 128 at 8 x 16
-    # heads, 64 at 4 x 16 (gluon_walk.split_v)
-    from .test_gluon_reverse_gpu import SMOKE
+    # the Hopper reverse pass's smoke call (hopper/test_reverse_gpu.py's) in a child process before this process
+    # launches it: a hang there must not take the suite with it. Both V-block widths: the plan runs 128 at 8 x 16
+    # heads, 64 at 4 x 16 (plan.hopper_block_v)
+    from .hopper.test_reverse_gpu import SMOKE
 
     smoke_both_widths(SMOKE, "the Gluon reverse pass")
 
 
 def force_reverse_pass(reverse: str, x: dict, monkeypatch, request) -> list:
-    """Forces the backward's reverse pass to be the Triton one or ("gluon") the Gluon kernel (skipped off sm_90,
-    after its smoke calls); returns the list the Gluon kernel's launches are counted in."""
+    """Forces the backward's reverse pass to be the portable Triton one or ("gluon") the Hopper kernel (skipped off
+    sm_90, after its smoke calls) for the rest of the test (plan.overrides(hopper_reverse=...), left at teardown);
+    returns the list the Hopper kernel's launches are counted in."""
     launches = []
     if reverse == "gluon":
-        if not state_bwd.gluon_reverse_applies(x["q"], x["k"], x["k"], x["v"], None, 64):
-            pytest.skip("the Gluon reverse pass runs on sm_90 only")
+        if not hopper_fits(x["k"], x["v"]):
+            pytest.skip("the Hopper reverse pass runs on sm_90 only")
         request.getfixturevalue("gluon_reverse_runs")
-        from deltatron.kernels.chunk import gluon_reverse
+        from deltatron.kernels.chunk.hopper import reverse as gluon_reverse
 
         state_bwd_gluon = gluon_reverse.gluon_state_bwd
         monkeypatch.setattr(gluon_reverse, "gluon_state_bwd",
                             lambda *a, **kw: launches.append(1) or state_bwd_gluon(*a, **kw))
-    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", reverse == "gluon")
+    forced = plan.overrides(hopper_reverse=reverse == "gluon")
+    forced.__enter__()
+    request.addfinalizer(lambda: forced.__exit__(None, None, None))
     return launches
 
 
@@ -125,8 +133,8 @@ def force_reverse_pass(reverse: str, x: dict, monkeypatch, request) -> list:
 def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monkeypatch, request, dtype, reverse,
                                                     B):
     # 8 x 16 heads at K = V = 128: the reverse pass runs one program per head, either Triton's of 128 columns
-    # (where the GPU has at least 128 SMs; state_bwd.reverse_launch) or the Gluon kernel on sm_90 (forced: by
-    # default only on long sequences, state_bwd.gluon_reverse_pays; its launches counted); at 4 x 16 heads the
+    # (where the GPU has at least 128 SMs; plan.reverse_launch) or the Hopper kernel on sm_90 (forced: by the
+    # plan's rule only on long sequences; its launches counted); at 4 x 16 heads the
     # Gluon kernel splits V (two programs a head, block_v 64); T = 300 ends in a partial chunk
     x = make_inputs(B, 300, 16, 128, 128, dtype, device="cuda", initial_state=True, seed=5, requires_grad=True)
     launches = force_reverse_pass(reverse, x, monkeypatch, request)
@@ -142,7 +150,7 @@ def test_backward_one_wave_of_wide_reverse_programs(triton_backend, poison, monk
 ])
 def test_backward_overlapping_state_passes(triton_backend, poison, monkeypatch, request, dtype, T_or_lengths, H,
                                            reverse):
-    # backward.OVERLAP_STATE_PASSES = True: where the recompute takes two launches (here 16-bit with few
+    # plan.overrides(overlap=True): where the recompute takes two launches (here 16-bit with few
     # sequences x heads, whose narrow V-blocks keep W, U off chip; fp32 always), state_fwd runs on the side stream
     # while the reverse pass runs on the backward's. Against the float64 oracle, and bitwise equal to the
     # backward on one stream (the same kernels on the same inputs, only the streams differ); the stream each
@@ -154,26 +162,29 @@ def test_backward_overlapping_state_passes(triton_backend, poison, monkeypatch, 
     T, N = (sum(T_or_lengths), len(T_or_lengths)) if varlen else (T_or_lengths, 1)
     x = make_inputs(1, T, H, 128, 128, dtype, device="cuda", initial_state=True, N=N, seed=7, requires_grad=True)
     cu = random_cu_seqlens(T_or_lengths, "cuda") if varlen else None
-    assert not state.wy_on_chip(128, 128, N * H, x["k"].element_size()), "not the two-launch recompute"
     launches = force_reverse_pass(reverse, x, monkeypatch, request)
+    info = seq_info(1, T, torch.device("cuda"), cu, None if cu is None else cu.cpu())
+    call_plan = chunk.plan_call(x["q"], x["k"], x["v"], info, True, 64)
+    assert call_plan.recompute == "two_launch" and call_plan.segments == 1, "not the two-launch recompute"
     streams, watched, released = [], [], []
-    recompute_w_u, state_fwd, wy_backward = wy.recompute_w_u, state.state_fwd, wy_bwd.wy_bwd
+    recompute_w_u, state_fwd, wy_backward = (chunk_backward.recompute_w_u, chunk_backward.state_fwd,
+                                             chunk_backward.wy_bwd)
 
-    def watching(fn, *a):
-        out = fn(*a)
+    def watching(fn, *a, **kw):
+        out = fn(*a, **kw)
         watched.extend(weakref.ref(t) for t in out[:2])  # W, U or h, v_new
         return out
 
-    # the forward's own stages are bound at import: only the backward's calls are seen
-    monkeypatch.setattr(wy, "recompute_w_u", lambda *a: watching(recompute_w_u, *a))
-    monkeypatch.setattr(state, "state_fwd",
-                        lambda *a: streams.append(torch.cuda.current_stream()) or watching(state_fwd, *a))
-    monkeypatch.setattr(wy_bwd, "wy_bwd",
-                        lambda *a: released.append(all(ref() is None for ref in watched)) or wy_backward(*a))
+    # the backward's stages, where backward.py calls them (the forward's are its own module's: not seen)
+    monkeypatch.setattr(chunk_backward, "recompute_w_u", lambda *a, **kw: watching(recompute_w_u, *a, **kw))
+    monkeypatch.setattr(chunk_backward, "state_fwd",
+                        lambda *a, **kw: streams.append(torch.cuda.current_stream()) or watching(state_fwd, *a, **kw))
+    monkeypatch.setattr(chunk_backward, "wy_bwd", lambda *a, **kw: released.append(all(ref() is None for ref in watched))
+                        or wy_backward(*a, **kw))
     grads = {}
     for overlap in (False, True):
-        monkeypatch.setattr(chunk_backward, "OVERLAP_STATE_PASSES", overlap)
-        grads[overlap], _ = check(x, 128 ** -0.5, 64, cu)
+        with plan.overrides(overlap=overlap):
+            grads[overlap], _ = check(x, 128 ** -0.5, 64, cu)
     assert streams == [torch.cuda.current_stream(), chunk_backward.side_stream(torch.cuda.current_device())]
     assert streams[1] != streams[0]
     assert len(watched) == 8 and released == [True, True]
@@ -185,8 +196,8 @@ def test_backward_overlapping_state_passes(triton_backend, poison, monkeypatch, 
 
 @pytest.fixture(scope="module")
 def gluon_walk_runs():
-    # the Gluon walk's smoke calls (test_gluon_walk_gpu.py's, saving the states among them) in a child process first
-    from .test_gluon_walk_gpu import SMOKE
+    # the Hopper walk's smoke calls (hopper/test_walk_gpu.py's, saving the states among them) in a child process first
+    from .hopper.test_walk_gpu import SMOKE
 
     smoke_both_widths(SMOKE, "the Gluon walk")
 
@@ -195,22 +206,21 @@ def gluon_walk_runs():
 @pytest.mark.parametrize("B, T_or_lengths, H", [(8, 300, 16), (1, [0, 1, 63, 64, 65, 700, 1500, 333, 2100, 20, 900,
                                                                    64, 128, 5, 1000, 77], 4)])
 def test_backward_on_forward_states(triton_backend, poison, monkeypatch, request, dtype, B, T_or_lengths, H):
-    # chunk_delta_rule's save_states: the forward's Gluon walk keeps W and each chunk's S^T and V'^T, and the backward
-    # runs on them without a recompute walk (backward_on_forward_states, seen to run once). Against the fp64 oracle,
+    # chunk_delta_rule's save_states: the forward's Hopper walk keeps W and each chunk's S^T and V'^T (the plan's
+    # keep_states), and the backward runs on them without a recompute walk (seen to run once on 4 saved tensors). Against the fp64 oracle,
     # and within half the bound of the recomputing backward (the Gluon walk's states and the Triton recompute's
     # differ by the order of fp32 sums); 8 x 16 heads at T = 300 (a partial chunk; one program a head, block_v
     # 128) and 16 sequences with empty and one-token ones x 4 heads (block_v 64)
-    chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")  # the package exports a function
     varlen = isinstance(T_or_lengths, list)
     T, N = (sum(T_or_lengths), len(T_or_lengths)) if varlen else (T_or_lengths, B)
     x = make_inputs(B, T, H, 128, 128, dtype, device="cuda", initial_state=True, N=N, seed=9, requires_grad=True)
-    if not state.gluon_walk_applies(x["k"], x["v"], 64):
-        pytest.skip("the Gluon walk, which saves the states, runs on sm_90 only")
+    if not hopper_fits(x["k"], x["v"]):
+        pytest.skip("the Hopper walk, which saves the states, runs on sm_90 only")
     request.getfixturevalue("gluon_walk_runs")
     cu = random_cu_seqlens(T_or_lengths, "cuda") if varlen else None
     ran = []
-    on_states = chunk_backward.backward_on_forward_states
-    monkeypatch.setattr(chunk_backward, "backward_on_forward_states", lambda *a: ran.append(1) or on_states(*a))
+    backward = chunk.backward  # the form's backward (autograd calls the package's)
+    monkeypatch.setattr(chunk, "backward", lambda *a, **kw: (len(a[6]) == 4 and ran.append(1)) or backward(*a, **kw))
     grads = {}
     for keep in (False, True):
         grads[keep], _ = check(x, 128 ** -0.5, 64, cu, save_states=keep)
@@ -242,12 +252,11 @@ def test_backward_deterministic(triton_backend, dtype):
     (1, 4096, 4, 128),  # few heads: 16-column V-blocks, A^T recomputed by 8 programs per head
     (1, [0, 1, 63, 64, 65, 700, 1500, 333, 0, 2047], 8, 256),  # varlen, K = 256 (fp32: 16-column V-blocks)
 ])
-def test_fused_dv_local_matches_unfused(poison, monkeypatch, dtype, B, T_or_lengths, H, D):
+def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
     # the backward's Triton reverse state pass computing dV'_local itself against output_bwd.dv_local + the
     # unfused pass, on the real W of the inputs: they round A^T alike, the fused pass keeps dV'_local in
-    # fp32 (the unfused store rounds it), so they differ by about one rounding of the dtype (the Gluon
-    # reverse pass, state_bwd's default at 8 x 16 heads on sm_90, is checked in test_gluon_reverse_gpu.py)
-    monkeypatch.setattr(state_bwd, "GLUON_REVERSE", False)
+    # fp32 (the unfused store rounds it), so they differ by about one rounding of the dtype (the Hopper
+    # reverse pass, the plan's at 8 x 16 heads on sm_90, is checked in hopper/test_reverse_gpu.py)
     varlen = isinstance(T_or_lengths, list)
     T = sum(T_or_lengths) if varlen else T_or_lengths
     N = len(T_or_lengths) if varlen else B
@@ -277,7 +286,7 @@ def test_fused_dv_local_matches_unfused(poison, monkeypatch, dtype, B, T_or_leng
     (torch.float16, [0, 1, 63, 64, 65, 700, 0, 333], 100),  # non-power-of-two head, masked columns
 ])
 def test_state_wy_fwd_matches_composition(poison, dtype, T_or_lengths, D):
-    # the walk computing W, U on chip from the stored Tinv (the backward's recompute where state.wy_on_chip)
+    # the walk computing W, U on chip from the stored Tinv (the backward's recompute where the plan's is "on_chip")
     # against wy.recompute_w_u + state.state_fwd. Both go through wy.wy_product, the same products in the
     # same order (over the chunk's tokens; the walk's W product is one [C, K] tile where recompute_w_u's is
     # 64 columns at a time, which does not change a column's sum), so the same bits are expected

@@ -1,18 +1,22 @@
 """Forward of the Triton chunk pipeline at realistic sizes (H200): against the float64 chunkwise oracle
 (deltatron.reference, itself checked against the recurrence), fixed-length and 20-sequence varlen batches,
 all dtypes, K = V in {64, 128, 256} and a non-power-of-two head size."""
+import importlib
+
 import pytest
 import torch
 
 import deltatron
 from deltatron.kernels import chunk
-from deltatron.kernels.chunk import kkt, output, solve_tril, state, wy
+from deltatron.kernels.chunk import plan
+from deltatron.kernels.chunk.portable import kkt, output, solve_tril, wy
+from deltatron.kernels.chunk.portable import walk as portable_walk
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
 from deltatron.reference.chunk import from_chunks, to_chunks
 
-from ..helpers import BOUNDS, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
-from . import CHUNK_SHAPES, gluon_smoke
+from ...helpers import CHUNK_SHAPES, BOUNDS, gluon_smoke, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
+from .helpers import hopper_fits
 
 pytestmark = pytest.mark.gpu
 
@@ -63,9 +67,9 @@ def test_forward_varlen_20_sequences(poison, dtype, D, C):
 
 @pytest.fixture(scope="module")
 def gluon_walk_runs():
-    # the Gluon walk's smoke calls (test_gluon_walk_gpu.py's, each V-block width) in a child process before
+    # the Hopper walk's smoke calls (hopper/test_walk_gpu.py's, each V-block width) in a child process before
     # this process launches it: a hang there must not take the suite with it
-    from .test_gluon_walk_gpu import BLOCK_V, SMOKE
+    from .hopper.test_walk_gpu import BLOCK_V, SMOKE
 
     failures = [f"block_v {block_v}: {why}" for block_v in BLOCK_V if (why := gluon_smoke(SMOKE, str(block_v)))]
     if failures:
@@ -75,22 +79,22 @@ def gluon_walk_runs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lengths", [[1000, 1000], [1], [0, 1, 63, 64, 65, 0, 700, 130]])
 def test_forward_gluon_walk(poison, monkeypatch, request, dtype, lengths):
-    # the forward with the fused walk forced onto the Gluon kernel (by default it runs from 16 sequences x
-    # heads) against the float64 oracle: partial last chunks, T = 1, empty sequences (their state passed
+    # the forward with the Hopper walk forced (plan.overrides(hopper_walk=True); by the rule it runs from 16
+    # sequences x heads) against the float64 oracle: partial last chunks, T = 1, empty sequences (their state passed
     # through), 3 heads; the kernel must actually run (counted)
     x = make_inputs(1, sum(lengths), 3, 128, 128, dtype, device="cuda", initial_state=True, N=len(lengths),
                     seed=len(lengths))
-    if not state.gluon_walk_applies(x["k"], x["v"], 64):
-        pytest.skip("the Gluon walk runs on sm_90 only")
+    if not hopper_fits(x["k"], x["v"]):
+        pytest.skip("the Hopper walk runs on sm_90 only")
     request.getfixturevalue("gluon_walk_runs")
-    from deltatron.kernels.chunk import gluon_walk
+    from deltatron.kernels.chunk.hopper import walk as gluon_walk
 
     launches = []
     launch = gluon_walk.gluon_walk_launch
     monkeypatch.setattr(gluon_walk, "gluon_walk_launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    monkeypatch.setattr(state, "GLUON_WALK", True)
     cu = random_cu_seqlens(lengths, "cuda")
-    o, final = run_forward(x, 0.1, 64, seq_info(1, sum(lengths), torch.device("cuda"), cu, cu.cpu()))
+    with plan.overrides(hopper_walk=True):
+        o, final = run_forward(x, 0.1, 64, seq_info(1, sum(lengths), torch.device("cuda"), cu, cu.cpu()))
     assert launches == [1]
     o_ref, final_ref = oracle(x, 0.1, 64, cu_seqlens=cu.cpu())
     assert rel_rms(o, o_ref) < BOUNDS[dtype]
@@ -100,22 +104,22 @@ def test_forward_gluon_walk(poison, monkeypatch, request, dtype, lengths):
 
 
 def forward_in_residual_form(monkeypatch, request, x, scale, info):
-    """chunk.forward in the residual form (state.RESIDUAL_WALK, the Gluon walk forced): (o, final, saved), after
-    checking that it ran (tinv_pair_fwd called once) and that its saved Tinv, all the backward reads, is bit for bit
-    the W, U path's."""
-    if not state.gluon_walk_applies(x["k"], x["v"], 64):
-        pytest.skip("the Gluon walk runs on sm_90 only")
+    """chunk.forward in the residual form (plan.overrides(hopper_walk=True, residual=True)): (o, final, saved),
+    after checking that it ran (tinv_pair_fwd called once) and that its saved Tinv, all the backward reads, is bit
+    for bit the W, U path's (residual=False)."""
+    if not hopper_fits(x["k"], x["v"]):
+        pytest.skip("the Hopper walk runs on sm_90 only")
     request.getfixturevalue("gluon_walk_runs")
-    monkeypatch.setattr(state, "GLUON_WALK", True)
+    chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
     pairs = []
-    pair_fwd = chunk.tinv_pair_fwd
-    monkeypatch.setattr(chunk, "tinv_pair_fwd", lambda *a, **kw: pairs.append(1) or pair_fwd(*a, **kw))
+    pair_fwd = chunk_forward.tinv_pair_fwd
+    monkeypatch.setattr(chunk_forward, "tinv_pair_fwd", lambda *a, **kw: pairs.append(1) or pair_fwd(*a, **kw))
     args = (x["q"], x["k"], x["v"], x["beta"], scale, x["initial_state"], True, info)
-    monkeypatch.setattr(state, "RESIDUAL_WALK", True)
-    o, final, saved, _ = chunk.forward(*args, chunk_size=64)
+    with plan.overrides(hopper_walk=True, residual=True):
+        o, final, saved, _ = chunk.forward(*args, chunk_size=64)
     assert pairs == [1] and o.dtype == x["q"].dtype and final.dtype == torch.float32
-    monkeypatch.setattr(state, "RESIDUAL_WALK", False)
-    _, _, saved_wu, _ = chunk.forward(*args, chunk_size=64)
+    with plan.overrides(hopper_walk=True, residual=False):
+        _, _, saved_wu, _ = chunk.forward(*args, chunk_size=64)
     assert pairs == [1] and len(saved) == len(saved_wu) == 1 and torch.equal(saved[0], saved_wu[0])
     return o, final, saved
 
@@ -168,27 +172,33 @@ def test_forward_growing_transition(poison, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T, H, D", [(8, 512, 16, 128), (2, 1000, 4, 128), (4, 300, 8, 256), (3, 700, 8, 64),
                                         (2, 333, 4, 100)])
-@pytest.mark.parametrize("walk", ["S", "S^T", "gluon"])
-def test_fused_state_output_matches_unfused(poison, monkeypatch, request, dtype, B, T, H, D, walk):
-    # the forward's fused walk (its own V-block and warps: 128 x 128 states on 8 warps at 8 x 16 heads,
-    # narrower when there are few heads), on S or (16-bit) on S^T, or the warp-specialized Gluon kernel
-    # (sm_90, 16-bit, K = V = 128), against state_fwd + output_fwd on the same W, U: they round alike, so
-    # they differ by the order of fp32 sums only, a couple of roundings of the dtype
-    if walk != "S" and dtype == torch.float32:
-        pytest.skip(f"the {walk} walk is 16-bit only")
+@pytest.mark.parametrize("walk", ["portable", "hopper"])
+def test_fused_state_output_matches_unfused(poison, request, dtype, B, T, H, D, walk):
+    # the forward's fused walk (the portable one at its own V-block and warps, plan.walk_launch: 128 x 128 states on
+    # 8 warps at 8 x 16 heads, narrower when there are few heads; or the warp-specialized Hopper kernel, sm_90,
+    # 16-bit, K = V = 128, forced with plan.overrides), against state_fwd + output_fwd on the same W, U: they round
+    # alike, so they differ by the order of fp32 sums only, a couple of roundings of the dtype
+    if walk == "hopper" and dtype == torch.float32:
+        pytest.skip("the Hopper walk is 16-bit only")
     x = make_inputs(B, T, H, D, D, dtype, device="cuda", initial_state=True, seed=D + H)
-    if walk == "gluon" and not state.gluon_walk_applies(x["k"], x["v"], 64):
-        pytest.skip("the Gluon walk runs on sm_90 at K = V = 128 only")
-    if walk == "gluon":
+    if walk == "hopper" and not hopper_fits(x["k"], x["v"]):
+        pytest.skip("the Hopper walk runs on sm_90 at K = V = 128 only")
+    if walk == "hopper":
         request.getfixturevalue("gluon_walk_runs")
-    monkeypatch.setattr(state, "TRANSPOSED_WALK", walk == "S^T")
-    monkeypatch.setattr(state, "GLUON_WALK", walk == "gluon")
     info = seq_info(B, T, torch.device("cuda"), None, None)
-    assert state.gluon_walk_pays(x["k"], x["v"], info, 64) == (walk == "gluon")
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, 64)
-    h, v_new, final_unfused = state.state_fwd(x["k"], w, u, x["initial_state"], True, info, 64)
+    h, v_new, final_unfused = portable_walk.state_fwd(x["k"], w, u, x["initial_state"], True, info, 64)
     o_unfused = output.output_fwd(x["q"], x["k"], v_new, h, D ** -0.5, info, 64)
-    o, final = state.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info, 64)
+    if walk == "hopper":
+        with plan.overrides(hopper_walk=True, residual=False):
+            call_plan = chunk.plan_call(x["q"], x["k"], x["v"], info, False, 64)
+        assert call_plan.walk == "hopper" and not call_plan.residual
+        chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
+        o, final = chunk_forward.walk_with_output(call_plan, x["q"], x["k"], w, u, D ** -0.5, x["initial_state"],
+                                                  True, info)
+    else:
+        o, final = portable_walk.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, x["initial_state"], True, info,
+                                                  64)
     close = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     assert rel_rms(o, o_unfused) < close
     assert rel_rms(final, final_unfused) < close

@@ -1,4 +1,4 @@
-"""The segmented backward at realistic sizes (H200; backward.SEGMENTED_BACKWARD, kernels/chunk/segmented_bwd.py):
+"""The segmented backward at realistic sizes (H200; plan.overrides(segments=S), kernels/chunk/schedule/segments.py):
 the shape it is for (1 x 16 heads, T = 32768, bf16, K = V = 128) and a varlen batch with empty and one-token
 sequences, against an fp32 (long) or float64 (varlen) oracle and against the unsegmented backward; the later
 segments' grad stages on the side stream."""
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import deltatron
-from deltatron.kernels.chunk import output_bwd, segmented_bwd, state_bwd
+from deltatron.kernels.chunk import plan
+from deltatron.kernels.chunk.schedule import segments as segmented_bwd
 from deltatron.kernels.utils import num_sms, seq_info
 
-from ..helpers import make_inputs, random_cu_seqlens, rel_rms
-from .test_chunk_backward_gpu import check, force_reverse_pass, gluon_reverse_runs, triton_backend  # noqa: F401
+from ....helpers import make_inputs, random_cu_seqlens, rel_rms
+from ..test_backward_gpu import check, force_reverse_pass, gluon_reverse_runs, triton_backend  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -23,13 +24,14 @@ NAMES = ("q", "k", "v", "beta", "initial_state")
 def segmented_and_not(monkeypatch, x, S, cu=None, ref_dtype=torch.float64):
     """check()'s gradients unsegmented, then in S segments; the stream each backward dqkw call ran on, per call."""
     streams = []
-    dqkw = output_bwd.dqkw
-    monkeypatch.setattr(output_bwd, "dqkw", lambda *a, **kw: streams.append(torch.cuda.current_stream()) or dqkw(*a, **kw))
+    for module in (chunk_backward, segmented_bwd):  # where the unsegmented and the segmented backward call dqkw
+        dqkw = module.dqkw
+        monkeypatch.setattr(module, "dqkw", lambda *a, _dqkw=dqkw, **kw: streams.append(torch.cuda.current_stream())
+                            or _dqkw(*a, **kw))
     grads = {}
     for on in (False, True):
-        monkeypatch.setattr(chunk_backward, "SEGMENTED_BACKWARD", on)
-        monkeypatch.setattr(chunk_backward, "FORCED_SEGMENTS", S)
-        grads[on], _ = check(x, 128 ** -0.5, 64, cu, ref_dtype=ref_dtype)
+        with plan.overrides(segments=S if on else 1):
+            grads[on], _ = check(x, 128 ** -0.5, 64, cu, ref_dtype=ref_dtype)
     return grads, streams
 
 
@@ -70,16 +72,15 @@ def test_segmented_varlen(triton_backend, poison, monkeypatch, request, reverse)
     force_reverse_pass(reverse, x, monkeypatch, request)
     grads, _ = segmented_and_not(monkeypatch, x, 3, cu)
     info = seq_info(1, sum(lengths), x["q"].device, cu, cu.cpu())
-    plan = segmented_bwd.segment_plan(info, 3, 64)
-    assert len(plan) == 3
+    segments = segmented_bwd.segment_plan(info, 3, 64)
+    assert len(segments) == 3
 
     def config(n):
         if reverse == "gluon":
-            from deltatron.kernels.chunk.gluon_walk import split_v
-            return split_v(n * H, num_sms(x["q"].device))
-        return state_bwd.reverse_launch(128, 128, n * H, 2, True, num_sms(x["q"].device))
+            return plan.hopper_block_v(n * H, num_sms(x["q"].device))
+        return plan.reverse_launch(128, 128, n * H, 2, num_sms(x["q"].device), False)
 
-    if all(config(seg.info.num_seqs) == config(len(lengths)) for seg in plan):
+    if all(config(seg.info.num_seqs) == config(len(lengths)) for seg in segments):
         assert_bitwise(grads)
     else:
         for n in NAMES:
@@ -105,8 +106,8 @@ def test_segmented_peak_memory(triton_backend, monkeypatch):
 
     peaks = {}
     for on in (False, True):
-        monkeypatch.setattr(chunk_backward, "SEGMENTED_BACKWARD", on)
-        peak()  # compiles outside the measured call
-        peaks[on] = peak()
+        with plan.overrides(segments=None if on else 1):  # the rule's 2 segments at this shape
+            peak()  # compiles outside the measured call
+            peaks[on] = peak()
     print(f"peak: unsegmented {peaks[False] / 2**30:.3f} GiB, segmented {peaks[True] / 2**30:.3f} GiB")
     assert peaks[True] <= 1.1 * peaks[False], peaks
