@@ -12,7 +12,7 @@ Each against the float64 recurrence on the same rounded inputs (deltatron.refere
 relative RMS of o and of the final state, the larger of two heads. Inputs as the GPU tests': random (make_inputs) and
 nearly parallel keys with beta from beta_low (nearly_parallel_keys), an initial state.
 
-    python benchmarks/diagnostics/residual_form_emulation.py [--T 512]
+    python tools/residual_form_emulation.py [--T 512]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Dict, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.helpers import make_inputs, nearly_parallel_keys, rel_rms  # noqa: E402
 
 FORMS = ("W, U form", "residual", "residual, Tb rounded")

@@ -3,12 +3,12 @@
 For each config (the benchmark's bf16 inputs) and implementation (deltatron.chunk, fla.chunk, flash_qla.g0 where
 installed and applicable), the forward and the forward+backward run a few times to warm up, then CALLS times under
 torch.profiler; every kernel's device time is summed over those calls and divided by CALLS. The table lists the
-kernels by time, with launches a call, and the sum: the GPU work of one call, host time and gaps excluded. Session
-15 used it to find that at b8-t2048-h16 FlashQLA's forward is its kkt_solve (0.060 ms) plus its walk (0.112) against
-our wy_kernel (0.180) plus our Gluon walk (0.099): the forward's gap is the WY stage.
+kernels by time, with launches a call, and the sum: the GPU work of one call, host time and gaps excluded
+(at b8-t2048-h16 on the H200 it showed FlashQLA's forward as its kkt_solve, 0.060 ms, plus its walk, 0.112, against
+our wy_kernel, 0.180, plus our Gluon walk, 0.099: the forward's gap to it is the WY stage).
 
-    python benchmarks/diagnostics/kernel_breakdown.py [--configs b8-t2048-h16-k128 ...] [--impls ...] [--out F.json]
-    python benchmarks/diagnostics/kernel_breakdown.py --smoke   # CPU, interpreter, tiny sizes: CPU ops, not kernels
+    python tools/kernel_breakdown.py [--configs b8-t2048-h16-k128 ...] [--impls ...] [--out F.json]
+    python tools/kernel_breakdown.py --smoke   # CPU, interpreter, tiny sizes: CPU ops, not kernels
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from deltatron import bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: deltatron and benchmarks
+
+from benchmarks import configs, harness  # noqa: E402
 
 IMPLS = ("deltatron.chunk", "fla.chunk", "flash_qla.g0")
 PHASES = ("fwd", "fwdbwd")
@@ -36,7 +38,7 @@ def step(call, x: dict, phase: str) -> None:
     o = call(x)
     if phase == "fwdbwd":
         o.backward(x["do"])
-        for name in bench.GRAD_INPUTS:
+        for name in configs.GRAD_INPUTS:
             x[name].grad = None
 
 
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    table = bench.SMOKE_CONFIGS if args.smoke else bench.CONFIGS
+    table = configs.SMOKE_CONFIGS if args.smoke else configs.CONFIGS
     configs = {c.name: c for c in table}
     names = [next(iter(configs))] if args.smoke else args.configs
     unknown = [n for n in names if n not in configs]
@@ -79,13 +81,13 @@ def main(argv=None) -> int:
     results = {}
     for name in names:
         cfg = configs[name]
-        x = bench.make_inputs(cfg, device, seed=0)
+        x = configs.make_inputs(cfg, device, seed=0)
         for impl in args.impls:
-            if not bench.applies(impl, cfg):
+            if not configs.applies(impl, cfg):
                 continue
             try:
-                call = bench.resolve(impl, args.smoke)
-            except bench.Unavailable as e:
+                call = harness.resolve(impl, args.smoke)
+            except harness.Unavailable as e:
                 print(f"== {name} {impl}: {e}")
                 continue
             for phase in PHASES:

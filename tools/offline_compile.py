@@ -7,12 +7,12 @@ the same specialization a GPU launch would get, by whatever triton is importable
 `pip install --target DIR triton==3.6.0` first on PYTHONPATH to compile with it). Results are garbage
 (nothing runs), so a host step that reads them is not meaningful; the kernels are what is looked at.
 
-    python benchmarks/diagnostics/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
+    python tools/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
         [--kernels wy_kernel ...] [--sass-lines N]
 
 --sass-lines N also lists, per compiled kernel, the N source lines with the most SASS instructions (nvdisasm's
 line table) and their commonest opcodes. A kernel without loops over chunks or tiles (the WY forward) runs each
-instruction about once a program, so the count is close to the work a program issues: session 15 found the
+instruction about once a program, so the count is close to the work a program issues: for the WY forward it shows the
 products' operand conversions and the inverse's masks and block reshapes there, not the products themselves.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import types
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("offline_compile.py compiles real kernels: run it without TRITON_INTERPRET=1")
@@ -37,7 +38,10 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's deltatron
+
 from deltatron.kernels import chunk, fused_chunk, fused_recurrent, parallel  # noqa: E402
+from deltatron.kernels.chunk import plan  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -196,6 +200,17 @@ def usage(row: dict) -> str:
             f"blocks/SM {row['blocks']}")
 
 
+def pretend_h200_plans() -> None:
+    """The chunk form plans its calls as on the H200 (sm_90, H200_SMS SMs: the launches' V-blocks depend on the SM
+    count) without the Hopper Gluon stages (compiled by Gluon, not by this script): every module of
+    deltatron.kernels.chunk that took plan.device_capabilities answers so."""
+    caps = plan.Capabilities("sm_90 (offline compile)", cuda=True, interpret=False, sm=(9, 0), num_sms=H200_SMS,
+                             gluon=False)
+    for name, module in list(sys.modules.items()):
+        if name.startswith(chunk.__name__) and getattr(module, "device_capabilities", None) is not None:
+            module.device_capabilities = lambda device: caps
+
+
 def inputs(B, T, H, K, V, dtype):
     g = torch.Generator().manual_seed(0)
     x = {n: torch.randn(*shape, generator=g).to(dtype) for n, shape in
@@ -223,8 +238,8 @@ def main() -> int:
     parser.add_argument("--sass-lines", type=int, default=0, metavar="N",
                         help="also list each kernel's N source lines with the most SASS instructions")
     args = parser.parse_args()
-    for module in (fused_recurrent, chunk.state_bwd):  # their V-blocks depend on the SM count
-        module.num_sms = lambda device: H200_SMS
+    fused_recurrent.num_sms = lambda device: H200_SMS  # its V-blocks depend on the SM count
+    pretend_h200_plans()
     B, H = args.batch_heads
     failed = False
     for D in args.heads:

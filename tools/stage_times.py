@@ -2,8 +2,8 @@
 
 Chunk (bf16, the benchmark's inputs): the forward's wy_fwd (A, Tinv, W, U) and both walks after it, the
 fused one (the state pass with the output in it) and the plain pair (the state pass writing h and V', the
-output), of which the sums count the one the forward chooses (state.fused_output_pays); the backward's stages
-(the state pass again, with W, U computed on chip where state.wy_on_chip, else recompute W, U and the state
+output), of which the sums count the one the forward chooses (its plan: chunk.plan_call); the backward's stages
+(the state pass again, with W, U computed on chip where plan.wy_on_chip, else recompute W, U and the state
 pass reading them; the reverse state pass with the local dV' fused in; dQ/dK/dW; the WY backward) and, as
 "unfused:" and not in the sums, the alternatives the backward does not run (the other recompute; the local
 dV' and the reverse state pass reading it, which the fused reverse pass replaced). Each stage runs on inputs
@@ -14,8 +14,8 @@ allocation overhead (host_time.py times the host apart).
 Decode (B=64, H=16, K=V=128, one token, in-place fp32 state): the public API call, the form's forward
 without the API's validation and dispatch, and the API call replayed from a CUDA graph (launch cost gone).
 
-    python benchmarks/diagnostics/stage_times.py [--configs b8-t2048-h16-k128 ...] [--out FILE.json]
-    python benchmarks/diagnostics/stage_times.py --smoke     # CPU, interpreter, tiny sizes: does it run
+    python tools/stage_times.py [--configs b8-t2048-h16-k128 ...] [--out FILE.json]
+    python tools/stage_times.py --smoke     # CPU, interpreter, tiny sizes: does it run
 
 Times: triton.testing.do_bench medians in ms (smoke: one wall-clock call)."""
 from __future__ import annotations
@@ -32,10 +32,14 @@ os.environ["DELTATRON_BACKEND"] = "triton"
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: deltatron and benchmarks
+
 import deltatron  # noqa: E402
-from deltatron import bench  # noqa: E402
+from benchmarks import configs as bench  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from deltatron.kernels import fused_recurrent  # noqa: E402
-from deltatron.kernels.chunk import output, output_bwd, state, state_bwd, wy, wy_bwd  # noqa: E402
+from deltatron.kernels.chunk import plan, plan_call  # noqa: E402
+from deltatron.kernels.chunk.portable import grads, output, reverse, walk, wy, wy_bwd  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 
 C = 64
@@ -67,34 +71,35 @@ def stage_calls(cfg: bench.Config, device):
     scale = q.shape[-1] ** -0.5
 
     tinv, w, u = wy.wy_fwd(k1, v1, beta1, info, C)
-    h, v_new, _ = state.state_fwd(k1, w, u, None, False, info, C)
-    dv_local = output_bwd.dv_local(q1, k1, do1, scale, info, C)
-    dh, dv, _ = state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False, info, C)
-    _, dk_direct, dw = output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
-    on_chip = state.wy_on_chip(k1.shape[3], v1.shape[3], info.num_seqs * k1.shape[2], k1.element_size())
+    h, v_new, _ = walk.state_fwd(k1, w, u, None, False, info, C)
+    dv_local = grads.dv_local(q1, k1, do1, scale, info, C)
+    dh, dv, _ = reverse.state_bwd(q1, k1, w, do1, dv_local, None, scale, False, info, C)
+    _, dk_direct, dw = grads.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
+    on_chip = plan.wy_on_chip(k1.shape[3], v1.shape[3], info.num_seqs * k1.shape[2], k1.element_size())
     on_chip_prefix, pair_prefix = ("bwd: ", "unfused: ") if on_chip else ("unfused: ", "bwd: ")
     stages = {
         "fwd: wy_fwd (A, Tinv, W, U)": lambda: wy.wy_fwd(k1, v1, beta1, info, C),
-        "fwd, fused walk: state pass + output": lambda: state.state_output_fwd(q1, k1, w, u, scale, None, False,
+        "fwd, fused walk: state pass + output": lambda: walk.state_output_fwd(q1, k1, w, u, scale, None, False,
                                                                               info, C),
-        "fwd, plain walk: state pass (h, V')": lambda: state.state_fwd(k1, w, u, None, False, info, C),
+        "fwd, plain walk: state pass (h, V')": lambda: walk.state_fwd(k1, w, u, None, False, info, C),
         "fwd, plain walk: output": lambda: output.output_fwd(q1, k1, v_new, h, scale, info, C),
         # the backward's recompute: one walk computing W, U on chip where state.wy_on_chip, else the pair
         # (the one it does not run is listed as "unfused:", out of the sums)
-        f"{on_chip_prefix}state pass again, W, U on chip": lambda: state.state_wy_fwd(k1, v1, beta1, tinv, None,
+        f"{on_chip_prefix}state pass again, W, U on chip": lambda: walk.state_wy_fwd(k1, v1, beta1, tinv, None,
                                                                                    False, info, C),
         f"{pair_prefix}recompute W, U": lambda: wy.recompute_w_u(k1, v1, beta1, tinv, info, C),
-        f"{pair_prefix}state pass again": lambda: state.state_fwd(k1, w, u, None, False, info, C),
-        "bwd: reverse state pass + local dV' (fused)": lambda: state_bwd.state_bwd(q1, k1, w, do1, None, None,
+        f"{pair_prefix}state pass again": lambda: walk.state_fwd(k1, w, u, None, False, info, C),
+        "bwd: reverse state pass + local dV' (fused)": lambda: reverse.state_bwd(q1, k1, w, do1, None, None,
                                                                                   scale, False, info, C),
-        "unfused: local dV'": lambda: output_bwd.dv_local(q1, k1, do1, scale, info, C),
-        "unfused: reverse state pass": lambda: state_bwd.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
+        "unfused: local dV'": lambda: grads.dv_local(q1, k1, do1, scale, info, C),
+        "unfused: reverse state pass": lambda: reverse.state_bwd(q1, k1, w, do1, dv_local, None, scale, False,
                                                                    info, C),
-        "bwd: dQ, dK, dW": lambda: output_bwd.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
+        "bwd: dQ, dK, dW": lambda: grads.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C),
         "bwd: WY backward": lambda: wy_bwd.wy_bwd(k1, v1, beta1, tinv, dw, dv, dk_direct, info, C),
     }
-    walk = "fused" if state.fused_output_pays(k1, v1, info, C) else "plain"  # the forward's choice
-    return stages, walk, x
+    # the forward's choice (the Hopper walk, where the plan takes it, is timed by its own tools, not here)
+    chosen = "fused" if plan_call(q1, k1, v1, info, needs_backward=False).walk == "portable_fused" else "plain"
+    return stages, chosen, x
 
 
 def api_calls(x: dict) -> dict:
@@ -181,7 +186,7 @@ def main() -> int:
         for name, ms in results[cfg.name].items():
             print(f"  {name:<62} {ms * 1e3:10.1f} us" if cfg.decode else f"  {name:<62} {ms:10.3f} ms")
     if args.out:
-        bench.write_json(Path(args.out), results)
+        write_json(Path(args.out), results)
     return 0
 
 

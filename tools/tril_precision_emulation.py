@@ -14,7 +14,7 @@ K = 128):
 it prints the relative error of T and of one chunk's output o = (P ⊙ M) r(T) V. P is random scores, and r
 rounds T to the input dtype, as the WY kernel does before its products. Both are measured against T in float64.
 
-    python benchmarks/diagnostics/tril_precision_emulation.py [--chunks 256] [--smoke]
+    python tools/tril_precision_emulation.py [--chunks 256] [--smoke]
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ the forward under no_grad, the forward with autograd's node, the forward+backwar
     ratios  host / gpu and host / gpu_q: at 1 or more the call is host-bound.
 
 The sums of the stages the forward and the backward run (stage_times.stage_sums) against the whole API call give
-what the API, autograd and the dispatch add on the host. Rows that split it further (host_bwd_findings.md):
+what the API, autograd and the dispatch add on the host. Rows that split it further:
     backward alone (autograd.grad on a kept graph)    the forward+backward less its forward: torch.autograd.grad
                                                       with retain_graph on the graph of one API forward;
     backward alone (chunk.backward, no autograd)      the chunk form's backward called directly (its stages and
@@ -45,12 +45,10 @@ and each stage timed inside the call by wrappers; each layer's total and own tim
 root's own time is torch.autograd.grad's outside our backward (engine, hand-off, torch's Python); the stages'
 times there against their rows above say whether our code runs slower inside the call than alone.
 
-Gluon against Triton, where the Gluon kernels apply (state.gluon_walk_applies, state_bwd.gluon_reverse_applies:
-sm_90, 16-bit, K = V = 128, C = 64): the forward's fused walk and the whole forward (no_grad) with
-state.GLUON_WALK forced True and False, the backward's reverse pass and the whole forward+backward with
-state_bwd.GLUON_REVERSE forced True and False (each switch restored after). The Gluon launch builds four TMA
-descriptors on the host (gluon_reverse.gluon_state_bwd, gluon_walk.gluon_walk_launch), which is what these rows
-weigh against the GPU time it saves.
+Gluon against Triton, where the plan can take the Hopper Gluon stages (sm_90, 16-bit, K = V = 128, C = 64): the
+whole forward (no_grad) with the plan's hopper_walk forced True and False, and the whole forward+backward with
+hopper_reverse forced True and False (plan.overrides). The Gluon launches build TMA descriptors on the host, which
+is what these rows weigh against the GPU time they save.
 
 Kernels per call: the device kernels (ours and torch's own copies and fills) of one forward and one
 forward+backward, counted by torch.profiler's CUDA activity.
@@ -60,15 +58,12 @@ most own time (tottime), per call: which Python functions (ours, triton's JIT la
 the host time goes to. cProfile's own cost per Python call inflates the Python-heavy entries (C functions such as
 the launcher's are timed as one call each), so read it for the ranking, and host for the absolute time.
 
-    python benchmarks/diagnostics/host_time.py [--configs b8-t2048-h16-k128 ...] [--calls 20] [--profile]
-                                               [--out FILE.json]
-    python benchmarks/diagnostics/host_time.py --smoke     # CPU, interpreter, tiny sizes: does it run
+    python tools/host_time.py [--configs b8-t2048-h16-k128 ...] [--calls 20] [--profile] [--out FILE.json]
+    python tools/host_time.py --smoke     # CPU, interpreter, tiny sizes: does it run
 
 Times in µs per call (smoke: everything runs synchronously in Triton's interpreter, so host is the whole call,
 gpu one wall-clock call, no gpu_q or host_q, no kernel count, and no Gluon rows: Gluon does not run in the
-interpreter).
-host_time.md beside this file counts the launches of a call and reads triton 3.6's launch path for what each
-costs the host, with proposals to cut it."""
+interpreter)."""
 from __future__ import annotations
 
 import argparse
@@ -88,14 +83,23 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: deltatron and benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # stage_times beside this file
+
+import importlib  # noqa: E402
+
 import deltatron  # noqa: E402
-from deltatron import bench  # noqa: E402
+from benchmarks import configs as bench  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from deltatron.autograd import DeltaRuleFunction  # noqa: E402
 from deltatron.kernels import chunk  # noqa: E402
-from deltatron.kernels.chunk import output_bwd, state, state_bwd, wy, wy_bwd  # noqa: E402
+from deltatron.kernels.chunk import plan, plan_call  # noqa: E402
 from deltatron.kernels.utils import INTERPRET, seq_info  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the modules whose functions the layer split wraps: the chunk form's forward and backward call their stages
+# through the names these modules imported
+chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
+chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
 from stage_times import api_calls, stage_calls, stage_sums, timer  # noqa: E402
 
 C = 64
@@ -115,8 +119,8 @@ BARE = "autograd.grad through a bare Function ({} tensors)"
 CALLING = "[autograd on the calling thread]"
 WALK_STAGE = "fwd, fused walk: state pass + output"
 REVERSE_STAGE = "bwd: reverse state pass + local dV' (fused)"
-# (module, switch, the rows timed with it forced on and off)
-GLUON_SWITCHES = ((state, "GLUON_WALK", (WALK_STAGE, FWD)), (state_bwd, "GLUON_REVERSE", (REVERSE_STAGE, FWDBWD)))
+# (plan choice, the rows timed with it forced on and off: plan.overrides)
+GLUON_SWITCHES = (("hopper_walk", (FWD,)), ("hopper_reverse", (FWDBWD,)))
 
 
 def host_runs(fn, warmup: int, calls: int, repeats: int, sync) -> list:
@@ -227,19 +231,19 @@ API_FWD = "API forward (checks, Function.apply)"
 LAYERS = (
     (API_FWD, deltatron, "chunk_delta_rule", WHOLE),
     ("DeltaRuleFunction.forward", DeltaRuleFunction, "forward", API_FWD),
-    ("chunk.forward", chunk, "forward", "DeltaRuleFunction.forward"),
-    ("fwd stage: wy_fwd", chunk, "wy_fwd", "chunk.forward"),
-    ("fwd stage: state_output_fwd", chunk, "state_output_fwd", "chunk.forward"),
-    ("fwd stage: state_fwd", chunk, "state_fwd", "chunk.forward"),
-    ("fwd stage: output_fwd", chunk, "output_fwd", "chunk.forward"),
+    ("chunk.forward", chunk_forward, "forward", "DeltaRuleFunction.forward"),
+    ("fwd stage: wy_fwd", chunk_forward, "wy_fwd", "chunk.forward"),
+    ("fwd stage: state_output_fwd", chunk_forward, "state_output_fwd", "chunk.forward"),
+    ("fwd stage: state_fwd", chunk_forward, "state_fwd", "chunk.forward"),
+    ("fwd stage: output_fwd", chunk_forward, "output_fwd", "chunk.forward"),
     ("DeltaRuleFunction.backward", DeltaRuleFunction, "backward", WHOLE),
-    ("chunk.backward", chunk, "backward", "DeltaRuleFunction.backward"),
-    ("bwd stage: state_wy_fwd", state, "state_wy_fwd", "chunk.backward"),
-    ("bwd stage: recompute_w_u", wy, "recompute_w_u", "chunk.backward"),
-    ("bwd stage: state_fwd", state, "state_fwd", "chunk.backward"),
-    ("bwd stage: state_bwd", state_bwd, "state_bwd", "chunk.backward"),
-    ("bwd stage: dqkw", output_bwd, "dqkw", "chunk.backward"),
-    ("bwd stage: wy_bwd", wy_bwd, "wy_bwd", "chunk.backward"),
+    ("chunk.backward", chunk_backward, "backward", "DeltaRuleFunction.backward"),
+    ("bwd stage: state_wy_fwd", chunk_backward, "state_wy_fwd", "chunk.backward"),
+    ("bwd stage: recompute_w_u", chunk_backward, "recompute_w_u", "chunk.backward"),
+    ("bwd stage: state_fwd", chunk_backward, "state_fwd", "chunk.backward"),
+    ("bwd stage: state_bwd", chunk_backward, "state_bwd", "chunk.backward"),
+    ("bwd stage: dqkw", chunk_backward, "dqkw", "chunk.backward"),
+    ("bwd stage: wy_bwd", chunk_backward, "wy_bwd", "chunk.backward"),
 )
 
 
@@ -306,27 +310,17 @@ def print_split(split: dict, how: str) -> None:
         print(f"    {'  ' * depth[label] + label:<58} {t['total_us']:7.1f} {t['own_us']:7.1f}")
 
 
-@contextlib.contextmanager
-def forced(module, switch: str, value: bool):
-    before = getattr(module, switch)
-    setattr(module, switch, value)
-    try:
-        yield
-    finally:
-        setattr(module, switch, before)
-
-
 def gluon_applies(x: dict) -> dict:
     """{switch: None where its Gluon kernel applies to the benchmark's inputs x, else why not}."""
     if INTERPRET:
         reason = "Gluon does not run in Triton's interpreter (TRITON_INTERPRET=1)"
-        return {switch: reason for _, switch, _ in GLUON_SWITCHES}
-    q, k, v, do = (x[n].detach() for n in ("q", "k", "v", "do"))
-    # W has K's shape, dtype and layout (wy.wy_fwd: torch.empty_like(k))
-    return {"GLUON_WALK": None if state.gluon_walk_applies(k, v, C) else
-            "does not apply (state.gluon_walk_applies: sm_90, 16-bit, K = V = 128, C = 64)",
-            "GLUON_REVERSE": None if state_bwd.gluon_reverse_applies(q, k, k, do, None, C) else
-            "does not apply (state_bwd.gluon_reverse_applies: sm_90, 16-bit, K = V = 128, C = 64)"}
+        return {switch: reason for switch, _ in GLUON_SWITCHES}
+    q, k, v = (x[n].detach() for n in ("q", "k", "v"))
+    info = seq_info(q.shape[0], q.shape[1], q.device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))
+    with plan.overrides(hopper_walk=True, hopper_reverse=True):
+        chosen = plan_call(q, k, v, info, needs_backward=True)
+    return {"hopper_walk": None if chosen.walk == "hopper" else f"does not apply:\n{plan.explain(chosen)}",
+            "hopper_reverse": None if chosen.reverse == "hopper" else f"does not apply:\n{plan.explain(chosen)}"}
 
 
 def device_kernels(fn) -> dict:
@@ -383,14 +377,14 @@ def config_report(cfg: bench.Config, device, args) -> dict:
     sums = {column: stage_sums({n: r[column] for n, r in rows.items()}, walk) for column in rows[FWD]}
     rows.update({name: {column: sums[column][name] for column in sums} for name in sums["host_ms"]})
     skipped, why_not = {}, gluon_applies(x)
-    for module, switch, names in GLUON_SWITCHES:
+    for switch, names in GLUON_SWITCHES:
         reason = why_not[switch]
         if reason:
             skipped[switch] = reason
             print(f"  {switch} rows skipped: {reason}")
             continue
         for value in (True, False):
-            with forced(module, switch, value):
+            with plan.overrides(**{switch: value}):
                 for name in names:
                     row = f"{name} [{switch}={value}]"
                     rows[row] = measure_row(calls[name], args, gpu_ms, sync)
@@ -470,7 +464,7 @@ def main() -> int:
             if not name.startswith(("fwd", "bwd", "unfused")) or "[" in name:  # the calls, sums and Gluon rows
                 print(f"  {name:<58} {format_row(row)}")
     if args.out:
-        bench.write_json(Path(args.out), results)
+        write_json(Path(args.out), results)
     return 0
 
 

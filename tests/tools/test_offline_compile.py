@@ -1,6 +1,6 @@
 """Every Triton launch of the four forms (forward and backward, bf16) compiles for the H200 (sm_90) within
 its shared memory at the largest head size, and so does the fp32 kernel that once did not; checked on this
-machine without a GPU (benchmarks/diagnostics/offline_compile.py with the installed triton: the compile
+machine without a GPU (tools/offline_compile.py with the installed triton: the compile
 errors and shared-memory overflows that otherwise first show on the GPU)."""
 import os
 import re
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "offline_compile.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "offline_compile.py"
 
 
 def compile_rows(*args):
@@ -31,7 +31,7 @@ def test_all_forms_compile_for_sm90():
 
 def test_fused_walk_compiles_for_sm90():
     # K = 128 with 8 x 16 heads, where the forward runs the fused state+output walk (a 128-wide V-block on
-    # 8 warps); the backward's walk beside it (computing W, U on chip: state.wy_on_chip)
+    # 8 warps); the backward's walk beside it (computing W, U on chip: plan.wy_on_chip)
     rows = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_fwd_kernel")
     assert len(rows) == 2 and any("BV=128  w8" in row for row in rows)
 
@@ -44,26 +44,12 @@ def test_fp32_chunk_at_head_size_256_fits_shared_memory():
     assert len(rows) == 1 and "state_bwd_kernel" in rows[0] and "BV=16" in rows[0]
 
 
-def test_stage_configs_offline_register_cap():
-    # benchmarks/diagnostics/stage_configs.py --offline: a stage's launch compiled as shipped and under a
-    # register cap (forced_launch's maxnreg reaches the compiler; dQ/dK/dW takes about 250 without one)
-    script = SCRIPT.parent / "stage_configs.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(script), "--offline", "--stages", "dQ, dK", "--warps", "shipped", "--num-stages",
-           "shipped", "--maxnreg", "128"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    shipped, capped = [[int(n) for n in re.findall(r"regs +(\d+) +spills +(\d+)", line)[0]]
-                       for line in proc.stdout.splitlines() if "dqkw_kernel" in line]
-    assert shipped[0] > 128 >= capped[0] and capped[1] > shipped[1]
-
-
 def test_launch_choices_at_head_size_128():
     # bf16, K = V = 128, offline_compile faking the H200's 132 SMs. 8 x 16 heads: the reverse state pass
     # takes 128-wide V-blocks (128 programs, one wave); 20 x 16: 64-wide (320 programs at 128 would be
     # several waves, where the wider programs measured slower). The fused WY forward is capped at 168
     # registers a thread; the backward has no WY launch of its own (its walk computes W, U on chip:
-    # state.wy_on_chip), except with few heads, where its walk's V-blocks are narrow and the unfused
+    # plan.wy_on_chip), except with few heads, where its walk's V-blocks are narrow and the unfused
     # recompute of W, U (uncapped) runs
     one_wave = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_bwd_kernel", "wy_kernel")
     waves = compile_rows("--heads", "128", "--forms", "chunk", "--kernels", "state_bwd_kernel",

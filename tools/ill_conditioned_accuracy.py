@@ -32,7 +32,7 @@ Conditioning columns, means over chunks: |T~ diag(beta)|_2 (spectral norm), and 
 the rows of V' cancel in the state's update K^T V' (and likewise in the output's (Q K^T ⊙ M) V'), which is what
 turns a 16-bit U, V' or Q K^T into error (unit keys spread over K dimensions give about 1).
 
-    python benchmarks/diagnostics/ill_conditioned_accuracy.py [--betas 1.0 1.5 1.9 1.95 1.99] [--noises 1e-3]
+    python tools/ill_conditioned_accuracy.py [--betas 1.0 1.5 1.9 1.95 1.99] [--noises 1e-3]
         [--T 512] [--H 2] [--K 64] [--V 64] [--chunk 64] [--seeds 0 1] [--dtype bf16]
         [--ablation] [--wy-stage]
 
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: deltatron and tests.helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: deltatron and tests.helpers
 
 if not torch.cuda.is_available():  # before deltatron imports triton: the interpreter is chosen at its import
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -258,7 +258,7 @@ def wy_stage_errors(T, H, K, V, chunk, beta_low, noise, seed):
     through the float64 model, rounded to LOW as the backward stores them) and then random ones of the same
     RMS (what tests/kernels/test_chunk_backward.py::test_wy_bwd feeds): {feed: (dk, dv, dbeta) rel RMS} against
     autograd of the float64 W, U with the same rounded dW, dU."""
-    from deltatron.kernels.chunk import wy_bwd
+    from deltatron.kernels.chunk.portable import wy_bwd
     from deltatron.kernels.utils import seq_info
 
     inputs, d_o, d_state = make_case(T, H, K, V, beta_low, noise, seed)

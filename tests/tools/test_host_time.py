@@ -1,17 +1,16 @@
-"""benchmarks/diagnostics/host_time.py (host time against GPU time per stage, for the GPU) runs its smoke mode:
+"""tools/host_time.py (host time against GPU time per stage, for the GPU) runs its smoke mode:
 every stage of stage_times' breakdown and the three API calls timed on the host and by the GPU timer, the sums
 over the stages the calls run, the backward alone (through autograd, and the form's without it), autograd through a
 bare Function, the forward+backward split by layer, the Gluon rows skipped with their reason, cProfile's top
-functions per call and the short table last, all in the JSON. Modelled on
-tests/test_benchmarks_smoke.py::test_stage_times_diagnostic_runs."""
+functions per call and the short table last, all in the JSON."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from deltatron import bench
+from benchmarks import configs
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "host_time.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "host_time.py"
 API_CALLS = {"whole forward (API, no_grad)", "whole forward (API, autograd node)", "whole forward+backward (API)"}
 SUMS = {"sum of forward stages", "sum of all stages"}
 BACKWARD = {"backward alone (autograd.grad on a kept graph)", "backward alone (chunk.backward, no autograd)",
@@ -27,7 +26,7 @@ def test_host_time_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["meta"]["mode"] == "smoke"
-    chunk_configs = [c.name for c in bench.SMOKE_CONFIGS if not c.decode]
+    chunk_configs = [c.name for c in configs.SMOKE_CONFIGS if not c.decode]
     assert set(results) == {"meta", *chunk_configs}
     for name in chunk_configs:
         report = results[name]
@@ -49,10 +48,10 @@ def test_host_time_smoke(tmp_path):
                     "chunk.backward", "bwd stage: state_bwd", "bwd stage: dqkw", "bwd stage: wy_bwd"} <= set(split)
             assert all(t["total_us"] > 0 and t["own_us"] >= 0 for t in split.values())
         assert rows["sum of all stages"]["host_ms"] > rows["sum of forward stages"]["host_ms"]
-        assert set(report["gluon_skipped"]) == {"GLUON_WALK", "GLUON_REVERSE"}
+        assert set(report["gluon_skipped"]) == {"hopper_walk", "hopper_reverse"}
         assert all("interpreter" in reason for reason in report["gluon_skipped"].values())
-        assert not any("[GLUON" in row for row in rows)
+        assert not any("[hopper_" in row for row in rows)
         assert len(report["profile"]) == 25 and all(e["tottime_us"] >= 0 for e in report["profile"])
-    assert "GLUON_REVERSE rows skipped: Gluon does not run in Triton's interpreter" in proc.stdout
+    assert "hopper_reverse rows skipped: Gluon does not run in Triton's interpreter" in proc.stdout
     table = proc.stdout.split("Host time against GPU time")[-1]
     assert all(name in table for name in chunk_configs) and "whole forward+backward (API)" in table
