@@ -72,15 +72,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     table = configs.SMOKE_CONFIGS if args.smoke else configs.CONFIGS
-    configs = {c.name: c for c in table}
-    names = [next(iter(configs))] if args.smoke else args.configs
-    unknown = [n for n in names if n not in configs]
+    known = {c.name: c for c in table}
+    names = [next(iter(known))] if args.smoke else args.configs
+    unknown = [n for n in names if n not in known]
     if unknown:
-        p.error(f"unknown configs {unknown}; known: {', '.join(configs)}")
+        p.error(f"unknown configs {unknown}; known: {', '.join(known)}")
     device = torch.device("cpu" if args.smoke else "cuda")
     results = {}
     for name in names:
-        cfg = configs[name]
+        cfg = known[name]
         x = configs.make_inputs(cfg, device, seed=0)
         for impl in args.impls:
             if not configs.applies(impl, cfg):

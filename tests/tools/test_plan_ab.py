@@ -42,9 +42,10 @@ def test_smoke_same_plan_twice_is_bitwise_equal():
     assert proc.stdout.count("forward+backward ") == 2 and "B / A" in proc.stdout
 
 
-def test_smoke_kept_states_against_recomputed():
-    """keep_states changes what the backward recomputes, not the results: within bf16's rounding of each other."""
-    proc = run("--smoke", "--a", "keep_states=0", "--b", "keep_states=1", "--bound", "1e-2", "--explain",
+def test_smoke_plain_walk_against_fused_output():
+    """The portable walk with and without the output fused in: each side's plan explained, the results within
+    the given bound (the interpreter computes the same bits)."""
+    proc = run("--smoke", "--a", "fused_output=0", "--b", "fused_output=1", "--bound", "1e-2", "--explain",
                "--configs", "b2-t40-h1-k16", "--readings", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "plan A:" in proc.stdout and "plan B:" in proc.stdout and "OK (" in proc.stdout
