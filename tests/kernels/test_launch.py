@@ -4,7 +4,7 @@ JITFunction.run does, and goes through kernel[grid] where it must.
 
 Real kernels are compiled for sm_90 with triton 3.6 (the version launch.py was checked against; on another it
 launches through kernel[grid] only) on this machine without a GPU: offline_compile's stand-in driver
-(benchmarks/diagnostics) answers device 0, stream 7 and target sm_90, and only two C functions are replaced, by
+(tools/offline_compile.py) answers device 0, stream 7 and target sm_90, and only two C functions are replaced, by
 recorders: the generated launcher's `launch` and `fill_tma_descriptor`. So every Python step of both paths runs as on the GPU host. It runs in a subprocess
 (without TRITON_INTERPRET, with triton 3.6 first on the path when the installed triton is another version):
 
@@ -66,7 +66,7 @@ def main() -> int:
     assert launch_module._ENABLED
 
     launches = []  # the arguments of every call of the generated launcher's C `launch`
-    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    sys.path.insert(0, str(ROOT / "tools"))
     from offline_compile import install_stand_in_driver
     install_stand_in_driver(lambda *a: launches.append(a), lambda *args: ("tma", args), stream=7)
     base = nvidia_driver._BASE_ARGS_FORMAT_LEN  # grid, stream, function, ..., metadata, the two hooks
@@ -225,7 +225,7 @@ def check_chunk(check, torch):
     from deltatron.kernels.chunk.hopper import reverse, walk  # noqa: F401 (their launch too)
     from deltatron.kernels.utils import seq_info
 
-    sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
+    sys.path.insert(0, str(ROOT / "tools"))
     from offline_compile import inputs, run_form
 
     modules = [m for name, m in sys.modules.items() if name.startswith("deltatron.kernels.") and

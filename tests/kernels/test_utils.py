@@ -26,7 +26,7 @@ def test_tril_precision_defaults(monkeypatch):
     from deltatron.kernels.utils import tril_precision
     monkeypatch.delenv("DELTATRON_TRIL_PRECISION", raising=False)
     # fp32-level accuracy in the inverse for every input dtype: tf32 alone is not accurate enough for nearly
-    # parallel keys, tf32 with a Newton step is (tests/test_benchmarks_smoke.py::test_tril_precision_emulation)
+    # parallel keys, tf32 with a Newton step is (tests/tools/test_accuracy_models.py::test_tril_precision_emulation)
     assert [tril_precision(d) for d in (torch.float32, torch.float16, torch.bfloat16)] == [
         ("ieee", False), ("tf32", True), ("tf32", True)]
     monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32x3")

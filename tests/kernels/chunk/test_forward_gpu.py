@@ -146,7 +146,7 @@ def test_forward_residual_walk(poison, monkeypatch, request, dtype, lengths, H):
 def test_forward_residual_walk_nearly_parallel_keys(poison, monkeypatch, request, dtype, beta_low):
     # V' = Tb (V - K S) rounds V - K S where the W, U form rounds W and U; on these inputs a float64 emulation with
     # the kernels' rounding points gives the same or smaller errors (fp16 beta 1.95: o 2.3e-3 against 2.5e-3), and
-    # with Tb rounded to 16 bits alone instead of its pair 1.2e-2 (benchmarks/diagnostics/residual_form_emulation.py)
+    # with Tb rounded to 16 bits alone instead of its pair 1.2e-2 (tools/residual_form_emulation.py)
     x = nearly_parallel_inputs(dtype, beta_low)
     B, T = x["k"].shape[:2]
     o, final, _ = forward_in_residual_form(monkeypatch, request, x, 128 ** -0.5,
@@ -237,7 +237,7 @@ def nearly_parallel_inputs(dtype, beta_low, B=2, T=512, H=4, D=128, seed=11):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_wy_nearly_parallel_keys(poison, dtype):
     # beta near 2: the inverse's products cancel heavily (tf32 alone: 8e-3 of error in one chunk's fp16
-    # output, emulated in benchmarks/diagnostics/tril_precision_emulation.py), and so do the terms of W's
+    # output, emulated in tools/tril_precision_emulation.py), and so do the terms of W's
     # rows (T~ diag(beta) rounded to 16 bits alone: W 2.8e-2 off in bf16). Holds the Newton step and the
     # hi + lo pair to account on the tensor cores, where tf32 really rounds.
     x = nearly_parallel_inputs(dtype, 1.95)

@@ -1,0 +1,37 @@
+"""benchmarks/device_session.sh (one call of a GPU machine: stage times, the GPU suite, check and train, the
+benchmark) is valid bash, runs only scripts that exist, writes under a folder of the checkout by default and
+brings no compile cache into the checkout."""
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "device_session.sh"
+
+
+def test_parses_and_names_real_files():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    text = SCRIPT.read_text()
+    scripts = set(re.findall(r"python ((?:tools|benchmarks)/\w+\.py)", text))
+    assert scripts == {"tools/stage_times.py", "benchmarks/run.py"}
+    assert all((ROOT / path).exists() for path in scripts)
+    assert "-m gpu" in text and "device_cache" not in text
+    assert re.search(r"^OUT=\$\{OUT:-out\}$", text, re.M)
+
+
+def test_unknown_step_is_refused(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(SCRIPT), "no-such-step"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown step: no-such-step" in proc.stdout
+
+
+def test_suite_command_is_configurable(tmp_path):
+    """SUITE_CMD replaces the suite's command and SUITE_ARGS adds to it; its log is gpu_suite.log, packed into
+    logs.tgz with the summary naming the exit status."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), SUITE_CMD="echo suite-ran", SUITE_ARGS="tests/a.py")
+    proc = subprocess.run(["bash", str(SCRIPT), "suite"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "suite: exit 0 (suite-ran tests/a.py)" in proc.stdout
+    assert (out / "logs.tgz").exists() and not (out / "gpu_suite.log").exists()

@@ -1,0 +1,251 @@
+"""The benchmark harness (benchmarks/harness.py) cannot rot: its smoke mode (CPU, tiny sizes, PyTorch backend) runs
+here and in CI and must produce the JSON the GPU run produces, with rows for every form of ours; BENCHMARKS.md and
+the results' tables are generated from the committed results files."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import configs, harness, report
+from benchmarks.timing import Options
+
+ROOT = Path(__file__).resolve().parents[2]
+META_KEYS = {"date", "gpu", "torch", "triton", "fla_core", "flash_qla", "peak_tflops", "peak_tbps"}
+IDENTITY_KEYS = {"impl", "config", "B", "T", "H", "K", "V"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    backend_before = os.environ.get("DELTATRON_BACKEND")
+    assert harness.main(["--smoke", "--out", str(out), "--name", "smoke"]) == 0
+    assert os.environ.get("DELTATRON_BACKEND") == backend_before, "smoke mode must restore DELTATRON_BACKEND"
+    return out, json.loads((out / "smoke.json").read_text())
+
+
+def _expected_pairs(impls):
+    return {(i, c.name) for i in impls for c in configs.SMOKE_CONFIGS if configs.applies(i, c)}
+
+
+def test_meta(smoke):
+    _, results = smoke
+    meta = results["meta"]
+    assert META_KEYS <= set(meta)
+    assert meta["mode"] == "smoke" and meta["peaks_measured"] is False
+    assert (meta["peak_tflops"], meta["peak_tbps"]) == (configs.ANCHOR_TFLOPS, configs.ANCHOR_TBPS)
+
+
+def test_one_row_per_applicable_pair(smoke):
+    _, results = smoke
+    pairs = [(r["impl"], r["config"]) for r in results["rows"]]
+    assert len(pairs) == len(set(pairs))
+    assert set(pairs) == _expected_pairs(configs.IMPLS)
+    for row in results["rows"]:
+        assert IDENTITY_KEYS <= set(row)
+        assert row["impl"] in configs.IMPLS
+
+
+def test_our_rows_are_timed_with_roofline(smoke):
+    _, results = smoke
+    ours = [r for r in results["rows"] if r["impl"] in configs.OURS]
+    assert {(r["impl"], r["config"]) for r in ours} == _expected_pairs(configs.OURS)
+    for row in ours:
+        assert "error" not in row, row
+        phases = ("fwd",) if row.get("decode") else ("fwd", "fwdbwd")
+        for phase in phases:
+            ms = row[f"{phase}_ms"]
+            assert math.isfinite(ms) and ms > 0
+            assert row[f"flops_{phase}"] > 0 and row[f"bytes_{phase}"] > 0
+            assert row[f"pct_floor_{phase}"] == pytest.approx(100 * row[f"floor_{phase}_ms"] / ms)
+            assert row[f"tflops_{phase}"] == pytest.approx(row[f"flops_{phase}"] / (ms * 1e-3) / 1e12)
+        assert "peak_mem_bytes" in row and row["input_sets"] >= 1
+
+
+def test_varlen_and_decode_rows(smoke):
+    _, results = smoke
+    rows = {(r["impl"], r["config"]): r for r in results["rows"]}
+    for cfg in configs.SMOKE_CONFIGS:
+        row = rows[("deltatron.fused_recurrent", cfg.name)]
+        if cfg.seqlens is not None:
+            assert row["seqlens"] == list(cfg.seqlens) and sum(row["seqlens"]) == row["T"]
+            assert len(row["seqlens"]) >= 2 and min(row["seqlens"]) >= 1
+        if cfg.decode:
+            assert row["decode"] is True and row["T"] == 1 and "fwdbwd_ms" not in row
+            assert row["step_us"] == pytest.approx(1e3 * row["fwd_ms"])
+
+
+def test_competitors_are_reported_not_run(smoke):
+    _, results = smoke
+    for row in results["rows"]:
+        if row["impl"] not in configs.OURS:
+            assert row["error"] in ("not installed", "needs CUDA: not run in smoke mode")
+            assert "fwd_ms" not in row
+
+
+def test_table_and_report(smoke, tmp_path):
+    """The run's table names every row; --report writes BENCHMARKS.md with the table, and the results' .md and
+    (with matplotlib) .png beside the JSON."""
+    out, results = smoke
+    table = (out / "smoke.md").read_text()
+    for row in results["rows"]:
+        assert f"| {row['impl']} | {row['config']} |" in table
+    (out / "smoke.md").unlink()
+    md = tmp_path / "BENCHMARKS.md"
+    assert harness.main(["--report", str(out / "smoke.json"), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "| deltatron.chunk |" in text and "## How to reproduce" in text and "## Notes" in text
+    assert report.NO_NOTES in text
+    assert (out / "smoke.md").read_text() == table
+
+
+def test_report_keeps_the_hand_written_notes(smoke, tmp_path):
+    """Regenerating BENCHMARKS.md replaces the tables and keeps the Notes section as it was written."""
+    out, _ = smoke
+    md = tmp_path / "BENCHMARKS.md"
+    assert harness.main(["--report", str(out / "smoke.json"), "--md", str(md)]) == 0
+    notes = "- a note written by hand,\n  on two lines."
+    md.write_text(md.read_text().replace(report.NO_NOTES, notes).replace("| deltatron.chunk |", "| edited |"))
+    assert harness.main(["--report", str(out / "smoke.json"), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert notes in text and report.NO_NOTES not in text and "| edited |" not in text
+
+
+def test_committed_benchmarks_page_is_generated_from_the_results():
+    """benchmarks/BENCHMARKS.md and each results file's .md are what --report makes of benchmarks/results/*.json
+    (with the page's own notes): a results file changed without regenerating them fails here."""
+    md = ROOT / "benchmarks" / "BENCHMARKS.md"
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    assert files, "no committed results"
+    loaded = [(p, json.loads(p.read_text())) for p in files]
+    assert md.read_text() == report.render_benchmarks(loaded, md, report.kept_notes(md))
+    for path, results in loaded:
+        assert path.with_suffix(".md").read_text() == report.results_markdown(results)
+
+
+def test_results_folder_holds_one_set_per_gpu():
+    """benchmarks/results: at most 8 files, each <gpu>.json with its .md and .png, no machine's path in them."""
+    files = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    assert 0 < len(files) <= 8
+    stems = {name.split(".")[0] for name in files}
+    assert set(files) == {f"{s}.{ext}" for s in stems for ext in ("json", "md", "png")}
+    for stem in stems:
+        meta = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())["meta"]
+        assert harness.gpu_stem(meta["gpu"]) == stem
+        assert not any(part.startswith("/") for part in meta["command"].split()), meta["command"]
+
+
+def test_gpu_names_and_the_recorded_command():
+    assert harness.gpu_stem("NVIDIA H200") == "h200"
+    assert harness.gpu_stem("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    inside = str(ROOT / "out" / "x")
+    assert harness.command_line(["--out", inside, "--plot"]) == "deltatron bench --out out/x --plot"
+    assert harness.command_line(["--out=/elsewhere/run1"]) == "deltatron bench --out run1"
+
+
+def test_merge_takes_each_configuration_from_one_run(smoke, tmp_path):
+    """Runs of subsets merge into one results file; a configuration timed by two runs comes wholly from the
+    later one (its ratios compare rows of one process), and a not-run row of a configuration timed elsewhere
+    goes."""
+    _, results = smoke
+    cfg_a, cfg_b = configs.SMOKE_CONFIGS[0].name, configs.SMOKE_CONFIGS[1].name
+    first = dict(meta=dict(results["meta"], date="first"),
+                 rows=[dict(r, fwd_ms=1.0) for r in results["rows"] if r["config"] in (cfg_a, cfg_b)
+                       and "fwd_ms" in r])
+    second = dict(meta=dict(results["meta"], date="second"),
+                  rows=[dict(r, fwd_ms=2.0) for r in results["rows"] if r["config"] == cfg_b and "fwd_ms" in r]
+                  + [dict(impl="deltatron.chunk", config=cfg_a, error="not run: time budget of 1 s spent")])
+    paths = []
+    for name, run in (("first", first), ("second", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    target = tmp_path / "merged.json"
+    assert harness.main(["--merge", str(target), *map(str, paths)]) == 0
+    merged = json.loads(target.read_text())
+    assert merged == report.merge_runs([first, second])
+    assert [m["date"] for m in merged["meta"]["runs"]] == ["first", "second"]
+    by_config = {}
+    for r in merged["rows"]:
+        by_config.setdefault(r["config"], set()).add(r.get("fwd_ms"))
+    assert by_config == {cfg_a: {1.0}, cfg_b: {2.0}}
+    md = tmp_path / "BENCHMARKS.md"
+    assert harness.main(["--report", str(target), "--md", str(md)]) == 0
+    assert "time budget of 1 s" not in md.read_text() and "[merged.json]" in md.read_text()
+
+
+def test_floor_model_matches_the_h200_anchors():
+    """The floor model's anchors: 180 kFLOP and 1 KiB per token-head forward at K = V = 128; floor 0.063 ms at
+    B=8, T=2048, H=16; a decode step reads and writes the state in 31.4 us."""
+    peaks = configs.Peaks(configs.ANCHOR_TFLOPS, configs.ANCHOR_TBPS, measured=False)
+    cfg = configs.dense(8, 2048, 16, 128)
+    w = configs.work(cfg)
+    assert w["flops_fwd"] / (8 * 2048 * 16) == 180224 and w["bytes_fwd"] / (8 * 2048 * 16) == 1024
+    assert configs.roofline(cfg, {}, peaks)["floor_fwd_ms"] == pytest.approx(0.063, abs=5e-4)
+    assert w["flops_fwdbwd"] > 3 * w["flops_fwd"] and w["bytes_fwdbwd"] > 2.5 * w["bytes_fwd"]
+    floor_us = 1e3 * configs.roofline(configs.decode(64, 16, 128), {}, peaks)["floor_fwd_ms"]
+    assert floor_us == pytest.approx(31.4, abs=0.5)
+
+
+def test_failing_rows_are_recorded_and_the_run_goes_on(monkeypatch):
+    real_resolve = harness.resolve
+
+    def resolve(impl, smoke):
+        real = real_resolve(impl, smoke)
+        if impl == "deltatron.fused_chunk":     # the forward raises
+            def call(x):
+                raise RuntimeError("boom\nsecond line")
+            return call
+        if impl == "deltatron.chunk":           # the forward works, the backward cannot
+            return lambda x: real(x).detach()
+        return real
+
+    monkeypatch.setattr(harness, "resolve", resolve)
+    opts = Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=60)
+    with harness._torch_backend():
+        results = harness.run(["deltatron.fused_chunk", "deltatron.chunk", "deltatron.fused_recurrent"],
+                            configs.SMOKE_CONFIGS[:1], opts, None, "x", [], log=lambda *a, **k: None)
+    no_forward, no_backward, fine = results["rows"]
+    assert no_forward["error"] == "RuntimeError: boom" and "fwd_ms" not in no_forward
+    assert no_backward["error"].startswith("fwd+bwd: RuntimeError")
+    assert no_backward["fwd_ms"] > 0 and "fwdbwd_ms" not in no_backward and "pct_floor_fwd" in no_backward
+    assert "error" not in fine and fine["fwdbwd_ms"] > 0
+    table = report.text_table(results["rows"])
+    assert "RuntimeError: boom" in table and "fwd+bwd: RuntimeError" in table
+
+
+def test_time_budget_records_rows_as_not_run():
+    opts = Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=-1)
+    results = harness.run(["deltatron.chunk"], configs.SMOKE_CONFIGS[:2], opts, None, "x", [], log=lambda *a, **k: None)
+    assert [r["error"] for r in results["rows"]] == ["not run: time budget of -1 s spent"] * 2
+
+
+def test_past_the_budget_a_missing_competitor_still_says_why(monkeypatch):
+    def missing(impl, smoke):
+        raise harness.Unavailable("not installed: No module named 'tilelang'")
+
+    monkeypatch.setattr(harness, "resolve", missing)
+    opts = Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=-1)
+    results = harness.run(["flash_qla.g0"], [configs.dense(1, 64, 1, 128)], opts, None, "x", [], log=lambda *a, **k: None)
+    assert [r["error"] for r in results["rows"]] == ["not installed: No module named 'tilelang'"]
+
+
+def test_script_runs_as_a_subprocess(tmp_path):
+    """benchmarks/run.py finds the package from a checkout, writes where --out says, and prints the table last."""
+    env = dict(os.environ, DELTATRON_BACKEND="triton")   # smoke mode must override it
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--configs", "decode-b2-h1-k16",
+           "--impls", "deltatron.fused_recurrent,fla.fused_recurrent", "--out", str(tmp_path), "--name", "s"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["deltatron.fused_recurrent", "fla.fused_recurrent"]
+    assert "error" not in rows[0] and rows[0]["decode"] is True
+    tail = proc.stdout.strip().splitlines()
+    assert tail[-1].startswith("wrote ") and any(line.startswith("deltatron.fused_recurrent") for line in tail[-6:])
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(SystemExit):
+        harness.main(["--smoke", "--configs", "no-such-config"])

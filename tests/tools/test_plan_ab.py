@@ -1,0 +1,51 @@
+"""tools/plan_ab.py (two plans of chunk_delta_rule against each other, for the GPU): its override parser, and its
+smoke mode in Triton's interpreter, where two plans that compute the same results agree and the table prints."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+SCRIPT = TOOLS / "plan_ab.py"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_parse_overrides():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import plan_ab
+    finally:
+        sys.path.remove(str(TOOLS))
+    assert plan_ab.parse_overrides("") == {}
+    assert plan_ab.parse_overrides("hopper_walk=0, split_partitions=3,keep_states=true,segments=none") == dict(
+        hopper_walk=False, split_partitions=3, keep_states=True, segments=None)
+    for bad in ("hopper_walk", "no_such=1", "residual=2", "segments=x"):
+        with pytest.raises(ValueError):
+            plan_ab.parse_overrides(bad)
+
+
+def test_unknown_configuration_and_override_are_refused():
+    assert run("--smoke", "--configs", "no-such-config").returncode == 2
+    assert run("--smoke", "--a", "no_such=1").returncode == 2
+
+
+def test_smoke_same_plan_twice_is_bitwise_equal():
+    """Both sides the shipped plan: the results are bitwise equal and both phases are timed, on a dense and a
+    packed batch."""
+    proc = run("--smoke", "--readings", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("OK (bitwise)") == 2 and "DIFFER" not in proc.stdout
+    assert proc.stdout.count("forward+backward ") == 2 and "B / A" in proc.stdout
+
+
+def test_smoke_plain_walk_against_fused_output():
+    """The portable walk with and without the output fused in: each side's plan explained, the results within
+    the given bound (the interpreter computes the same bits)."""
+    proc = run("--smoke", "--a", "fused_output=0", "--b", "fused_output=1", "--bound", "1e-2", "--explain",
+               "--configs", "b2-t40-h1-k16", "--readings", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "plan A:" in proc.stdout and "plan B:" in proc.stdout and "OK (" in proc.stdout
