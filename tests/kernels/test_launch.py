@@ -218,8 +218,6 @@ def check_chunk(check, torch):
     forced on (plan.overrides; the plan made for sm90's capabilities, which the stand-in driver answers): every
     launch of deltatron's wrappers checked as above (each module's `launch` replaced by check, which calls the real
     one)."""
-    import importlib
-
     from deltatron.kernels import chunk
     from deltatron.kernels.chunk import plan
     from deltatron.kernels.chunk.hopper import reverse, walk  # noqa: F401 (their launch too)
@@ -237,13 +235,13 @@ def check_chunk(check, torch):
         check(kernel, grid, *args, **kwargs)
 
     originals = {m: m.launch for m in modules}
-    chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
-    device_capabilities = chunk_forward.device_capabilities if hasattr(chunk_forward, "device_capabilities") else None
-    plan_device_capabilities = plan.device_capabilities
-    sm90 = plan.named_capabilities("sm90")  # the tensors are the CPU's: the plan is made for the stand-in's device
-    plan.device_capabilities = lambda device: sm90
-    if device_capabilities is not None:
-        chunk_forward.device_capabilities = lambda device: sm90
+    # the tensors are the CPU's: every module that asks plan.device_capabilities gets sm90's (Gluon included), the
+    # device the stand-in driver answers for
+    sm90 = plan.named_capabilities("sm90")
+    asking = {m: m.device_capabilities for name, m in sys.modules.items()
+              if name.startswith("deltatron.kernels.chunk") and getattr(m, "device_capabilities", None) is not None}
+    for m in asking:
+        m.device_capabilities = lambda device: sm90
     for m in modules:
         m.launch = checking
     try:
@@ -254,9 +252,8 @@ def check_chunk(check, torch):
     finally:
         for m, fn in originals.items():
             m.launch = fn
-        plan.device_capabilities = plan_device_capabilities
-        if device_capabilities is not None:
-            chunk_forward.device_capabilities = device_capabilities
+        for m, fn in asking.items():
+            m.device_capabilities = fn
     # every kernel of the forward and the backward (a launch site calling kernel[grid] itself would be missing)
     assert set(checked) == {"wy_kernel", "gluon_walk_kernel", "state_fwd_kernel", "gluon_reverse_kernel",
                             "dqkw_kernel", "wy_bwd_kernel"}, checked

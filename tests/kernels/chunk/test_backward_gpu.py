@@ -12,10 +12,7 @@ import torch
 import deltatron
 from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
-from deltatron.kernels.chunk.portable import grads as output_bwd
-from deltatron.kernels.chunk.portable import reverse as state_bwd
-from deltatron.kernels.chunk.portable import walk as state
-from deltatron.kernels.chunk.portable import wy
+from deltatron.kernels.chunk.portable import grads, reverse, walk, wy
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference
 
@@ -253,7 +250,7 @@ def test_backward_deterministic(triton_backend, dtype):
     (1, [0, 1, 63, 64, 65, 700, 1500, 333, 0, 2047], 8, 256),  # varlen, K = 256 (fp32: 16-column V-blocks)
 ])
 def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
-    # the backward's Triton reverse state pass computing dV'_local itself against output_bwd.dv_local + the
+    # the backward's Triton reverse state pass computing dV'_local itself against grads.dv_local + the
     # unfused pass, on the real W of the inputs: they round A^T alike, the fused pass keeps dV'_local in
     # fp32 (the unfused store rounds it), so they differ by about one rounding of the dtype (the Hopper
     # reverse pass, the plan's at 8 x 16 heads on sm_90, is checked in hopper/test_reverse_gpu.py)
@@ -269,9 +266,9 @@ def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
     do = torch.randn(v.shape, generator=g, device="cuda").to(dtype)
     dht = torch.randn(N, H, D, D, generator=g, device="cuda")
     scale = D ** -0.5
-    dv_loc = output_bwd.dv_local(q, k, do, scale, info, 64)
-    unfused = state_bwd.state_bwd(q, k, w, do, dv_loc, dht, scale, True, info, 64)
-    fused = state_bwd.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)
+    dv_loc = grads.dv_local(q, k, do, scale, info, 64)
+    unfused = reverse.state_bwd(q, k, w, do, dv_loc, dht, scale, True, info, 64)
+    fused = reverse.state_bwd(q, k, w, do, None, dht, scale, True, info, 64)
     close = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     for name, got, want in zip(("dh", "dv", "dh0"), fused, unfused):
         err = rel_rms(got, want)
@@ -287,7 +284,7 @@ def test_fused_dv_local_matches_unfused(poison, dtype, B, T_or_lengths, H, D):
 ])
 def test_state_wy_fwd_matches_composition(poison, dtype, T_or_lengths, D):
     # the walk computing W, U on chip from the stored Tinv (the backward's recompute where the plan's is "on_chip")
-    # against wy.recompute_w_u + state.state_fwd. Both go through wy.wy_product, the same products in the
+    # against wy.recompute_w_u + walk.state_fwd. Both go through wy.wy_product, the same products in the
     # same order (over the chunk's tokens; the walk's W product is one [C, K] tile where recompute_w_u's is
     # 64 columns at a time, which does not change a column's sum), so the same bits are expected
     varlen = isinstance(T_or_lengths, list)
@@ -301,8 +298,8 @@ def test_state_wy_fwd_matches_composition(poison, dtype, T_or_lengths, D):
     h0 = torch.randn(N, H, D, D, device="cuda")
     tinv, _, _ = wy.wy_fwd(k, v, beta, info, 64)
     w, u = wy.recompute_w_u(k, v, beta, tinv, info, 64)
-    want = (w, *state.state_fwd(k, w, u, h0, True, info, 64))
-    got = state.state_wy_fwd(k, v, beta, tinv, h0, True, info, 64)
+    want = (w, *walk.state_fwd(k, w, u, h0, True, info, 64))
+    got = walk.state_wy_fwd(k, v, beta, tinv, h0, True, info, 64)
     for name, a, b in zip(("w", "h", "v_new", "final_state"), got, want):
         assert torch.equal(a, b), f"{name}: not bitwise equal, rel RMS {rel_rms(a, b):.2e}"
 

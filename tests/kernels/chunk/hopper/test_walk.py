@@ -87,7 +87,7 @@ def test_refuses_misuse():
 
 @pytest.mark.parametrize("B, T, H, block_v", [(2, 70, 3, 64), (2, 70, 3, 128), (1, 5, 16, None)])
 def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
-    # as tests/test_gluon_reverse_host.py's: the descriptors without a reshape are the reshaped tensors' ones,
+    # as test_reverse.py's: the descriptors without a reshape are the reshaped tensors' ones,
     # and the production path (checked=True) launches the same
     from .test_reverse import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
     kernel = LaunchRecorder()
