@@ -96,7 +96,7 @@ from deltatron.kernels import chunk  # noqa: E402
 from deltatron.kernels.chunk import plan, plan_call  # noqa: E402
 from deltatron.kernels.utils import INTERPRET, seq_info  # noqa: E402
 
-# the modules whose functions the layer split wraps: the chunk form's forward and backward call their stages
+# the modules whose functions the layer split wraps: autograd calls the chunk package's forward and backward, which call their stages
 # through the names these modules imported
 chunk_forward = importlib.import_module("deltatron.kernels.chunk.forward")
 chunk_backward = importlib.import_module("deltatron.kernels.chunk.backward")
@@ -231,13 +231,13 @@ API_FWD = "API forward (checks, Function.apply)"
 LAYERS = (
     (API_FWD, deltatron, "chunk_delta_rule", WHOLE),
     ("DeltaRuleFunction.forward", DeltaRuleFunction, "forward", API_FWD),
-    ("chunk.forward", chunk_forward, "forward", "DeltaRuleFunction.forward"),
+    ("chunk.forward", chunk, "forward", "DeltaRuleFunction.forward"),
     ("fwd stage: wy_fwd", chunk_forward, "wy_fwd", "chunk.forward"),
     ("fwd stage: state_output_fwd", chunk_forward, "state_output_fwd", "chunk.forward"),
     ("fwd stage: state_fwd", chunk_forward, "state_fwd", "chunk.forward"),
     ("fwd stage: output_fwd", chunk_forward, "output_fwd", "chunk.forward"),
     ("DeltaRuleFunction.backward", DeltaRuleFunction, "backward", WHOLE),
-    ("chunk.backward", chunk_backward, "backward", "DeltaRuleFunction.backward"),
+    ("chunk.backward", chunk, "backward", "DeltaRuleFunction.backward"),
     ("bwd stage: state_wy_fwd", chunk_backward, "state_wy_fwd", "chunk.backward"),
     ("bwd stage: recompute_w_u", chunk_backward, "recompute_w_u", "chunk.backward"),
     ("bwd stage: state_fwd", chunk_backward, "state_fwd", "chunk.backward"),
