@@ -6,8 +6,8 @@ import torch
 
 from deltatron import cli
 from deltatron.reference.common import l2norm
-from deltatron import train as train_module
-from deltatron.train import Config, LinearAttention, mqar_batch, train
+from deltatron.cli import train as train_module
+from deltatron.cli.train import Config, LinearAttention, mqar_batch, train
 
 TINY = ["--device", "cpu", "--steps", "40", "--batch-size", "16", "--seq-len", "24", "--num-kv", "4",
         "--vocab-size", "32", "--d-model", "32", "--num-heads", "2", "--eval-every", "20", "--eval-size", "32", "--lr", "1e-2"]

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backends
-from .layers import DeltaNet
-from .reference.common import l2norm
+from .. import backends
+from ..layers import DeltaNet
+from ..reference.common import l2norm
 
 IGNORE = -100
 

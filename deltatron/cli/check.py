@@ -14,8 +14,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import api, backends
-from .reference import recurrent_delta_rule
+from .. import api, backends
+from ..reference import recurrent_delta_rule
 
 BOUNDS = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

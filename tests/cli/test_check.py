@@ -2,7 +2,7 @@
 one, and runs a case only in the dtypes the case names."""
 import torch
 
-from deltatron import check
+from deltatron.cli import check
 
 
 def test_check_passes_on_the_torch_backend(capsys):
