@@ -12,7 +12,7 @@ import torch
 
 from . import backends, library
 from .reference import chunk_delta_rule_reference, parallel_delta_rule_reference, recurrent_delta_rule
-from .validation import check_inputs, reject_unknown_kwargs
+from .validation import check_inputs, reject_unknown_kwargs, warn_if_head_first
 
 _TORCH_IMPLS = {
     "chunk": chunk_delta_rule_reference,
@@ -100,6 +100,7 @@ def chunk_delta_rule(
             elsewhere, and under torch.compile's forward, it changes nothing.
     Returns:
         (o [B, T, H, V] in the input dtype, final_state or None)."""
+    warn_if_head_first("chunk_delta_rule", q)
     if not isinstance(save_states, bool):
         raise TypeError(f"chunk_delta_rule: save_states must be a bool, got {save_states!r}")
     return _run("chunk", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -122,6 +123,7 @@ def fused_chunk_delta_rule(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The chunkwise algorithm with each (sequence, head) walked by one fused kernel that keeps every
     per-chunk intermediate on chip. Same arguments and results as chunk_delta_rule."""
+    warn_if_head_first("fused_chunk_delta_rule", q)
     return _run("fused_chunk", q, k, v, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size)
 
@@ -174,6 +176,7 @@ def parallel_delta_rule(
         output_attentions: also return the delta-rule attention matrix P [B, H, T, T] (fp32; o equals
             P v when there is no initial state; block-diagonal over packed sequences). The result is
             then (o, final_state, P)."""
+    warn_if_head_first("parallel_delta_rule", q)
     return _run("parallel", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, cu_seqlens_cpu, kwargs, output_attentions=output_attentions)
 

@@ -3,6 +3,7 @@ names the argument, the shape (or value) seen and what was expected."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -11,6 +12,29 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # float64 runs on the PyTorch backend only (oracles, gradcheck).
 TORCH_ONLY_DTYPES = (torch.float64,)
 CHUNK_SIZES = (16, 32, 64)
+
+
+class LayoutWarning(UserWarning):
+    """An input whose shape suggests the head-first layout [B, H, T, ...] instead of [B, T, H, ...]."""
+
+
+def warn_if_head_first(fn_name: str, q) -> None:
+    """Warns (LayoutWarning, attributed to the caller of the public entry point) when q [B, T, H, K] has
+    1 < T < H, the shape of a head-first [B, H, T, K] tensor with more tokens than heads. fla's rule (T < H)
+    except T = 1: a single token with many heads is a decode step or a one-token prompt, not a layout
+    mistake. Called by the chunkwise forms (chunk, fused_chunk, parallel); fused_recurrent, the decoding form,
+    takes a few tokens per call with any number of heads and does not warn. Not while torch.compile traces."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not 1 < q.shape[1] < q.shape[2]:
+        return
+    if torch.compiler.is_compiling():
+        return
+    T, H = q.shape[1], q.shape[2]
+    warnings.warn(
+        f"{fn_name}: q looks head-first [B, H, T, K]: deltatron expects [B, T, H, K] and got {_shape(q)}, "
+        f"that is T = {T} tokens < H = {H} heads. Pass q.transpose(1, 2) (and k, v, beta likewise) if the heads "
+        "are dimension 1; if T < H is intended, silence this with warnings.filterwarnings('ignore', "
+        "category=deltatron.validation.LayoutWarning)",
+        LayoutWarning, stacklevel=3)
 
 
 def reject_unknown_kwargs(fn_name: str, kwargs: dict) -> None:

@@ -6,7 +6,7 @@ import torch._dynamo.testing
 
 from deltatron import chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule
 from deltatron.library import delta_rule
-from deltatron.train import DeltaNetLM
+from deltatron.cli.train import DeltaNetLM
 
 from .helpers import make_inputs, random_cu_seqlens, rel_rms
 

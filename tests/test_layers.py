@@ -1,5 +1,7 @@
 """The DeltaNet layer against a plain PyTorch reimplementation (token-by-token recurrence on the
 projections), varlen against per-sequence runs, cache-based decoding against the full forward."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,6 +178,16 @@ def test_errors():
         DeltaNet(hidden_size=16, num_heads=2)(torch.randn(1, 3, 16), cache=DeltaNetCache())
     with pytest.raises(TypeError, match="save_states must be a bool"):
         DeltaNet(hidden_size=16, num_heads=2, save_states=1)
+    layer = DeltaNet(hidden_size=16, num_heads=2)
+    wrong_width = "DeltaNet: hidden_states must be [B, T, hidden_size=16], got [2, 10, 8]"
+    with pytest.raises(ValueError, match=re.escape(wrong_width)):
+        layer(torch.randn(2, 10, 8))
+    with pytest.raises(ValueError, match=re.escape("must be [B, T, hidden_size=16], got [10, 16]")):
+        layer(torch.randn(10, 16))  # no batch dimension
+    with pytest.raises(ValueError, match=re.escape("got [1, 2, 10, 16]")):
+        layer(torch.randn(1, 2, 10, 16), cache=DeltaNetCache())
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
+        layer([[0.0] * 16])
     conv = ShortConvolution(4)
     with pytest.raises(ValueError, match="conv state"):
         conv(torch.randn(2, 3, 4), state=torch.zeros(2, 4, 4))

@@ -8,7 +8,7 @@ import torch
 
 from deltatron import cli
 from deltatron.layers import DeltaNet, DeltaNetCache
-from deltatron.train import DeltaNetLM
+from deltatron.cli.train import DeltaNetLM
 
 from .helpers import random_cu_seqlens, rel_rms
 

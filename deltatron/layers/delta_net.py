@@ -1,6 +1,7 @@
 """The DeltaNet token mixer (Yang et al., 2024), built on deltatron's delta-rule ops."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import chunk_delta_rule, fused_recurrent_delta_rule
+from ..validation import LayoutWarning
 from .cache import DeltaNetCache, LayerState
 from .conv import ShortConvolution
 from .norm import GatedRMSNorm
@@ -81,6 +83,13 @@ class DeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 cache: Optional[DeltaNetCache] = None) -> torch.Tensor:
+        expected = f"[B, T, hidden_size={self.hidden_size}]"
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"DeltaNet: hidden_states must be a torch.Tensor {expected}, "
+                            f"got {type(hidden_states).__name__}")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            got = "[" + ", ".join(str(s) for s in hidden_states.shape) + "]"
+            raise ValueError(f"DeltaNet: hidden_states must be {expected}, got {got}")
         if cache is None:
             return self._forward(hidden_states, cu_seqlens, None)
         if self.layer_idx is None:
@@ -127,8 +136,14 @@ class DeltaNet(nn.Module):
         """The sequence mixer proper: (o [B, T, H, V], final state [N, H, K, V] or None)."""
         options = dict(save_states=self.save_states) if self.mode == "chunk" else {}
         fn = chunk_delta_rule if self.mode == "chunk" else fused_recurrent_delta_rule
-        return fn(q, k, v, beta, initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **options)
+        call = dict(initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                    cu_seqlens=cu_seqlens, **options)
+        if 1 < q.shape[1] < q.shape[2] and not torch.compiler.is_compiling():
+            # q is [B, T, H, K] by construction: a prompt shorter than the number of heads is no layout mistake
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", LayoutWarning)
+                return fn(q, k, v, beta, **call)
+        return fn(q, k, v, beta, **call)
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, save_states={self.save_states}, num_heads={self.num_heads}, "

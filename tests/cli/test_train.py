@@ -6,8 +6,8 @@ import torch
 
 from deltatron import cli
 from deltatron.reference.common import l2norm
-from deltatron import train as train_module
-from deltatron.train import Config, LinearAttention, mqar_batch, train
+from deltatron.cli import train as train_module
+from deltatron.cli.train import Config, LinearAttention, mqar_batch, train
 
 TINY = ["--device", "cpu", "--steps", "40", "--batch-size", "16", "--seq-len", "24", "--num-kv", "4",
         "--vocab-size", "32", "--d-model", "32", "--num-heads", "2", "--eval-every", "20", "--eval-size", "32", "--lr", "1e-2"]
@@ -68,7 +68,8 @@ def test_short_run_lowers_the_loss_and_writes_its_log(mixer, tmp_path, capsys):
     assert [e["step"] for e in log["evals"]] == [20, 40]
     assert log["final_accuracy"] == log["evals"][-1]["accuracy"] and log["config"]["mixer"] == mixer
     out = capsys.readouterr()
-    assert f"{mixer}: final held-out accuracy" in out.out and "mqar " + mixer in out.err
+    assert f"{mixer}: final held-out answer accuracy" in out.out and "mqar " + mixer in out.err
+    assert "train loss" in out.err and "(mean of last 20 steps), held-out answer accuracy" in out.err
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -102,10 +103,46 @@ def test_same_seed_same_losses():
     assert other["losses"] != first["losses"]
 
 
-def test_cli_rejects_bad_settings(capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--seq-len", "16", "--num-kv", "8"], "num_kv"),
+    (["--steps", "0"], "argument --steps: must be a positive int, got 0"),
+    (["--steps", "-5"], "argument --steps: must be a positive int, got -5"),
+    (["--lr", "0"], "argument --lr: must be a positive float, got 0"),
+    (["--batch-size", "two"], "argument --batch-size: expected a positive int, got 'two'"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    (["--d-model", "30", "--num-heads", "4"], "--d-model (30) must be divisible by --num-heads (4)"),
+    (["--mixer", "linear", "--mode", "fused_recurrent"], "--mode applies to the delta mixer only"),
+])
+def test_cli_rejects_bad_settings(capsys, args, message):
     with pytest.raises(SystemExit) as e:
-        cli.main(["train", "--device", "cpu", "--seq-len", "16", "--num-kv", "8"])
-    assert e.value.code == 2 and "num_kv" in capsys.readouterr().err
+        cli.main(["train", "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_device_errors_are_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["train", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == "deltatron train: --device cuda but no CUDA device is available\n"
+    assert cli.main(["train", "--device", "tpu"]) == 2
+    assert capsys.readouterr().err == "deltatron train: --device must be cpu, cuda or cuda:N, got 'tpu'\n"
+
+
+@pytest.mark.parametrize("spelling, expected", [("fp32", "fp32"), ("float32", "fp32"), ("bf16", "bf16"),
+                                                ("bfloat16", "bf16")])
+def test_dtype_spellings(spelling, expected, tmp_path):
+    seen = []
+    real_train = train_module.train
+
+    def recording_train(cfg, *args, **kwargs):
+        seen.append(cfg.dtype)
+        return real_train(Config(**dict(vars(cfg), steps=2, eval_every=2)), _Quiet)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train_module, "train", recording_train)
+        assert cli.main(["train", *TINY, "--dtype", spelling, "--out", str(tmp_path)]) == 0
+    assert seen == [expected]
+    assert json.loads((tmp_path / "mqar_delta.json").read_text())["config"]["dtype"] == expected
 
 
 def test_diverging_run_stops_with_an_error(monkeypatch, tmp_path, capsys):

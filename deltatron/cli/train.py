@@ -25,18 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import backends
-from .layers import DeltaNet
-from .reference.common import l2norm
+from .. import backends
+from ..layers import DeltaNet
+from ..reference.common import l2norm
+from . import fail, parse_device
 
 IGNORE = -100
+# autocast dtype of training (fp32: no autocast); the long names are accepted on the command line too
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
 
 # Settings per device; every one can be overridden on the command line.
 PRESETS = {
     "cpu": dict(vocab_size=64, seq_len=64, num_kv=12, d_model=64, num_layers=2, num_heads=4, batch_size=64,
-                steps=800, lr=3e-3, eval_every=50, dtype="float32"),
+                steps=800, lr=3e-3, eval_every=50, dtype="fp32"),
     "cuda": dict(vocab_size=128, seq_len=256, num_kv=32, d_model=128, num_layers=2, num_heads=4, batch_size=256,
-                 steps=800, lr=3e-3, eval_every=50, dtype="bfloat16"),
+                 steps=800, lr=3e-3, eval_every=50, dtype="bf16"),
 }
 
 
@@ -217,7 +221,7 @@ def train(cfg: Config, progress: Callable = _progress) -> dict:
     rest = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
                                   lr=cfg.lr, betas=(0.9, 0.98))
-    dtype = getattr(torch, cfg.dtype)
+    dtype = DTYPES[DTYPE_ALIASES.get(cfg.dtype, cfg.dtype)]
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -251,7 +255,9 @@ def train(cfg: Config, progress: Callable = _progress) -> dict:
             eval_loss, accuracy = evaluate(forward, eval_inputs, eval_targets, cfg.batch_size, autocast)
             log["evals"].append(dict(step=step + 1, loss=eval_loss, accuracy=accuracy,
                                      seconds=time.perf_counter() - start))
-            bar.set_postfix_str(f"loss {log['losses'][-1]:.3f} acc {accuracy:.3f}")
+            recent = log["losses"][-cfg.eval_every:]
+            bar.set_postfix_str(f"train loss {sum(recent) / len(recent):.3f} (mean of last {len(recent)} steps), "
+                                f"held-out answer accuracy {accuracy:.3f}")
         bar.update(1)
     bar.close()
     log["seconds"] = time.perf_counter() - start
@@ -273,7 +279,7 @@ def plot(logs: dict, path: str) -> bool:
         ax_loss.plot(range(1, len(log["losses"]) + 1), log["losses"], label=label, linewidth=0.8)
         ax_acc.plot([e["step"] for e in log["evals"]], [e["accuracy"] for e in log["evals"]], label=label)
     ax_loss.set(xlabel="step", ylabel="training loss (query positions)", yscale="log")
-    ax_acc.set(xlabel="step", ylabel="held-out recall accuracy", ylim=(0, 1.02))
+    ax_acc.set(xlabel="step", ylabel="held-out answer accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -286,6 +292,40 @@ def plot(logs: dict, path: str) -> bool:
     return True
 
 
+def _positive(kind):
+    """An argparse type: a number of the given kind, > 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0 or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+SETTINGS_HELP = {
+    "vocab_size": "tokens in the vocabulary: 0 is filler, keys in the lower half, values in the upper half",
+    "seq_len": "tokens per sequence",
+    "num_kv": "key-value pairs per sequence (every key is asked once)",
+    "d_model": "model width",
+    "num_layers": "number of blocks (mixer + MLP)",
+    "num_heads": "heads per mixer (d_model must be divisible by it)",
+    "batch_size": "sequences per training step (and per evaluation batch)",
+    "steps": "training steps",
+    "lr": "peak learning rate (linear warm-up over 10%% of the steps, then cosine decay to a tenth)",
+    "eval_every": "evaluate on the held-out set every this many steps (and after the last)",
+    "eval_size": "sequences in the held-out set (default 512)",
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="deltatron train", description=__doc__.splitlines()[0],
                                      epilog="Settings left out take the device's preset: " + "; ".join(
@@ -295,23 +335,30 @@ def main(argv=None) -> int:
                         help="delta: DeltaNet layers; linear: the same model with plain linear attention")
     parser.add_argument("--mode", choices=["chunk", "fused_recurrent"], default="chunk",
                         help="the delta-rule form used in training (default chunk)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="autocast dtype (bfloat16) or none (float32)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--dtype", type=_dtype, choices=list(DTYPES), default=None,
+                        help="bf16: train under bf16 autocast; fp32: no autocast (float32 and bfloat16 are "
+                             "accepted too; default: the device's preset)")
     for name, kind in (("vocab_size", int), ("seq_len", int), ("num_kv", int), ("d_model", int),
                        ("num_layers", int), ("num_heads", int), ("batch_size", int), ("steps", int),
                        ("lr", float), ("eval_every", int), ("eval_size", int)):
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--" + name.replace("_", "-"), type=_positive(kind), default=None,
+                            metavar=name.upper(), help=SETTINGS_HELP[name])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     parser.add_argument("--compile", action="store_true", help="train the torch.compile'd model (fullgraph)")
     parser.add_argument("--out", default="runs/mqar", help="output folder (default runs/mqar)")
     args = parser.parse_args(argv)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = Config.preset(device, **{k: v for k, v in vars(args).items()
-                                   if v is not None and k in Config.__dataclass_fields__ and k != "device"})
+    try:
+        device = parse_device(args.device)
+    except ValueError as e:
+        return fail("train", str(e))
+    cfg = Config.preset(str(device), **{k: v for k, v in vars(args).items()
+                                        if v is not None and k in Config.__dataclass_fields__ and k != "device"})
     if cfg.mixer == "linear" and cfg.mode != "chunk":
         parser.error("--mode applies to the delta mixer only")
+    if cfg.d_model % cfg.num_heads:
+        parser.error(f"--d-model ({cfg.d_model}) must be divisible by --num-heads ({cfg.num_heads})")
     try:
         mqar_batch(1, cfg.seq_len, cfg.num_kv, cfg.vocab_size, torch.Generator())
     except ValueError as e:
@@ -326,7 +373,8 @@ def main(argv=None) -> int:
     log_path = os.path.join(args.out, f"mqar_{cfg.mixer}.json")
     with open(log_path, "w") as f:
         json.dump(log, f, indent=1)
-    print(f"{cfg.mixer}: final held-out accuracy {log['final_accuracy']:.3f}, loss {log['evals'][-1]['loss']:.3f}, "
+    print(f"{cfg.mixer}: final held-out answer accuracy {log['final_accuracy']:.3f}, held-out loss "
+          f"{log['evals'][-1]['loss']:.3f}, "
           f"{log['seconds']:.0f} s ({cfg.steps} steps, {log['parameters']} parameters, {device}, "
           f"{log['backend']} backend); log: {log_path}")
     logs = {}
