@@ -37,6 +37,7 @@ SEGMENTS, SEGMENT_MAX_STATES, SEGMENT_MIN_TOKENS = 2, 32, 16384
 # Hopper reverse pass: from this many sequences x heads (up to one wave), sequences this long
 HOPPER_REVERSE_MIN_STATES, HOPPER_REVERSE_MIN_TOKENS = 16, 2048
 HOPPER_CHUNK, HOPPER_HEAD = 64, 128  # the Gluon kernels' chunk size and head size (K = V)
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,12 +309,12 @@ class ChunkPlan:
     keep_states: bool  # the forward stores S^T, V'^T per chunk; the backward recomputes nothing
     walk_launch: Launch
     wy_launch: Launch  # the forward's WY kernel (it inverts)
-    recompute: str  # "none" (kept states) | "on_chip" (one launch) | "two_launch" (WY kernel, then the walk)
+    recompute: str  # "on_chip" (one launch) | "two_launch" (WY kernel, then the walk) | "none" (kept states, inference)
     recompute_launch: Launch  # the recompute's walk
     recompute_wy_launch: Launch  # the two-launch recompute's WY kernel (from the stored T~)
     overlap: bool  # the two-launch recompute's walk on a side stream beside the reverse pass
     segments: int  # the reverse pass and the gradient stage run in this many segments (1: whole)
-    reverse: str  # "hopper" | "portable"
+    reverse: str  # "hopper" | "portable" | "none" (inference)
     reverse_launch: Launch
     wy_bwd_launch: Launch
     reasons: Tuple[Tuple[str, str], ...] = ()
@@ -358,26 +359,28 @@ def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] 
 @functools.lru_cache(maxsize=512)
 def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons = []
+    nh = f"sequences x heads {p.states}"
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
                    and p.V == HOPPER_HEAD and p.tma_aligned)
     if not hopper_fits:
-        hopper, why = False, "needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64, TMA-aligned q, k, v"
+        hopper = False
+        why = "the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v"
         if o.hopper_walk:
-            raise ValueError(f"overrides(hopper_walk=True): the Hopper walk {why}")
+            raise ValueError(f"overrides(hopper_walk=True): {why}")
     else:
         hopper, why = _forced("hopper_walk", o.hopper_walk, p.states >= HOPPER_WALK_MIN_STATES,
-                              f"sequences x heads {p.states} {'>=' if p.states >= HOPPER_WALK_MIN_STATES else '<'} "
-                              f"{HOPPER_WALK_MIN_STATES}, the fewest it was measured faster at")
+                              f"{nh} {'>=' if p.states >= HOPPER_WALK_MIN_STATES else '<'} {HOPPER_WALK_MIN_STATES}, "
+                              f"the fewest the Hopper walk was measured faster at")
     fused_launch = walk_launch(p.K, p.V, p.states, p.element_size, True, caps.interpret)
     if hopper:
-        walk = "hopper"
-        launch = hopper_launch(p.states, caps.num_sms)
+        walk, launch = "hopper", hopper_launch(p.states, caps.num_sms)
     else:
-        fused, fwhy = _forced("fused_output", o.fused_output,
-                              p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64,
-                              "16-bit, K <= 128 and a V-block >= 64 wide fuse the output into the walk; else the "
-                              "output recomputes less as a stage of its own")
+        fits = p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64
+        fused, fwhy = _forced("fused_output", o.fused_output, fits,
+                              "the output fused into the walk (16-bit, K <= 128, V-block >= 64)" if fits else
+                              f"the output as a stage of its own: the fused walk needs 16-bit, K <= 128 and a V-block "
+                              f">= 64 (here {fused_launch.block_v}), as every V-block program recomputes Q K^T")
         walk = "portable_fused" if fused else "portable"
         why = f"{why}; {fwhy}"
         launch = fused_launch if fused else walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)
@@ -386,36 +389,35 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     # -- sequence split (Hopper walk only: measured there)
     if o.split_partitions is not None:
         partitions, why = o.split_partitions, f"forced by overrides(split_partitions={o.split_partitions})"
+        if partitions < 1:
+            raise ValueError(f"overrides(split_partitions=...) must be >= 1, got {partitions}")
     elif walk == "hopper":
         partitions = split_partitions(p.num_seqs, p.heads, p.total_tokens, caps.num_sms)
-        why = ("few sequences x heads on long sequences leave SMs idle: pass 1 fits one wave" if partitions > 1 else
-               f"only at {SPLIT_MIN_STATES} <= sequences x heads < {SPLIT_MAX_STATES} on sequences of "
+        why = (f"{nh} on long sequences leave SMs idle; pass 1 fits one wave" if partitions > 1 else
+               f"only at {SPLIT_MIN_STATES} <= sequences x heads < {SPLIT_MAX_STATES}, sequences of "
                f"{SPLIT_MIN_TOKENS}+ tokens")
     else:
         partitions, why = 1, "measured on the Hopper walk only"
-    if partitions < 1:
-        raise ValueError(f"overrides(split_partitions=...) must be >= 1, got {partitions}")
-    if partitions > 1:
-        # pass 1 fits one wave at two programs a head (split_partitions), so every walk of the split does
-        launch = Launch(block_v=64, warps=4) if walk == "hopper" else launch
+    if partitions > 1 and walk == "hopper":
+        launch = Launch(block_v=64, warps=4)  # pass 1 fits one wave at two programs a head, so every walk does
     min_tokens = SPLIT_MIN_TOKENS if o.split_min_tokens is None else o.split_min_tokens
     reasons.append(("split", why))
 
     # -- backward: segments, then whether the forward keeps its states
     if not p.training:
-        segments, swhy = 1, "inference"
+        segments, why = 1, "inference: no backward"
     else:
-        segments, swhy = _forced(
-            "segments", o.segments,
-            SEGMENTS if caps.two_streams and p.states <= SEGMENT_MAX_STATES and p.long_sequences(SEGMENT_MIN_TOKENS)
-            else 1,
-            f"a later segment's gradients fill the SMs an earlier reverse pass leaves idle: two streams, sequences x "
-            f"heads <= {SEGMENT_MAX_STATES}, sequences of {SEGMENT_MIN_TOKENS}+ tokens")
+        rule = caps.two_streams and p.states <= SEGMENT_MAX_STATES and p.long_sequences(SEGMENT_MIN_TOKENS)
+        segments, why = _forced("segments", o.segments, SEGMENTS if rule else 1,
+                                f"later segments' gradients fill the SMs the reverse pass leaves idle ({nh})" if rule
+                                else f"only with two CUDA streams, sequences x heads <= {SEGMENT_MAX_STATES}, "
+                                     f"sequences of {SEGMENT_MIN_TOKENS}+ tokens")
+    reasons.append(("segments", why))
     asked = p.save_states if o.keep_states is None else o.keep_states
     keep = p.training and asked and walk == "hopper" and partitions == 1 and segments == 1
     if o.keep_states and p.training and not keep:
         raise ValueError("overrides(keep_states=True): states are kept only on the Hopper walk, unsplit, unsegmented")
-    reasons.append(("keep_states", "kept by the Hopper walk: the backward recomputes nothing" if keep else
+    reasons.append(("keep_states", "the Hopper walk stores them: the backward recomputes nothing" if keep else
                     "not asked (save_states)" if not asked or not p.training else
                     "kept only on the Hopper walk, unsplit, with an unsegmented backward"))
 
@@ -430,60 +432,63 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
             raise ValueError("overrides(residual=True): kept states need W, U")
     else:
         residual, why = _forced("residual", o.residual, True,
-                                "no W, U made: the WY stage writes Tb (256 B a token and head) instead of W, U")
+                                "no W, U made: the WY stage writes Tb (256 B a token and head) instead")
     reasons.append(("residual", why))
-    wy = wy_launch(p.K, p.V, p.element_size, True)
 
     # -- backward: recompute, overlap, reverse pass
-    if keep:
-        recompute, rwhy = "none", "the forward kept its states"
-    elif wy_on_chip(p.K, p.V, p.states, p.element_size, caps.interpret):
-        recompute, rwhy = "on_chip", "16-bit with a wide, spill-free V-block: W, U made on chip, U never in HBM"
-    else:
-        recompute, rwhy = "two_launch", "fp32, K = 256 or narrow V-blocks: the on-chip variant spills"
-    reasons.append(("recompute", rwhy))
     recompute_launch = walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)
+    if not p.training:
+        recompute, why = "none", "inference: no backward"
+    elif keep:
+        recompute, why = "none", "the forward kept its states"
+    elif wy_on_chip(p.K, p.V, p.states, p.element_size, caps.interpret):
+        recompute, why = "on_chip", "16-bit, a wide spill-free V-block: W, U made in the walk, U never in HBM"
+    else:
+        recompute, why = "two_launch", (f"W, U in the walk would spill or be recomputed by narrow V-blocks "
+                                        f"({_DTYPES.get(p.dtype)}, K = {p.K}, V-block {recompute_launch.block_v})")
+    reasons.append(("recompute", why))
     if recompute == "two_launch" and segments == 1:
-        overlap, owhy = _forced("overlap", o.overlap,
-                                caps.two_streams and p.states <= OVERLAP_MAX_STATES
-                                and p.long_sequences(OVERLAP_MIN_TOKENS),
-                                f"the recompute walk beside the reverse pass where sequences x heads <= "
-                                f"{OVERLAP_MAX_STATES} on {OVERLAP_MIN_TOKENS}+ tokens leave SMs idle")
+        rule = caps.two_streams and p.states <= OVERLAP_MAX_STATES and p.long_sequences(OVERLAP_MIN_TOKENS)
+        overlap, why = _forced("overlap", o.overlap, rule,
+                               f"{nh} on long sequences leave SMs idle beside the reverse pass" if rule else
+                               f"only with two CUDA streams, sequences x heads <= {OVERLAP_MAX_STATES}, sequences "
+                               f"of {OVERLAP_MIN_TOKENS}+ tokens")
     else:
         overlap = False
-        owhy = "segments run the recompute walk on the side stream" if segments > 1 else "nothing to overlap"
+        why = "the segments run the recompute walk on the side stream" if segments > 1 else "nothing to overlap"
     if overlap and not caps.two_streams:
         raise ValueError("overrides(overlap=True) needs two CUDA streams (a GPU, not the interpreter)")
-    reasons.append(("overlap", owhy))
+    reasons.append(("overlap", why))
 
-    if not (hopper_fits and p.training):
+    if not p.training:
+        reverse, why = "none", "inference: no backward"
+    elif not hopper_fits:
         reverse, why = "portable", "the Hopper pass needs what the Hopper walk needs"
         if o.hopper_reverse:
             raise ValueError(f"overrides(hopper_reverse=True): {why}")
     else:
-        reverse, why = _forced(
-            "hopper_reverse", o.hopper_reverse,
-            HOPPER_REVERSE_MIN_STATES <= p.states <= caps.num_sms and p.long_sequences(HOPPER_REVERSE_MIN_TOKENS),
-            f"measured faster from {HOPPER_REVERSE_MIN_STATES} sequences x heads to one wave, on sequences of "
-            f"{HOPPER_REVERSE_MIN_TOKENS}+ tokens")
-        reverse = "hopper" if reverse else "portable"
+        rule = (HOPPER_REVERSE_MIN_STATES <= p.states <= caps.num_sms
+                and p.long_sequences(HOPPER_REVERSE_MIN_TOKENS))
+        hopper_reverse, why = _forced(
+            "hopper_reverse", o.hopper_reverse, rule,
+            f"{nh} within one wave, sequences of {HOPPER_REVERSE_MIN_TOKENS}+ tokens: measured faster" if rule else
+            f"measured faster only at {HOPPER_REVERSE_MIN_STATES} <= sequences x heads <= {caps.num_sms} SMs "
+            f"on sequences of {HOPPER_REVERSE_MIN_TOKENS}+ tokens")
+        reverse = "hopper" if hopper_reverse else "portable"
     reasons.append(("reverse", why))
     rev_launch = (hopper_launch(p.states, caps.num_sms) if reverse == "hopper" else
                   reverse_launch(p.K, p.V, p.states, p.element_size, caps.num_sms, caps.interpret))
 
     return ChunkPlan(problem=p, caps=caps, walk=walk, residual=residual, split_partitions=partitions,
-                     split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch, wy_launch=wy,
-                     recompute=recompute, recompute_launch=recompute_launch,
-                     recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False), overlap=overlap, segments=segments,
-                     reverse=reverse, reverse_launch=rev_launch, wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size),
-                     reasons=tuple(reasons))
+                     split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch,
+                     wy_launch=wy_launch(p.K, p.V, p.element_size, True), recompute=recompute,
+                     recompute_launch=recompute_launch, recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False),
+                     overlap=overlap, segments=segments, reverse=reverse, reverse_launch=rev_launch,
+                     wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size), reasons=tuple(reasons))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # What a plan runs, in words
-
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
 
 def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """The launches of the forward and of the backward, in order (stage names as in the source tree)."""
@@ -528,15 +533,21 @@ def explain(plan: ChunkPlan) -> str:
              f"{_DTYPES.get(p.dtype, p.dtype)}, chunk {p.chunk_size}, "
              f"{'training' if p.training else 'inference'}" + (", save_states" if p.save_states else ""),
              f"device:  {plan.caps.name}", "choices:"]
-    values = {"walk": f"{plan.walk} [{plan.walk_launch}]", "split": (
-        f"{plan.split_partitions} partitions (sequences of {plan.split_min_tokens}+ tokens)" if plan.split else "no"),
-        "keep_states": "yes" if plan.keep_states else "no", "residual": "yes" if plan.residual else "no (W, U)",
-        "recompute": f"{plan.recompute} [{plan.recompute_launch}]" if plan.recompute != "none" else "none",
-        "overlap": "yes" if plan.overlap else "no", "reverse": f"{plan.reverse} [{plan.reverse_launch}]"}
+    backward = p.training
+    values = {"walk": f"{plan.walk} [{plan.walk_launch}]",
+              "split": f"{plan.split_partitions} partitions" if plan.split else "no",
+              "segments": str(plan.segments), "keep_states": "yes" if plan.keep_states else "no",
+              "residual": "yes" if plan.residual else "no (W, U)",
+              "recompute": f"{plan.recompute} [{plan.recompute_launch}]" if plan.recompute in ("on_chip", "two_launch")
+              else plan.recompute,
+              "overlap": "yes" if plan.overlap else "no",
+              "reverse": f"{plan.reverse} [{plan.reverse_launch}]" if backward else plan.reverse}
     for name, reason in plan.reasons:
         lines.append(f"  {name:<12} {values[name]:<34} {reason}")
-    lines.append(f"  {'segments':<12} {plan.segments}")
-    lines.append(f"  {'wy':<12} [{plan.wy_launch}]; wy_bwd [{plan.wy_bwd_launch}]")
+    launches = f"wy [{plan.wy_launch}]"
+    if backward:
+        launches += f"; recompute wy [{plan.recompute_wy_launch}]; wy_bwd [{plan.wy_bwd_launch}]"
+    lines.append(f"  {'launches':<12} {launches}")
     fwd, bwd = kernels(plan)
     lines.append("forward:  " + " -> ".join(fwd))
     if bwd:
