@@ -456,6 +456,9 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     else:
         overlap = False
         why = "the segments run the recompute walk on the side stream" if segments > 1 else "nothing to overlap"
+        if o.overlap and p.training:
+            raise ValueError(f"overrides(overlap=True): only the two-launch recompute of an unsegmented backward "
+                             f"overlaps (here recompute {recompute}, {segments} segments)")
     if overlap and not caps.two_streams:
         raise ValueError("overrides(overlap=True) needs two CUDA streams (a GPU, not the interpreter)")
     reasons.append(("overlap", why))

@@ -17,7 +17,7 @@ TABLE = [
     # the benchmark's shapes on sm90 (the H200: 132 SMs)
     ((8, 2048, 16, 128, bf16, "sm90", None, True, False), ("hopper", 128, True, 1, False, "on_chip", False, 1, "hopper", 128)),
     ((8, 2048, 16, 128, bf16, "sm90", None, True, True), ("hopper", 128, False, 1, True, "none", False, 1, "hopper", 128)),
-    ((8, 2048, 16, 128, bf16, "sm90", None, False, False), ("hopper", 128, True, 1, False, "on_chip", False, 1, "portable", 128)),
+    ((8, 2048, 16, 128, bf16, "sm90", None, False, False), ("hopper", 128, True, 1, False, "none", False, 1, "none", 128)),
     ((8, 2048, 16, 128, fp16, "sm90", None, True, False), ("hopper", 128, True, 1, False, "on_chip", False, 1, "hopper", 128)),
     ((4, 4096, 16, 128, bf16, "sm90", None, True, False), ("hopper", 64, True, 1, False, "on_chip", False, 1, "hopper", 64)),
     ((4, 4096, 16, 128, bf16, "sm90", None, True, True), ("hopper", 64, False, 1, True, "none", False, 1, "hopper", 64)),
@@ -25,8 +25,8 @@ TABLE = [
     ((1, 32768, 16, 128, bf16, "sm90", None, True, False), ("hopper", 64, True, 3, False, "two_launch", False, 2, "hopper", 64)),
     ((1, 32768, 16, 128, bf16, "sm90", None, True, True), ("hopper", 64, True, 3, False, "two_launch", False, 2, "hopper", 64)),
     ((1, 32768, 16, 128, fp16, "sm90", None, True, False), ("hopper", 64, True, 3, False, "two_launch", False, 2, "hopper", 64)),
-    # inference: one segment, nothing kept, the split as in training; the backward's choices are still made
-    ((1, 32768, 16, 128, bf16, "sm90", None, False, True), ("hopper", 64, True, 3, False, "two_launch", True, 1, "portable", 16)),
+    # inference: one segment, nothing kept, the split as in training; no backward choices
+    ((1, 32768, 16, 128, bf16, "sm90", None, False, True), ("hopper", 64, True, 3, False, "none", False, 1, "none", 16)),
     ((1, 32768, 64, 128, bf16, "sm90", None, True, False), ("hopper", 64, True, 1, False, "on_chip", False, 1, "hopper", 64)),
     ((1, 32768, 64, 128, bf16, "sm90", None, True, True), ("hopper", 64, False, 1, True, "none", False, 1, "hopper", 64)),
     ((1, None, 16, 128, bf16, "sm90", PACKED_20, True, False), ("hopper", 128, True, 1, False, "on_chip", False, 1, "portable", 64)),
@@ -63,8 +63,8 @@ def test_plan_table(shape, expected):
            p.segments, p.reverse, p.reverse_launch.block_v)
     assert got == expected
     assert p.split == (p.split_partitions > 1) and p.split_min_tokens == plan.SPLIT_MIN_TOKENS
-    assert {name for name, _ in p.reasons} == {"walk", "split", "keep_states", "residual", "recompute", "overlap",
-                                               "reverse"} and all(p.reason(name) for name, _ in p.reasons)
+    assert {name for name, _ in p.reasons} == {"walk", "split", "segments", "keep_states", "residual", "recompute",
+                                               "overlap", "reverse"} and all(p.reason(name) for name, _ in p.reasons)
 
 
 def test_plan_is_frozen_and_problem_counts():
@@ -238,6 +238,8 @@ def test_unknown_override_raises_type_error():
     (dict(hopper_walk=True), "sm90", fp32, 128, "hopper_walk=True"),
     (dict(hopper_walk=True), "sm90", bf16, 64, "hopper_walk=True"),
     (dict(overlap=True), "cpu", fp32, 128, "two CUDA streams"),  # the two-launch recompute, no streams
+    (dict(overlap=True), "sm90", bf16, 64, "overlap=True"),  # the one-launch recompute: nothing to overlap
+    (dict(overlap=True, segments=2), "sm90", fp32, 128, "overlap=True"),  # the segments' own side stream
     (dict(residual=True), "sm90", fp32, 128, "residual=True"),  # the portable walk
     (dict(residual=True), "sm80", bf16, 128, "residual=True"),
     (dict(residual=True, hopper_walk=False), "sm90", bf16, 128, "residual=True"),
@@ -255,7 +257,7 @@ def test_hopper_walk_needs_tma_aligned_inputs():
     problem = plan.Problem(bf16, 16, 128, 128, 8, 16384, tma_aligned=False)
     p = plan.make_plan(problem, plan.named_capabilities("sm90"))
     assert p.walk == "portable_fused" and p.reverse == "portable"
-    with plan.overrides(hopper_walk=True), pytest.raises(ValueError, match="TMA-aligned"):
+    with plan.overrides(hopper_walk=True), pytest.raises(ValueError, match="16-byte aligned"):
         plan.make_plan(problem, plan.named_capabilities("sm90"))
 
 
@@ -301,7 +303,8 @@ def test_explain_names_the_kernels():
     assert bwd == ["backward: portable.wy (W, U from T~) -> portable.walk (side stream, beside the reverse pass) -> per "
                    "segment (x2, last first): hopper.reverse; then portable.grads, portable.wy_bwd of the segment "
                    "after it, side stream"]
-    for choice in ("walk", "split", "keep_states", "residual", "recompute", "overlap", "reverse", "segments", "wy"):
+    for choice in ("walk", "split", "keep_states", "residual", "recompute", "overlap", "reverse", "segments",
+                   "launches"):
         assert any(line.split()[:1] == [choice] for line in lines), choice
 
 
