@@ -238,7 +238,6 @@ def test_unknown_override_raises_type_error():
     (dict(hopper_walk=True), "sm90", fp32, 128, "hopper_walk=True"),
     (dict(hopper_walk=True), "sm90", bf16, 64, "hopper_walk=True"),
     (dict(overlap=True), "cpu", fp32, 128, "two CUDA streams"),  # the two-launch recompute, no streams
-    (dict(overlap=True), "sm90", bf16, 64, "overlap=True"),  # the one-launch recompute: nothing to overlap
     (dict(overlap=True, segments=2), "sm90", fp32, 128, "overlap=True"),  # the segments' own side stream
     (dict(residual=True), "sm90", fp32, 128, "residual=True"),  # the portable walk
     (dict(residual=True), "sm80", bf16, 128, "residual=True"),
@@ -251,6 +250,14 @@ def test_unknown_override_raises_type_error():
 def test_impossible_forced_choices_raise_at_plan_time(forced, gpu, dtype, D, match):
     with plan.overrides(**forced), pytest.raises(ValueError, match=match):
         plan_for_shape(1, 8192, 16, D, D, dtype, gpu)
+
+
+def test_forced_overlap_refused_on_the_one_launch_recompute():
+    assert plan_for_shape(8, 2048, 16, 128, 128, bf16).recompute == "on_chip"
+    with plan.overrides(overlap=True), pytest.raises(ValueError, match="overlap=True"):
+        plan_for_shape(8, 2048, 16, 128, 128, bf16)
+    with plan.overrides(overlap=True):  # inference has no backward to overlap: the override does not apply
+        assert not plan_for_shape(8, 2048, 16, 128, 128, bf16, training=False).overlap
 
 
 def test_hopper_walk_needs_tma_aligned_inputs():
