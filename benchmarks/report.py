@@ -214,7 +214,7 @@ as optional imports: a competitor that is not importable gives rows "not install
    (`pip install fla-core==0.6.0 flash-qla==0.1.3` where the machine has a package index).
 2. From the checkout: `python benchmarks/run.py --plot` (in a checkout `deltatron bench --plot` is the same). It
    writes `benchmarks/results/<gpu>.json`, `.md` and `.png` (`h200` on an H200), the one results set of that GPU
-   (git keeps the earlier ones), or under `--out DIR` / `--name NAME`. `bash benchmarks/device_session.sh bench`
+   (git keeps the earlier ones), or under `--out DIR` / `--name NAME`. `bash benchmarks/gpu_call.sh bench`
    runs it in one call of a device with a time limit, with `BENCH_ARGS` and `BENCH_BUDGET_S`, writing under
    `$OUT` (default `./out`).
    fla-core autotunes for 80-130 s on each new shape and FlashQLA compiles its TileLang kernels on first use,

@@ -19,6 +19,7 @@ def fake_checkout(monkeypatch, tmp_path):
     """A checkout whose harness records its arguments; the real benchmarks package is put back afterwards."""
     folder = tmp_path / "benchmarks"
     folder.mkdir()
+    (folder / "__init__.py").write_text("")  # a package, as the checkout's benchmarks/ is
     (folder / "harness.py").write_text("calls = []\n\ndef main(argv):\n    calls.append(argv)\n    return 7\n")
     monkeypatch.setattr(bench, "benchmarks_dir", lambda: folder)
     monkeypatch.setattr(sys, "path", list(sys.path))

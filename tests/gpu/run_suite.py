@@ -7,7 +7,7 @@ tests/kernels/chunk/hopper/test_walk_gpu.py, ...), marked `gpu`; the suite is `p
 selects them from the whole tree (this folder holds only this script and LAST_RUN.md).
 
 --paths runs part of the suite (default: the whole tests tree), e.g. one half per GPU of a two-GPU machine; the
-session-10 split (6 workers on an H200), by today's paths: tests/kernels/chunk/test_backward_gpu.py,
+a split in two (6 workers on an H200): tests/kernels/chunk/test_backward_gpu.py,
 tests/kernels/chunk/test_forward_gpu.py, tests/kernels/test_fused_recurrent_gpu.py,
 tests/kernels/chunk/hopper/test_reverse_gpu.py (261 s) against tests/kernels/test_parallel_gpu.py,
 tests/kernels/test_fused_chunk_gpu.py, tests/test_layers_gpu.py, tests/kernels/chunk/hopper/test_walk_gpu.py
@@ -21,7 +21,6 @@ ran clean (288 s). With 14, eight tests ended in CUDA out-of-memory errors."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import subprocess
 import sys
@@ -31,6 +30,14 @@ import torch
 import triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tree() -> str:
+    """The commit the suite ran on: SUITE_TREE where the copy has no git history, else git's HEAD."""
+    if os.environ.get("SUITE_TREE"):
+        return os.environ["SUITE_TREE"]
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return out.stdout.strip() or "unknown"
 
 
 def main() -> int:
@@ -60,7 +67,7 @@ def main() -> int:
     lines = [
         "# GPU suite: last run",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- tree: {tree()}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
         f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` "
         f"(pytest {' '.join(args.paths)} -m gpu"

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# where a `pip install --target DIR triton==3.6.0` may be (DELTATRON_TRITON36 names another)
-TRITON36_DIRS = [os.environ.get("DELTATRON_TRITON36", ""), "/tmp/t36"]
+# where a `pip install --target DIR triton==3.6.0` is, if anywhere (DELTATRON_TRITON36 names it)
+TRITON36_DIRS = [os.environ.get("DELTATRON_TRITON36", "")]
 
 
 def _triton36_path():

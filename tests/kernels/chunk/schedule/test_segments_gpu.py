@@ -90,7 +90,7 @@ def test_segmented_varlen(triton_backend, poison, monkeypatch, request, reverse)
 def test_segmented_peak_memory(triton_backend, monkeypatch):
     # the segmented backward releases U, W and each segment's dh and dV' after their last reader, so its peak stays
     # near the unsegmented one's: at 1 x 16 heads, T = 32768, bf16 it held them all to the end, 1.82 GiB against
-    # 1.50 (session 13, over fla's 1.81). Peak of forward + backward above what is allocated before it, as the
+    # 1.50 (over fla's 1.81). Peak of forward + backward above what is allocated before it, as the
     # benchmark measures it
     x = make_inputs(1, 32768, 16, 128, 128, torch.bfloat16, device="cuda", seed=13, requires_grad=True)
     do = torch.randn_like(x["v"])

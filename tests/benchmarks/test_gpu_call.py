@@ -1,4 +1,4 @@
-"""benchmarks/device_session.sh (one call of a GPU machine: stage times, the GPU suite, check and train, the
+"""benchmarks/gpu_call.sh (one call of a GPU machine: stage times, the GPU suite, check and train, the
 benchmark) is valid bash, runs only scripts that exist, writes under a folder of the checkout by default and
 brings no compile cache into the checkout."""
 import os
@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "device_session.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu_call.sh"
 
 
 def test_parses_and_names_real_files():

@@ -3,7 +3,7 @@
 # last. Results go under $OUT (default ./out, relative to the checkout): each step's log and JSON, packed into
 # logs.tgz at the end, beside the benchmark's results files.
 #
-#   bash benchmarks/device_session.sh [STEP ...]      # default: times suite
+#   bash benchmarks/gpu_call.sh [STEP ...]      # default: times suite
 #
 # times: tools/stage_times.py, each stage of the chunk forward and backward and the decode step timed apart
 #        (~1 min);
@@ -60,7 +60,7 @@ for step in "${steps[@]}"; do
 done
 
 echo
-echo "== device session (${steps[*]}), GPU ${CUDA_VISIBLE_DEVICES:-all}, logs in $OUT"
+echo "== GPU call (${steps[*]}), GPU ${CUDA_VISIBLE_DEVICES:-all}, logs in $OUT"
 printf '%s\n' "${summary[@]}"
 [[ -f $OUT/stage_times.txt ]] && { echo "-- stage_times"; grep -E 'ms$|us$' "$OUT/stage_times.txt" | head -40; }
 [[ -f $OUT/check.txt ]] && { echo "-- check"; tail -4 "$OUT/check.txt"; }
