@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -33,6 +33,7 @@ import deltatron  # noqa: E402
 from benchmarks import configs  # noqa: E402
 from deltatron.kernels.chunk import plan, plan_call  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
+from stage_times import timer  # noqa: E402
 
 BOOLEAN = ("hopper_walk", "residual", "keep_states", "overlap", "hopper_reverse", "fused_output")
 INTEGER = ("split_partitions", "split_min_tokens", "segments")
@@ -55,21 +56,6 @@ def parse_overrides(text: str) -> Dict[str, object]:
         else:
             choices[name] = int(value)
     return choices
-
-
-def timer(smoke: bool) -> Callable[[Callable[[], object]], float]:
-    if smoke:
-        import time
-
-        def wall_ms(fn):
-            fn()
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        return wall_ms
-    from triton.testing import do_bench
-
-    return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def calls(cfg: configs.Config, device: torch.device):

@@ -46,6 +46,8 @@ C = 64
 
 
 def timer(smoke: bool):
+    """A function timing a call in ms: do_bench's median on a GPU (as the benchmark), one wall-clock call in smoke
+    mode."""
     if smoke:
         def wall_ms(fn):
             fn()
@@ -55,7 +57,7 @@ def timer(smoke: bool):
         return wall_ms
     import triton
 
-    return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
+    return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def stage_calls(cfg: bench.Config, device):
