@@ -2,7 +2,7 @@
 
     plan.py      one frozen plan per call: every rule, threshold and launch configuration, with reasons
     forward.py   executes the plan's forward; backward.py its backward
-    portable/    Triton stages that run on every GPU and in the interpreter: wy, kkt, solve_tril, walk, output,
+    portable/    Triton stages that run on every GPU and in the interpreter: wy (with kkt, solve_tril), walk, output,
                  reverse, grads, wy_bwd
     hopper/      Gluon stages for sm_90 with the same names: walk, reverse
     schedule/    the sequence split and the segmented backward

@@ -9,7 +9,7 @@ import torch
 import deltatron
 from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
-from deltatron.kernels.chunk.portable import kkt, output, solve_tril, wy
+from deltatron.kernels.chunk.portable import output, wy
 from deltatron.kernels.chunk.portable import walk as portable_walk
 from deltatron.kernels.utils import seq_info
 from deltatron.reference import chunk_delta_rule_reference, intra_chunk_wy
@@ -17,6 +17,7 @@ from deltatron.reference.chunk import from_chunks, to_chunks
 
 from ...helpers import CHUNK_SHAPES, BOUNDS, gluon_smoke, make_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
 from .helpers import hopper_fits
+from .portable import stages
 
 pytestmark = pytest.mark.gpu
 
@@ -211,7 +212,7 @@ def test_solve_tril_precision(poison, monkeypatch, precision, C):
     B, T, H = 2, 1000, 4
     x = make_inputs(B, T, H, 128, 64, torch.float32, device="cuda", seed=C)
     info = seq_info(B, T, torch.device("cuda"), None, None)
-    tinv = solve_tril.solve_tril(kkt.chunk_kkt(x["k"], x["beta"], info, C), info, C)
+    tinv = stages.solve_tril(stages.chunk_kkt(x["k"], x["beta"], info, C), info, C)
     _, T_ref, _, _ = intra_chunk_wy(*(to_chunks(x[n].double(), C) for n in ("k", "v", "beta")))
     # fp32-level for all three: tf32_newton's Newton step squares its tf32 products' error
     assert rel_rms(tinv, from_chunks(T_ref, T)) < 1e-5

@@ -1,16 +1,14 @@
 """A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2), and the chunk bookkeeping the portable kernels share.
 
 A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The forward
-does not launch this stage (wy.wy_fwd builds A on chip through kkt_tile and never stores it); kkt -> solve_tril on a
-stored A is kept for the stage contract and the tests (DESIGN.md §10)."""
+does not launch this stage: wy.wy_fwd builds A on chip through kkt_tile and never stores it (the tests launch it
+apart to check each stage: tests/kernels/chunk/portable/stages.py)."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ...launch import launch
-from ...utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, mm
+from ...utils import mm
 
 
 @triton.jit
@@ -51,28 +49,3 @@ def kkt_tile(k, beta, n, H: tl.constexpr, I0: tl.constexpr, J0: tl.constexpr, BI
     if I0 == J0:
         acc = tl.where(i[:, None] > j[None, :], acc, 0.0)
     return acc
-
-
-@triton.jit
-def chunk_kkt_kernel(k, beta, a, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                     C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
-    b_a = kkt_tile(k + start * H * K + i_h * K, beta + start * H + i_h, n, H, 0, 0, C, C, K, BK, PRECISION)
-    rows = tl.arange(0, C)
-    tl.store(a + (start + rows[:, None]) * (H * C) + i_h * C + rows[None, :], b_a, mask=rows[:, None] < n)
-
-
-def chunk_kkt(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
-    """A = tril(diag(beta) K K^T, -1) per chunk: [B, T, H, C] fp32 (rows past each sequence's end are not
-    tokens and are not written)."""
-    H, K = k.shape[2], k.shape[3]
-    a = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
-    chunks = info.chunks(chunk_size)
-    if chunks.num_chunks:
-        launch(
-            chunk_kkt_kernel, (chunks.num_chunks, H),
-            k, beta, a, info.cu_seqlens, chunks.chunk_indices, H, K, chunk_size, head_tile(K),
-            dot_precision(k.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
-        )
-    return a

@@ -9,17 +9,15 @@ accuracy (utils.mm_split_tf32); fp32 inputs run ieee (DESIGN.md §2, §8).
 
 The kernel's time follows its instruction count more than its products: hence the product-free first level, the
 one-compare block masks and the bit-mask split. tril_inverse works on register tiles so that fused kernels use it:
-with FROM_K it builds A from K and beta and never stores it (wy.wy_fwd, parallel.py); the standalone solve_tril
-takes a stored fp32 A (ieee) for the stage contract and the tests."""
+with FROM_K it builds A from K and beta and never stores it (wy.wy_fwd, parallel.py); without, it reads a stored fp32
+A (ieee), as the tests' standalone stage does (tests/kernels/chunk/portable/stages.py)."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ...launch import launch
-from ...utils import PIPELINE_STAGES, SeqInfo, mm, mm_split_tf32, store_rows, tril_precision
-from .kkt import chunk_span, kkt_tile
+from ...utils import mm, mm_split_tf32
+from .kkt import kkt_tile
 
 
 @triton.jit
@@ -88,30 +86,3 @@ def tril_inverse(a, k, beta, n, H: tl.constexpr, C: tl.constexpr, K: tl.constexp
         residual = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - t - mm_split_tf32(b_a, t)
         t = t + mm(t, residual, TRIL_PREC)
     return t
-
-
-@triton.jit
-def solve_tril_kernel(a, tinv, cu_seqlens, chunk_indices, H: tl.constexpr, C: tl.constexpr,
-                      TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
-    offset = start * H * C + i_h * C
-    # FROM_K=False: k, beta and K are unused, a stands in for them
-    b_t = tril_inverse(a + offset, a, a, n, H, C, 16, 16, False, "ieee", TRIL_PREC, NEWTON)
-    store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
-
-
-def solve_tril(A: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
-    """Tinv = (I + A)^{-1} per chunk from A [B, T, H, C] fp32 (strictly lower; entries on and above the
-    diagonal are ignored). Returns [B, T, H, C] fp32; in a short last chunk the columns past the sequence
-    end are zero."""
-    H = A.shape[2]
-    tinv = torch.empty_like(A)
-    chunks = info.chunks(chunk_size)
-    if chunks.num_chunks:
-        launch(
-            solve_tril_kernel, (chunks.num_chunks, H),
-            A, tinv, info.cu_seqlens, chunks.chunk_indices, H, chunk_size, *tril_precision(A.dtype),
-            num_warps=4, num_stages=PIPELINE_STAGES,
-        )
-    return tinv

@@ -1,14 +1,15 @@
-"""portable/kkt.py and portable/solve_tril.py: A = strictly lower (beta K K^T) per chunk and its inverse T~ = (I + A)^-1
+"""portable/kkt.py and portable/solve_tril.py, launched apart (stages.py): A = strictly lower (beta K K^T) per chunk and its inverse T~ = (I + A)^-1
 against float64 intra_chunk_wy on the same (dtype-rounded) inputs."""
 import pytest
 import torch
 
-from deltatron.kernels.chunk.portable import kkt, solve_tril, wy
+from deltatron.kernels.chunk.portable import wy
 from deltatron.kernels.utils import seq_info
 from deltatron.reference.chunk import intra_chunk_wy
 
 from ....helpers import DEVICE, nearly_parallel_keys, random_cu_seqlens, rel_rms
 from ..helpers import needs_triton, packed, per_sequence_chunks
+from . import stages
 
 pytestmark = needs_triton
 
@@ -21,14 +22,14 @@ pytestmark = needs_triton
 def test_kkt_and_solve_tril(poison, dtype, C, lengths, K):
     inp, info, ref = packed(lengths, 2, K, 16, dtype, seed=1, normalized_keys=False, beta_max=2.0)
     A_ref, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
-    A = kkt.chunk_kkt(inp["k"], inp["beta"], info, C)
+    A = stages.chunk_kkt(inp["k"], inp["beta"], info, C)
     assert A.dtype == torch.float32
     assert rel_rms(A, A_ref) < 1e-6  # fp32 dot of the rounded inputs
     # solve_tril reads only the strict lower triangle: garbage on and above the diagonal must not matter
     upper = torch.ones(C, C, dtype=torch.bool, device=A.device).triu()
     rows = torch.cat([torch.arange(L) % C for L in lengths]).to(A.device)
     junk = torch.where(upper[rows][None, :, None, :], torch.randn_like(A), A)
-    T = solve_tril.solve_tril(junk, info, C)
+    T = stages.solve_tril(junk, info, C)
     assert rel_rms(T, T_ref) < 1e-5
 
 
@@ -43,7 +44,7 @@ def test_solve_tril_nearly_parallel_keys(poison, C):
     info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
     _, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, *(x.cpu().double() for x in (k, k, beta)))
     assert T_ref.abs().max() <= 2.5  # bounded, as the comment says
-    T = solve_tril.solve_tril(kkt.chunk_kkt(k, beta, info, C), info, C)
+    T = stages.solve_tril(stages.chunk_kkt(k, beta, info, C), info, C)
     assert rel_rms(T, T_ref) < 1e-5
     tinv, _, _ = wy.wy_fwd(k, k, beta, info, C)
     assert rel_rms(tinv, T_ref) < 1e-5
@@ -57,7 +58,7 @@ def test_solve_tril_precision_switch(poison, monkeypatch, precision):
     lengths, C = [64, 40], 64
     inp, info, ref = packed(lengths, 1, 32, 16, torch.float32, seed=2)
     _, T_ref, _, _ = per_sequence_chunks(lengths, C, intra_chunk_wy, ref["k"], ref["v"], ref["beta"])
-    T = solve_tril.solve_tril(kkt.chunk_kkt(inp["k"], inp["beta"], info, C), info, C)
+    T = stages.solve_tril(stages.chunk_kkt(inp["k"], inp["beta"], info, C), info, C)
     assert rel_rms(T, T_ref) < 1e-5
 
 
@@ -65,6 +66,6 @@ def test_tril_precision_rejects_unknown(monkeypatch):
     monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "fp64")
     lengths = [16]
     inp, info, _ = packed(lengths, 1, 16, 16, torch.float32, seed=3)
-    A = kkt.chunk_kkt(inp["k"], inp["beta"], info, 16)
+    A = stages.chunk_kkt(inp["k"], inp["beta"], info, 16)
     with pytest.raises(ValueError, match="DELTATRON_TRIL_PRECISION"):
-        solve_tril.solve_tril(A, info, 16)
+        stages.solve_tril(A, info, 16)
