@@ -119,13 +119,22 @@ def recurrent_gated_delta_rule(
 
 # ---------------------------------------------------------------- the chunkwise form
 
-def _masked_exp_diff(gam: torch.Tensor, strict: bool) -> torch.Tensor:
-    """E_ij = exp(gam_i - gam_j) on j <= i (j < i when strict), 0 elsewhere; the mask is applied to the
-    exponent (-inf) before exp, so the positive differences above the diagonal are never exponentiated."""
+def _masked_exp_diff(gam: torch.Tensor) -> torch.Tensor:
+    """E_ij = exp(gam_i - gam_j) for j < i, 1 on the diagonal, 0 above it. The mask is applied to the exponent
+    (-inf) before exp, so the positive differences above the diagonal are never exponentiated; the diagonal is
+    the constant 1 (no dependence on gamma: its +/- gradient terms, equal and opposite, are never formed)."""
     C = gam.shape[-1]
-    keep = torch.ones(C, C, dtype=torch.bool, device=gam.device).tril(-1 if strict else 0)
+    strict = torch.ones(C, C, dtype=torch.bool, device=gam.device).tril(-1)
     diff = gam[..., :, None] - gam[..., None, :]
-    return torch.exp(torch.where(keep, diff, torch.full_like(diff, float("-inf"))))
+    eye = torch.eye(C, dtype=gam.dtype, device=gam.device)
+    return torch.exp(torch.where(strict, diff, torch.full_like(diff, float("-inf")))) + eye
+
+
+def _decay_to_end(g_c: torch.Tensor) -> torch.Tensor:
+    """gamma_C - gamma_i = sum_{l > i} g_l within the chunk, as an exclusive suffix sum of g (not a difference of
+    cumulative sums: then its gradient is an exclusive prefix sum, with no cancelling terms)."""
+    suffix = g_c.flip(-1).cumsum(-1).flip(-1)
+    return torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], -1)
 
 
 def gated_intra_chunk(k_c, v_c, g_c, b_c):
@@ -134,7 +143,7 @@ def gated_intra_chunk(k_c, v_c, g_c, b_c):
     U = Tinv diag(beta) V. Returns (gamma, E, A, Tinv, W, U)."""
     C = k_c.shape[-2]
     gam = g_c.cumsum(-1)
-    E = _masked_exp_diff(gam, strict=False)
+    E = _masked_exp_diff(gam)
     A = torch.tril(b_c[..., None] * (k_c @ k_c.transpose(-1, -2)) * E, diagonal=-1)
     eye = torch.eye(C, dtype=k_c.dtype, device=k_c.device)
     Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
@@ -149,7 +158,7 @@ def _chunkwise(q, k, v, g, beta, S, scale, chunk_size):
     gam, E, _, _, W, U = gated_intra_chunk(k_c, v_c, g_c, b_c)
     qk = (q_c @ k_c.transpose(-1, -2)) * E  # E is already 0 above the diagonal
     e = torch.exp(gam)  # exp(gamma_i) <= 1
-    decay_last = torch.exp(gam[..., -1:] - gam)  # exp(gamma_C - gamma_i) <= 1 (gamma_C: the last row's, padding adds 0)
+    decay_last = torch.exp(_decay_to_end(g_c))  # exp(gamma_C - gamma_i) <= 1 (gamma_C: the last row's, padding adds 0)
     outs = []
     for c in range(q_c.shape[2]):
         v_new = U[:, :, c] - W[:, :, c] @ S
@@ -202,7 +211,7 @@ def _chunkwise_backward(q, k, v, g, beta, S0, do, dht, scale, chunk_size):
     gam, E, A, Tinv, W, U = gated_intra_chunk(k_c, v_c, g_c, b_c)
     e = torch.exp(gam)                          # exp(gamma_i)
     e_last = torch.exp(gam[..., -1])            # exp(gamma_C) (padding rows add g = 0)
-    b_last = torch.exp(gam[..., -1:] - gam)     # exp(gamma_C - gamma_i)
+    b_last = torch.exp(_decay_to_end(g_c))      # exp(gamma_C - gamma_i), an exclusive suffix sum of g
     kb = b_c[..., None] * k_c                   # beta K
     kbe = (b_c * e)[..., None] * k_c            # diag(beta exp(gamma)) K: W = Tinv kbe
     vb = b_c[..., None] * v_c                   # beta V: U = Tinv vb
@@ -242,13 +251,14 @@ def _chunkwise_backward(q, k, v, g, beta, S0, do, dht, scale, chunk_size):
     dk = dP.transpose(-1, -2) @ q_c + b_last[..., None] * dSv
     dW = -dvn @ h.transpose(-1, -2)
     dU = dvn
-    # dgamma, direct parts: Q S through exp(gamma_i); P through E_ij (+ at i, - at j); the state update
-    # through exp(gamma_C - gamma_i) (- at i, + at C) and exp(gamma_C) (at C)
-    dPP = dP * (q_c @ k_c.transpose(-1, -2))             # dP ⊙ P (entrywise; P = QKᵀ ⊙ E ⊙ M)
+    # dgamma_i (the local part: factors exp(gamma_i - gamma_j) whose span (j, i] lies inside the chunk, with
+    # gamma_0 = 0): Q S through exp(gamma_i); P through E_ij, j < i (+ at i, - at j; E_ii = 1 carries none)
+    dPP = torch.tril(dP * (q_c @ k_c.transpose(-1, -2)), -1)  # dP ⊙ P, strictly lower
     dgam = e * (dOS * q_c).sum(-1) + dPP.sum(-1) - dPP.sum(-2)
+    # the state path: exp(gamma_C - gamma_i) spans (i, C], exp(gamma_C) spans the whole chunk
     db_path = b_last * (dSv * k_c).sum(-1)               # b_i k_iᵀ dS_next v'_i
-    dgam = dgam - db_path
-    dgam_last = e_last * (h * dh).sum((-1, -2)) + db_path.sum(-1)
+    db_before = torch.cat([torch.zeros_like(db_path[..., :1]), db_path.cumsum(-1)[..., :-1]], -1)  # sum_{i<j}
+    dg_state = (e_last * (h * dh).sum((-1, -2)))[..., None] + db_before
 
     # stage 5 (parallel over chunks): through the WY representation, W = Tinv kbe, U = Tinv vb
     dTinv = dW @ kbe.transpose(-1, -2) + dU @ vb.transpose(-1, -2)
@@ -262,10 +272,10 @@ def _chunkwise_backward(q, k, v, g, beta, S0, do, dht, scale, chunk_size):
     dbeta = (dvb * v_c).sum(-1) + e * (dkbe * k_c).sum(-1) + (dAE * kk).sum(-1)
     dAA = dA * A
     dgam = dgam + (dkbe * kbe).sum(-1) + dAA.sum(-1) - dAA.sum(-2)
-    dgam = torch.cat([dgam[..., :-1], (dgam[..., -1] + dgam_last)[..., None]], -1)
 
-    # stage 6: g_j enters every gamma_i with i >= j of its chunk
-    dg = _rev_cumsum(dgam)
+    # stage 6: g_j enters every gamma_i with i >= j of its chunk (reverse cumulative sum of dgamma), and the
+    # state path's factors: exp(gamma_C) for every j, exp(gamma_C - gamma_i) for every i < j
+    dg = _rev_cumsum(dgam) + dg_state
 
     dq = from_chunks(dq, T) * scale
     return (dq, from_chunks(dk, T), from_chunks(dv, T), from_chunks(dg[..., None], T)[..., 0],
