@@ -10,7 +10,7 @@ from deltatron.reference import (
     recurrent_gated_delta_rule,
 )
 
-from .helpers import random_cu_seqlens, rel_rms
+from ..helpers import random_cu_seqlens, rel_rms
 
 FWD_TOL = 1e-12
 BWD_TOL = 1e-10

@@ -4,7 +4,7 @@ import torch
 
 from deltatron.reference import chunk_delta_rule_reference, parallel_delta_rule_reference, recurrent_delta_rule
 
-from .helpers import make_inputs, random_cu_seqlens, rel_rms
+from ..helpers import make_inputs, random_cu_seqlens, rel_rms
 
 TOL = 1e-10
 
