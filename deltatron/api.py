@@ -9,9 +9,12 @@ import functools
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import backends, library
-from .reference import chunk_delta_rule_reference, parallel_delta_rule_reference, recurrent_delta_rule
+from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
+                        recurrent_delta_rule, recurrent_gated_delta_rule)
+from .reference.common import compute_dtype, prepare_qk
 from .validation import check_inputs, reject_unknown_kwargs, warn_if_head_first
 
 _TORCH_IMPLS = {
@@ -193,3 +196,163 @@ def _check_inplace(q, k, v, beta, initial_state) -> None:
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, beta, initial_state)
     ):
         raise ValueError("inplace_final_state=True is for inference: call it under torch.no_grad()")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The gated delta rule (Gated DeltaNet, DESIGN.md §11): fla's chunk_gated_delta_rule and
+# fused_recurrent_gated_delta_rule, with grouped value heads
+
+_GATED_TORCH_IMPLS = {"chunk": chunk_gated_delta_rule_reference, "fused_recurrent": recurrent_gated_delta_rule}
+# the forms whose Triton kernels take the gate
+_GATED_TRITON_FORMS = ("fused_recurrent",)
+
+
+def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, Hv):
+    """(g, beta) as the recurrence takes them, from the raw projections where the flags say so:
+    g = -exp(A_log) softplus(g + dt_bias) (fp32) and beta = sigmoid(beta), times 2 with allow_neg_eigval."""
+    for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
+                       ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                       ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{fn}: {name} must be a bool, got {flag!r}")
+    if use_gate_in_kernel:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{fn}: use_gate_in_kernel=True needs {name} [Hv] = [{Hv}], got {x!r}")
+            if tuple(x.shape) != (Hv,) or not x.is_floating_point():
+                raise ValueError(f"{fn}: {name} must be a floating-point [Hv] = [{Hv}] tensor, got "
+                                 f"{tuple(x.shape)} {x.dtype}")
+        g = -A_log.float().exp() * F.softplus(g.float() + dt_bias.float())
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError(f"{fn}: A_log and dt_bias are read only with use_gate_in_kernel=True")
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    return g, beta
+
+
+def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first, inplace_final_state=False, chunk_size=None):
+    reject_unknown_kwargs(fn, kwargs)
+    if not isinstance(state_v_first, bool):
+        raise TypeError(f"{fn}: state_v_first must be a bool, got {state_v_first!r}")
+    for name, x in (("q", q), ("v", v), ("g", g)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if v.dim() != 4:
+        raise ValueError(f"{fn}: v must have shape [B, T, Hv, V], got {list(v.shape)}")
+    if beta is None:
+        beta = v.new_ones(v.shape[:3])
+    Hv = v.shape[2]
+    g, beta = _gate(fn, g, beta, *gate, Hv)
+    # the kernels' layout is [N, Hv, K, V]; state_v_first callers keep their pool as [N, Hv, V, K]
+    h0 = initial_state.transpose(-1, -2) if state_v_first and isinstance(initial_state, torch.Tensor) else initial_state
+    scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, h0, cu_seqlens, cu_seqlens_cpu, chunk_size, g=g,
+                                         grouped=True)
+    if inplace_final_state:
+        _check_inplace(q, k, v, beta, initial_state)
+        output_final_state = True
+    if backends.select_backend(q) == "torch":
+        dt = compute_dtype(q.dtype)
+        qc, kc = prepare_qk(q, k, use_qk_l2norm_in_kernel)
+        options = {} if chunk_size is None else {"chunk_size": chunk_size}
+        o, final_state = _GATED_TORCH_IMPLS[form](
+            qc.to(dt), kc.to(dt), v.to(dt), g.to(dt), beta.to(dt), scale, None if h0 is None else h0.to(dt),
+            output_final_state, cu_seqlens, **options)
+        o = o.to(q.dtype)
+    else:
+        if form not in _GATED_TRITON_FORMS:
+            raise RuntimeError(
+                f"{fn}: the gated rule's chunk kernels are not in deltatron's Triton backend yet; the PyTorch "
+                f"backend runs it (DELTATRON_BACKEND=torch, on CUDA tensors too), and "
+                f"fused_recurrent_gated_delta_rule runs it in Triton")
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"{fn}: the gated rule's Triton kernels are not torch.compile custom ops yet; call "
+                               f"it outside the compiled region, or use the PyTorch backend (DELTATRON_BACKEND=torch)")
+        run_form, seq_info = _triton_dispatch()
+        backends.check_triton_inputs(q, v)
+        B, T = q.shape[:2]
+        info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
+        q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
+        if h0 is not None:
+            h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
+        options = {"inplace_final_state": inplace_final_state and not state_v_first}
+        o, final_state = run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
+                                  use_qk_l2norm_in_kernel, info, options, g=g)[:2]
+        if options["inplace_final_state"]:
+            return o, final_state
+    if final_state is not None and state_v_first:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    if inplace_final_state:
+        final_state = initial_state.copy_(final_state)
+    return o, final_state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule (Gated DeltaNet) by the chunkwise form, with grouped value heads (DESIGN.md §11):
+    per token S <- exp(g_t) S, then the delta rule's update; fla's chunk_gated_delta_rule.
+
+    Args (as chunk_delta_rule's, plus):
+        q, k: [B, T, Hk, K]; v: [B, T, Hv, V] with Hv a multiple of Hk (value head h reads q, k head
+            h // (Hv / Hk)); g, beta: [B, T, Hv]; states [N, Hv, K, V] fp32 (or [N, Hv, V, K] with state_v_first).
+        g: log decays (<= 0), or with use_gate_in_kernel the raw projection a: g = -exp(A_log) softplus(a + dt_bias),
+            A_log and dt_bias [Hv], with gradients to all three.
+        use_beta_sigmoid_in_kernel: beta holds logits (beta = sigmoid(beta)); allow_neg_eigval: beta in (0, 2)
+            (beta times 2).
+    Runs on the PyTorch backend (CPU tensors, or DELTATRON_BACKEND=torch); the Triton backend refuses it with a
+    RuntimeError until its chunk kernels take the gate."""
+    return _run_gated("chunk", "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
+                      (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
+                      state_v_first, chunk_size=chunk_size)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    inplace_final_state: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule token by token (decoding), forward and backward; fla's fused_recurrent_gated_delta_rule.
+    Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state as
+    fused_recurrent_delta_rule's (the new states written into initial_state, in its layout)."""
+    return _run_gated("fused_recurrent", "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
+                      output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
+                      (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
+                      state_v_first, inplace_final_state=inplace_final_state)

@@ -54,12 +54,14 @@ def _shape(x: torch.Tensor) -> str:
 
 
 def check_inputs(
-    q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: Optional[int] = None
+    q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: Optional[int] = None,
+    g=None, grouped: bool = False,
 ) -> Tuple[float, Optional[torch.Tensor]]:
     """Validates the core arguments. Returns (scale as a float, cu_seqlens_cpu as int64 CPU tensor or
     None). Reading cu_seqlens from the device when cu_seqlens_cpu is not given is the one host-device
-    sync of a varlen call; pass cu_seqlens_cpu to avoid it."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+    sync of a varlen call; pass cu_seqlens_cpu to avoid it. grouped: v, beta (and g, the log decays of the
+    gated rule) may have Hv = m * H value heads, H being q's and k's (DESIGN.md §11); states are [N, Hv, K, V]."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if g is not None else ()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if q.dim() != 4:
@@ -67,10 +69,19 @@ def check_inputs(
     B, T, H, K = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q [B, T, H, K] = {_shape(q)}, got {_shape(k)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+    if grouped:
+        if v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] == 0 or v.shape[2] % max(H, 1):
+            raise ValueError(f"v must have shape [B, T, Hv, V] = [{B}, {T}, Hv, V] with Hv a multiple of q's "
+                             f"{H} heads, got {_shape(v)}")
+    elif v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(beta)}")
+    Hv = v.shape[2]
+    heads = "Hv" if grouped else "H"
+    for name, x in (("beta", beta),) + ((("g", g),) if g is not None else ()):
+        if x.shape != v.shape[:3]:
+            raise ValueError(f"{name} must have shape [B, T, {heads}] = [{B}, {T}, {Hv}], got {_shape(x)}")
+    if g is not None and not g.is_floating_point():
+        raise TypeError(f"g must be a floating-point tensor, got {g.dtype}")
     V = v.shape[-1]
     if K == 0 or V == 0 or H == 0:
         raise ValueError(f"head sizes must be positive: H = {H}, K = {K}, V = {V}")
@@ -80,7 +91,7 @@ def check_inputs(
         raise TypeError(f"q, k, v dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if not beta.is_floating_point():
         raise TypeError(f"beta must be a floating-point tensor, got {beta.dtype}")
-    for name, x in (("k", k), ("v", v), ("beta", beta)):
+    for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if g is not None else ()):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
 
@@ -104,11 +115,11 @@ def check_inputs(
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
-        expected = (num_seqs, H, K, V)
+        expected = (num_seqs, Hv, K, V)
         if tuple(initial_state.shape) != expected:
             what = "number of sequences in cu_seqlens" if cu_seqlens is not None else "batch size"
             raise ValueError(
-                f"initial_state must have shape [N, H, K, V] = [{num_seqs}, {H}, {K}, {V}] (N = {what}), "
+                f"initial_state must have shape [N, {heads}, K, V] = [{num_seqs}, {Hv}, {K}, {V}] (N = {what}), "
                 f"got {_shape(initial_state)}"
             )
         if not initial_state.is_floating_point():
