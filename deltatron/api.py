@@ -203,8 +203,6 @@ def _check_inplace(q, k, v, beta, initial_state) -> None:
 # fused_recurrent_gated_delta_rule, with grouped value heads
 
 _GATED_TORCH_IMPLS = {"chunk": chunk_gated_delta_rule_reference, "fused_recurrent": recurrent_gated_delta_rule}
-# the forms whose Triton kernels take the gate
-_GATED_TRITON_FORMS = ("fused_recurrent",)
 
 
 def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, Hv):
@@ -262,26 +260,9 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
             output_final_state, cu_seqlens, **options)
         o = o.to(q.dtype)
     else:
-        if form not in _GATED_TRITON_FORMS:
-            raise RuntimeError(
-                f"{fn}: the gated rule's chunk kernels are not in deltatron's Triton backend yet; the PyTorch "
-                f"backend runs it (DELTATRON_BACKEND=torch, on CUDA tensors too), and "
-                f"fused_recurrent_gated_delta_rule runs it in Triton")
-        if torch.compiler.is_compiling():
-            raise RuntimeError(f"{fn}: the gated rule's Triton kernels are not torch.compile custom ops yet; call "
-                               f"it outside the compiled region, or use the PyTorch backend (DELTATRON_BACKEND=torch)")
-        run_form, seq_info = _triton_dispatch()
-        backends.check_triton_inputs(q, v)
-        B, T = q.shape[:2]
-        info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
-        q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
-        if h0 is not None:
-            h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
-        options = {"inplace_final_state": inplace_final_state and not state_v_first}
-        o, final_state = run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
-                                  use_qk_l2norm_in_kernel, info, options, g=g)[:2]
-        if options["inplace_final_state"]:
-            return o, final_state
+        raise RuntimeError(
+            f"{fn}: the gated rule's Triton kernels are not in deltatron yet; the PyTorch backend runs it "
+            f"(DELTATRON_BACKEND=torch, on CUDA tensors too)")
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2).contiguous()
     if inplace_final_state:
@@ -321,7 +302,7 @@ def chunk_gated_delta_rule(
         use_beta_sigmoid_in_kernel: beta holds logits (beta = sigmoid(beta)); allow_neg_eigval: beta in (0, 2)
             (beta times 2).
     Runs on the PyTorch backend (CPU tensors, or DELTATRON_BACKEND=torch); the Triton backend refuses it with a
-    RuntimeError until its chunk kernels take the gate."""
+    RuntimeError until its kernels take the gate."""
     return _run_gated("chunk", "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
                       (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),

@@ -111,8 +111,9 @@ def test_gated_argument_errors_name_the_argument(change, match):
         deltatron.chunk_gated_delta_rule(**args)
 
 
-def test_chunk_gated_on_the_triton_backend_says_where_it_runs(monkeypatch):
+@pytest.mark.parametrize("form", ENTRY_POINTS)
+def test_gated_on_the_triton_backend_says_where_it_runs(form, monkeypatch):
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(RuntimeError, match="DELTATRON_BACKEND=torch"):
-        deltatron.chunk_gated_delta_rule(q, q, torch.randn(1, 8, 2, 16), -torch.rand(1, 8, 2), torch.rand(1, 8, 2))
+        ENTRY_POINTS[form](q, q, torch.randn(1, 8, 2, 16), -torch.rand(1, 8, 2), torch.rand(1, 8, 2))
