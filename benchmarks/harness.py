@@ -49,7 +49,7 @@ from benchmarks.timing import (SETTLE_S, SMOKE_INPUT_SETS, SMOKE_REPS, Options, 
                                measure_peaks, peak_memory, sync, time_ms)
 from deltatron import __version__, api  # noqa: E402
 
-DEFAULT_BUDGET_S = 480        # rows not started by then are recorded as not run (a device call's limit is 600 s)
+DEFAULT_BUDGET_S = 480        # rows not started by then are recorded as not run: a run ends within a time limit
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "benchmarks" / "BENCHMARKS.md"
 

@@ -108,12 +108,17 @@ def recurrent_gated_delta_rule(
     q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g (log decay, <= 0), beta: [B, T, Hv]; initial_state [N, Hv, K, V]
     (N = B, or the number of sequences with cu_seqlens, B == 1). Hv must be a multiple of Hk.
     Returns (o [B, T, Hv, V], final state [N, Hv, K, V] or None)."""
+    return _run_sequences(lambda q, k, v, g, b, s: _recurrence(q, k, v, g, b, s, scale), q, k, v, g, beta,
+                          initial_state, output_final_state, cu_seqlens)
+
+
+def _run_sequences(walk: Callable, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+    """walk(q, k, v, g, beta, S0) -> (o, S) over each sequence, q and k repeated to the value heads (GVA)."""
     G = _group_size(q, k, v)
     _check_varlen(q, cu_seqlens)
     s0 = _initial_state(initial_state, v, k.shape[-1], cu_seqlens)
     q, k = _expand_heads(q, G), _expand_heads(k, G)
-    o, S = _per_sequence(lambda q, k, v, g, b, s: _recurrence(q, k, v, g, b, s, scale),
-                         (q, k, v, g, beta), s0, cu_seqlens)
+    o, S = _per_sequence(walk, (q, k, v, g, beta), s0, cu_seqlens)
     return o, (S if output_final_state else None)
 
 
@@ -183,13 +188,8 @@ def chunk_gated_delta_rule_reference(
 ):
     """The chunkwise WY form of the gated delta rule (DESIGN.md §11); same arguments and results as
     recurrent_gated_delta_rule, plus chunk_size. Chunks never cross sequences; differentiable by autograd."""
-    G = _group_size(q, k, v)
-    _check_varlen(q, cu_seqlens)
-    s0 = _initial_state(initial_state, v, k.shape[-1], cu_seqlens)
-    q, k = _expand_heads(q, G), _expand_heads(k, G)
-    o, S = _per_sequence(lambda q, k, v, g, b, s: _chunkwise(q, k, v, g, b, s, scale, chunk_size),
-                         (q, k, v, g, beta), s0, cu_seqlens)
-    return o, (S if output_final_state else None)
+    return _run_sequences(lambda q, k, v, g, b, s: _chunkwise(q, k, v, g, b, s, scale, chunk_size), q, k, v, g,
+                          beta, initial_state, output_final_state, cu_seqlens)
 
 
 # ---------------------------------------------------------------- the manual chunkwise backward
