@@ -4,7 +4,7 @@ as a 16-bit pair) is as accurate as the W, U form (V' = U - W S from the stored 
 A float64 chunkwise walk (one head, K = V = 128, C = 64; exact T~) that rounds to the input dtype where the kernels
 hold a value in 16 bits:
     W, U form   W = Tb K and U = Tb V rounded; S rounded for W S and Q S; V' = U - W S rounded; Q K^T (masked)
-                rounded; O rounded (gluon_walk.py's chain and output partition on wy_fwd's W, U);
+                rounded; O rounded (hopper/walk.py's chain and output partition on wy_fwd's W, U);
     residual    S rounded for K S and Q S; Y = V - K S rounded; V' = Tb Y rounded, Tb exact (its hi + lo pair is
                 16 bits more than the dtype: 2^-18 for bf16); Q K^T and O as above;
     residual, Tb rounded   the same with Tb rounded to the dtype alone (no pair), as FlashQLA's forward holds its T~.

@@ -189,7 +189,7 @@ def test_gradients_with_qk_l2norm(monkeypatch, poison):
 ])
 def test_backward_releases_intermediates_before_the_wy_stage(monkeypatch, dtype, watched):
     """Memory: W, U, the chunk states h, V' and dS are dead when the WY backward allocates its outputs, so
-    they do not add to the peak of forward+backward (benchmarks/NOTES.md, peak memory). The stages are recorded
+    they do not add to the peak of forward+backward (docs/performance.md, peak memory). The stages are recorded
     where backward.py calls them."""
     refs = {}
 
