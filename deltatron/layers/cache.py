@@ -1,4 +1,4 @@
-"""The decoding state of a stack of DeltaNet layers."""
+"""The decoding state of a stack of DeltaNet and GatedDeltaNet layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,11 +9,12 @@ import torch
 
 @dataclass
 class LayerState:
-    """recurrent_state: [N, H, K, V] fp32, the delta-rule state of each of N sequences;
-    conv_state: the short convolutions' states of q, k, v ([N, W - 1, C] each), or None without them."""
+    """recurrent_state: [N, H, K, V] fp32, the delta-rule state of each of N sequences (H = Hv for GatedDeltaNet);
+    conv_state: the short convolutions' states ([N, W - 1, C] each), or None without them: DeltaNet's three
+    (q, k, v), GatedDeltaNet's one (its convolution over [q | k | v])."""
 
     recurrent_state: torch.Tensor
-    conv_state: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    conv_state: Optional[Tuple[torch.Tensor, ...]]
 
 
 class DeltaNetCache:
