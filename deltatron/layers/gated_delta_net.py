@@ -9,6 +9,7 @@ from torch import nn
 from ..api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .cache import DeltaNetCache, LayerState
 from .conv import ShortConvolution
+from .mixer import run_mixer
 from .norm import GatedRMSNorm
 
 MODES = ("chunk", "fused_recurrent")
@@ -84,19 +85,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 cache: Optional[DeltaNetCache] = None) -> torch.Tensor:
-        expected = f"[B, T, hidden_size={self.hidden_size}]"
-        if not isinstance(hidden_states, torch.Tensor):
-            raise TypeError(f"GatedDeltaNet: hidden_states must be a torch.Tensor {expected}, "
-                            f"got {type(hidden_states).__name__}")
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            got = "[" + ", ".join(str(s) for s in hidden_states.shape) + "]"
-            raise ValueError(f"GatedDeltaNet: hidden_states must be {expected}, got {got}")
-        if cache is None:
-            return self._forward(hidden_states, cu_seqlens, None)
-        if self.layer_idx is None:
-            raise ValueError("decoding with a cache needs the layer's layer_idx (its key in the cache)")
-        with torch.no_grad():
-            return self._forward(hidden_states, cu_seqlens, cache)
+        return run_mixer(self, hidden_states, cu_seqlens, cache)
 
     def _forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional[DeltaNetCache]):
         B, T, _ = x.shape

@@ -1,0 +1,26 @@
+"""What the token mixers (DeltaNet, GatedDeltaNet) share at their entry: the input check and the cache dispatch."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def run_mixer(layer, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache) -> torch.Tensor:
+    """layer._forward(hidden_states, cu_seqlens, cache) after checking hidden_states is [B, T, hidden_size] (the
+    error names the layer's class and the expected shape); with a cache, a decode call: no gradients, and the layer
+    needs its layer_idx (its key in the cache)."""
+    name = type(layer).__name__
+    expected = f"[B, T, hidden_size={layer.hidden_size}]"
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"{name}: hidden_states must be a torch.Tensor {expected}, "
+                        f"got {type(hidden_states).__name__}")
+    if hidden_states.dim() != 3 or hidden_states.shape[-1] != layer.hidden_size:
+        got = "[" + ", ".join(str(s) for s in hidden_states.shape) + "]"
+        raise ValueError(f"{name}: hidden_states must be {expected}, got {got}")
+    if cache is None:
+        return layer._forward(hidden_states, cu_seqlens, None)
+    if layer.layer_idx is None:
+        raise ValueError("decoding with a cache needs the layer's layer_idx (its key in the cache)")
+    with torch.no_grad():
+        return layer._forward(hidden_states, cu_seqlens, cache)
