@@ -12,7 +12,14 @@ final state, and a checkpoint of the state every SEGMENT tokens. Rebuilding by s
 about eps |S| per step; the sweep restarts from the exact checkpoint at each segment's start, so that error
 spans at most SEGMENT tokens and not the whole sequence (a state that grows by orders of magnitude along a
 long sequence would otherwise swamp dk). dq, dk and dbeta sum over all of V: each V-block writes its
-partial sums and the host adds them in a fixed order (deterministic, no atomics)."""
+partial sums and the host adds them in a fixed order (deterministic, no atomics).
+
+Gated delta rule and grouped value heads (DESIGN.md §11), the constexpr USE_G of the same kernels: programs
+run per value head (HV of them), reading q, k of key head i_h // (HV / HK); with USE_G the state decays,
+S <- exp(g_t) S, before each token's write. dq, dk are written per value head and summed over each group of
+G value heads on the host (a fixed order). The gated backward never steps the state back: S_{t-1} =
+(S_t - k v'^T) / exp(g_t) divides by exp(-20) per token under strong gates. It rebuilds states forward from
+the checkpoints instead (see fused_recurrent_bwd_kernel)."""
 from __future__ import annotations
 
 import torch
@@ -28,16 +35,20 @@ BWD_TILE = 4096
 # Tokens between state checkpoints for the backward: one fp32 [K, V] per 64 tokens and head, K V / 16 bytes
 # per token and head (e's size at K = 64, twice it at K = 128), the memory of the chunk form's states.
 SEGMENT = 64
+# Gated backward: tokens per sub-block of a segment, the unit of its forward rebuild (divides SEGMENT)
+SUBSEGMENT = 8
 
 
 @triton.jit
-def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segment_offsets, scale,
-                               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, cu_seqlens, segment_offsets, scale,
+                               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                               SAVE_FOR_BACKWARD: tl.constexpr):
-    """SAVE_FOR_BACKWARD: also e [tokens, H, V] and the state entering every SEG-token segment into
-    h [segments, H, K, V] (segment_offsets: first global segment of each sequence)."""
+                               SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr):
+    """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
+    log decays, S <- exp(g_t) S before each token's write. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
+    the decayed state) and the state entering every SEG-token segment into h [segments, H, K, V]
+    (segment_offsets: first global segment of each sequence)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     # int64 token offsets: tokens * H * K may pass 2^31
@@ -54,16 +65,19 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segme
     else:
         b_S = tl.zeros([BK, BV], dtype=tl.float32)
 
-    # pointers to the first token of the sequence, stepped by one token (H rows) per iteration
+    # pointers to the first token of the sequence, stepped by one token (H or HK rows) per iteration
     first = bos * H + i_h
-    p_q = q + first * K + o_k
-    p_k = k + first * K + o_k
+    first_k = bos * HK + i_h // (H // HK)  # the value head's key head
+    p_q = q + first_k * K + o_k
+    p_k = k + first_k * K + o_k
     p_v = v + first * V + o_v
     p_o = o + first * V + o_v
     if SAVE_FOR_BACKWARD:
         p_e = e + first * V + o_v
         first_segment = tl.load(segment_offsets + i_n)
     p_beta = beta + first
+    if USE_G:
+        p_g = g + first
     for t in range(bos, eos):
         if SAVE_FOR_BACKWARD:
             if (t - bos) % SEG == 0:  # checkpoint: the state entering this segment
@@ -73,6 +87,9 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segme
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(p_beta).to(tl.float32)
+        if USE_G:
+            b_S *= tl.exp(tl.load(p_g).to(tl.float32))          # S <- exp(g) S
+            p_g += H
         # both reductions read the state entering the token, so they do not wait on each other or on the
         # update: o = scale S_new^T q = scale (S^T q + (k . q) v') with v' = beta (v - S^T k)
         b_e = b_v - tl.sum(b_S * b_k[:, None], 0)              # v - S^T k
@@ -84,8 +101,8 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segme
         if SAVE_FOR_BACKWARD:
             tl.store(p_e, b_e, mask=m_v)
             p_e += H * V
-        p_q += H * K
-        p_k += H * K
+        p_q += HK * K
+        p_k += HK * K
         p_v += H * V
         p_o += H * V
         p_beta += H
@@ -94,14 +111,40 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, o, e, h, h0, ht, cu_seqlens, segme
 
 
 @triton.jit
-def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta, dh0, cu_seqlens,
-                               segment_offsets, scale, num_tokens, H: tl.constexpr, K: tl.constexpr,
-                               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
-                               USE_FINAL_STATE_GRADIENT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """Reverse sweep. dq, dk [NV, tokens, H, K] and dbeta [NV, tokens, H] receive this V-block's partial
-    sums over V; dv [tokens, H, V] and dh0 are complete per V-block."""
+def _walk(b_S, u0, u1, k, e, beta, g, i_h, i_hk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+          V: tl.constexpr, o_k, o_v, m_k, m_v):
+    """The gated state stepped forward over tokens [u0, u1): S <- exp(g_u) S + k_u (beta_u e_u)^T, the
+    forward's own operations on its saved e (no reductions), so the forward's states come out."""
+    for u in range(u0, u1):
+        b_k = tl.load(k + (u * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_e = tl.load(e + (u * H + i_h) * V + o_v, mask=m_v, other=0.0)
+        b_beta = tl.load(beta + u * H + i_h).to(tl.float32)
+        b_S *= tl.exp(tl.load(g + u * H + i_h).to(tl.float32))
+        b_S += b_k[:, None] * (b_beta * b_e)[None, :]
+    return b_S
+
+
+@triton.jit
+def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbeta, dg, dh0, cu_seqlens,
+                               segment_offsets, scale, num_tokens, H: tl.constexpr, HK: tl.constexpr,
+                               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                               SEG: tl.constexpr, SUB: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+                               USE_INITIAL_STATE: tl.constexpr, USE_G: tl.constexpr):
+    """Reverse sweep. dq, dk [NV, tokens, H, K] (per value head), dbeta and dg [NV, tokens, H] receive this
+    V-block's partial sums over V; dv [tokens, H, V] and dh0 are complete per V-block.
+
+    The state each token's gradient needs: ungated, S_{t-1}, stepped back by subtraction from S_t (exact at a
+    segment's first token: the checkpoint). Gated (USE_G), S_{t-1} rebuilt forward, never backward (dividing
+    by exp(g_t) amplifies rounding by up to e^20 a token), with no memory beyond the forward's checkpoints and
+    O(SEG / SUB + SUB) state steps a token, not O(SEG): a segment is cut into sub-blocks of SUB tokens. On
+    entering a sub-block (at its last token), the state at its start is walked forward from the segment's
+    checkpoint (at most SEG - SUB steps, once per sub-block); each token's S_{t-1} is then walked from that
+    sub-block start (at most SUB - 1 steps). On average (SEG / SUB - 1) / 2 + (SUB - 1) / 2 = 7 steps a token
+    at SEG = 64, SUB = 8, each one rank-1 update of the tile without reductions. Storing a segment's states
+    instead would take SEG states per program; registers cannot be indexed by token."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)  # the value head's key head
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -109,7 +152,11 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta,
     m_k = o_k < K
     m_v = o_v < V
     p_S, m_S = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
-    b_S = tl.load(ht + p_S, mask=m_S, other=0.0)
+    if USE_G:
+        b_S = tl.zeros([BK, BV], dtype=tl.float32)
+        b_Sb = tl.zeros([BK, BV], dtype=tl.float32)  # the state at the current sub-block's start
+    else:
+        b_S = tl.load(ht + p_S, mask=m_S, other=0.0)
     first_segment = tl.load(segment_offsets + i_n)
     if USE_FINAL_STATE_GRADIENT:
         b_dS = tl.load(dht + p_S, mask=m_S, other=0.0).to(tl.float32)
@@ -118,9 +165,10 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta,
 
     # pointers to the last token of the sequence, stepped back one token per iteration
     last = (eos - 1) * H + i_h
+    last_k = (eos - 1) * HK + i_hk
     part = i_v.to(tl.int64) * num_tokens * H  # this V-block's slice of the partial sums
-    p_q = q + last * K + o_k
-    p_k = k + last * K + o_k
+    p_q = q + last_k * K + o_k
+    p_k = k + last_k * K + o_k
     p_e = e + last * V + o_v
     p_do = do + last * V + o_v
     p_beta = beta + last
@@ -128,6 +176,9 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta,
     p_dk = dk + (part + last) * K + o_k
     p_dv = dv + last * V + o_v
     p_dbeta = dbeta + part + last
+    if USE_G:
+        p_g = g + last
+        p_dg = dg + part + last
     for j in range(bos, eos):
         t = bos + eos - 1 - j  # the token of this step, from the last
         b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
@@ -136,27 +187,46 @@ def fused_recurrent_bwd_kernel(q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta,
         b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(p_beta).to(tl.float32)
         b_vn = b_beta * b_e                                     # v'_t, bit-for-bit the forward's
-        # o_t = scale S_t^T q_t
-        b_dq = scale * tl.sum(b_S * b_do[None, :], 1)
-        b_dS += (scale * b_q)[:, None] * b_do[None, :]
-        # S_t = S_{t-1} + k_t v'_t^T: step the state back (exactly, from the checkpoint, at a segment's
-        # first token), then its gradient
-        if (t - bos) % SEG == 0:
-            p_h, _ = state_offsets((first_segment + (t - bos) // SEG) * H + i_h, 0, i_v * BV, K, V, BK, BV)
-            b_S = tl.load(h + p_h, mask=m_S, other=0.0)
+        if USE_G:
+            b_gexp = tl.exp(tl.load(p_g).to(tl.float32))
+            rel = t - bos
+            sub_start = bos + rel // SUB * SUB
+            if (t == eos - 1) | ((rel + 1) % SUB == 0):  # entering a sub-block: its starting state
+                p_h, _ = state_offsets((first_segment + rel // SEG) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+                b_Sb = _walk(tl.load(h + p_h, mask=m_S, other=0.0), bos + rel // SEG * SEG, sub_start,
+                             k, e, beta, g, i_h, i_hk, H, HK, K, V, o_k, o_v, m_k, m_v)
+            # b_S: the decayed state S~_t = exp(g_t) S_{t-1} that token t's write reads; S_t = S~_t + k v'^T
+            b_S = b_gexp * _walk(b_Sb, sub_start, t, k, e, beta, g, i_h, i_hk, H, HK, K, V, o_k, o_v, m_k, m_v)
+            b_dq = scale * (tl.sum(b_S * b_do[None, :], 1) + tl.sum(b_vn * b_do, 0) * b_k)
         else:
-            b_S -= b_k[:, None] * b_vn[None, :]
+            # o_t = scale S_t^T q_t
+            b_dq = scale * tl.sum(b_S * b_do[None, :], 1)
+            # S_t = S_{t-1} + k_t v'_t^T: step the state back (exactly, from the checkpoint, at a segment's
+            # first token)
+            if (t - bos) % SEG == 0:
+                p_h, _ = state_offsets((first_segment + (t - bos) // SEG) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+                b_S = tl.load(h + p_h, mask=m_S, other=0.0)
+            else:
+                b_S -= b_k[:, None] * b_vn[None, :]
+        b_dS += (scale * b_q)[:, None] * b_do[None, :]          # dS_t
+        # the write, against b_S (S_{t-1}, or S~_t gated)
         b_dvn = tl.sum(b_dS * b_k[:, None], 0)                  # dv' = dS_t^T k
-        b_dv = b_beta * b_dvn                                   # v' = beta (v - S_{t-1}^T k)
+        b_dv = b_beta * b_dvn                                   # v' = beta (v - b_S^T k)
         b_dk = tl.sum(b_dS * b_vn[None, :] - b_S * b_dv[None, :], 1)
         b_dbeta = tl.sum(b_dvn * b_e, 0)
-        b_dS -= b_k[:, None] * b_dv[None, :]                    # dS_{t-1}
+        b_dS -= b_k[:, None] * b_dv[None, :]                    # dS_{t-1} (dS~_t gated)
+        if USE_G:
+            # S~_t = exp(g_t) S_{t-1}: dg_t = exp(g_t) <S_{t-1}, dS~_t> = <S~_t, dS~_t>
+            tl.store(p_dg, tl.sum(tl.sum(b_S * b_dS, 1), 0))
+            b_dS *= b_gexp                                      # dS_{t-1}
+            p_g -= H
+            p_dg -= H
         tl.store(p_dq, b_dq, mask=m_k)
         tl.store(p_dk, b_dk, mask=m_k)
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_v)
         tl.store(p_dbeta, b_dbeta)
-        p_q -= H * K
-        p_k -= H * K
+        p_q -= HK * K
+        p_k -= HK * K
         p_e -= H * V
         p_do -= H * V
         p_beta -= H
@@ -179,12 +249,15 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
-            inplace_final_state=False):
-    """Returns (o, final_state, saved, extras). With needs_backward, saved = (e, per-segment states, final
-    state) for the backward; without it (inference, decoding) nothing is saved or written beyond o and the
-    final state. inplace_final_state writes the final state over initial_state (fp32, contiguous: checked by
-    the api)."""
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+            inplace_final_state=False, g=None):
+    """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
+    ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv]; Hk divides Hv. With
+    needs_backward, saved = (e, per-segment states, final state) for the backward; without it (inference,
+    decoding) nothing is saved or written beyond o and the final state. inplace_final_state writes the final
+    state over initial_state (fp32, contiguous: checked by the api)."""
+    HK, K = k.shape[2], k.shape[3]
+    H, V = v.shape[2], v.shape[3]
+    assert H % HK == 0, f"the value heads ({H}) must be a multiple of the key heads ({HK})"
     N = info.num_seqs
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     if inplace_final_state:
@@ -205,33 +278,47 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     grid = (N * H, cdiv(V, BV))
     launch(
         fused_recurrent_fwd_kernel, grid,
-        q, k, v, beta, o, e, h, initial_state, ht, info.cu_seqlens, segment_offsets, scale,
-        H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, num_warps=num_warps,
+        q, k, v, beta, g, o, e, h, initial_state, ht, info.cu_seqlens, segment_offsets, scale,
+        H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
+        num_warps=num_warps,
     )
     saved = (e, h, ht) if needs_backward else ()
     return o, ht if output_final_state or inplace_final_state else None, saved, ()
 
 
-def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_final_state=False):
-    """Returns (dq, dk, dv, dbeta, dh0 or None); dq, dk, dbeta in fp32, dv in v's dtype."""
+def _sum_groups(dx: torch.Tensor, G: int) -> torch.Tensor:
+    """[NV, B, T, Hv, K] partial sums -> [B, T, Hv / G, K]: over the V-blocks and over each key head's G value
+    heads, in a fixed order (torch's reductions: deterministic)."""
+    if G == 1:
+        return dx.sum(0)
+    NV, B, T, H, K = dx.shape
+    return dx.view(NV, B, T, H // G, G, K).sum((0, 4))
+
+
+def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_final_state=False, g=None):
+    """Returns (dq, dk, dv, dbeta, dh0 or None, dg or None); dq, dk, dbeta, dg in fp32, dv in v's dtype."""
     e, h, ht = saved
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    HK, K = k.shape[2], k.shape[3]
+    H, V = v.shape[2], v.shape[3]
+    G = H // HK
     N = info.num_seqs
     BK = head_block(K)
     BV, num_warps = _launch_config(V, BK, N * H, BWD_TILE, q.device)
     NV = cdiv(V, BV)
-    dq = torch.empty(NV, *q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(NV, *k.shape, dtype=torch.float32, device=q.device)
+    dq = torch.empty(NV, *v.shape[:3], K, dtype=torch.float32, device=q.device)
+    dk = torch.empty(NV, *v.shape[:3], K, dtype=torch.float32, device=q.device)
     dbeta = torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)
+    dg = None if g is None else torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     dh0 = None if initial_state is None else torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
     launch(
         fused_recurrent_bwd_kernel, (N * H, NV),
-        q, k, beta, e, h, do, ht, dht, dq, dk, dv, dbeta, dh0, info.cu_seqlens,
-        info.chunks(SEGMENT).chunk_offsets, scale, info.total_tokens, H=H, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT,
-        USE_FINAL_STATE_GRADIENT=dht is not None, USE_INITIAL_STATE=initial_state is not None,
-        num_warps=num_warps,
+        q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbeta, dg, dh0, info.cu_seqlens,
+        info.chunks(SEGMENT).chunk_offsets, scale, info.total_tokens, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
+        SEG=SEGMENT, SUB=SUBSEGMENT, USE_FINAL_STATE_GRADIENT=dht is not None,
+        USE_INITIAL_STATE=initial_state is not None, USE_G=g is not None, num_warps=num_warps,
     )
-    # V-block partial sums, added in a fixed order
-    return dq.sum(0), dk.sum(0), dv, dbeta.sum(0), dh0
+    # V-block (and value-head group) partial sums, added in a fixed order
+    return (_sum_groups(dq, G), _sum_groups(dk, G), dv, dbeta.sum(0), dh0,
+            None if dg is None else dg.sum(0))
