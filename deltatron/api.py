@@ -260,9 +260,22 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
             output_final_state, cu_seqlens, **options)
         o = o.to(q.dtype)
     else:
-        raise RuntimeError(
-            f"{fn}: the gated rule's Triton kernels are not in deltatron yet; the PyTorch backend runs it "
-            f"(DELTATRON_BACKEND=torch, on CUDA tensors too)")
+        if torch.compiler.is_compiling():
+            raise RuntimeError(f"{fn}: the gated rule's Triton kernels are not torch.compile custom ops yet; call "
+                               f"it outside the compiled region, or use the PyTorch backend (DELTATRON_BACKEND=torch)")
+        run_form, seq_info = _triton_dispatch()
+        backends.check_triton_inputs(q, v)
+        B, T = q.shape[:2]
+        info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
+        q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
+        if h0 is not None:
+            h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
+        options = {"inplace_final_state": inplace_final_state and not state_v_first} if form == "fused_recurrent" \
+            else {"chunk_size": chunk_size}
+        o, final_state = run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
+                                  use_qk_l2norm_in_kernel, info, options, g=g)[:2]
+        if options.get("inplace_final_state"):
+            return o, final_state
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2).contiguous()
     if inplace_final_state:

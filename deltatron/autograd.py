@@ -22,54 +22,60 @@ import torch
 from .kernels.l2norm import l2norm_bwd, l2norm_fwd
 
 
-def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_qk_l2norm, info, options):
+def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_qk_l2norm, info, options, g=None):
     """(o, final_state, *extras) of a Triton form: through DeltaRuleFunction when a gradient can flow,
     else straight to the form's forward (inference and decoding: no autograd node, nothing kept alive, and an
-    in-place state update returns the caller's own state tensor)."""
-    inputs = (q, k, v, beta, initial_state)
+    in-place state update returns the caller's own state tensor). g: the gated rule's log decays (DESIGN.md §11),
+    passed to the form as g= (and its gradient returned) only where given."""
+    inputs = (q, k, v, beta, initial_state, g)
     needs_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    gate = {} if g is None else {"g": g}
     plan_call = getattr(form, "plan_call", None)
     if plan_call is not None:  # one plan for the call: its forward and backward execute it
-        options = dict(options, plan=plan_call(q, k, v, info, needs_backward, **options))
+        options = dict(options, plan=plan_call(q, k, v, info, needs_backward, **options, **gate))
     if needs_backward:
         return DeltaRuleFunction.apply(*inputs, form, scale, output_final_state, use_qk_l2norm, info, options)
     if use_qk_l2norm:
         q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
     o, final_state, _, extras = form.forward(q, k, v, beta, scale, initial_state, output_final_state, info,
-                                             needs_backward=False, **options)
+                                             needs_backward=False, **options, **gate)
     return (o, final_state, *extras)
 
 
 class DeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, initial_state, form, scale, output_final_state, use_qk_l2norm, info, options):
+    def forward(ctx, q, k, v, beta, initial_state, g, form, scale, output_final_state, use_qk_l2norm, info, options):
         q_rstd = k_rstd = None
         if use_qk_l2norm:
             q, q_rstd = l2norm_fwd(q)
             k, k_rstd = l2norm_fwd(k)
+        gate = {} if g is None else {"g": g}
         o, final_state, saved, extras = form.forward(
-            q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True, **options
+            q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True, **options, **gate
         )
         ctx.form, ctx.scale, ctx.info, ctx.options = form, scale, info, options
         ctx.use_qk_l2norm = use_qk_l2norm
         ctx.num_saved = len(saved)
-        ctx.save_for_backward(q, k, v, beta, initial_state, q_rstd, k_rstd, *saved)
+        ctx.save_for_backward(q, k, v, beta, initial_state, g, q_rstd, k_rstd, *saved)
         ctx.mark_non_differentiable(*extras)
         return (o, final_state, *extras)
 
     @staticmethod
     def backward(ctx, do, dht, *_):
-        q, k, v, beta, initial_state, q_rstd, k_rstd, *saved = ctx.saved_tensors
-        dq, dk, dv, dbeta, dh0 = ctx.form.backward(
+        q, k, v, beta, initial_state, g, q_rstd, k_rstd, *saved = ctx.saved_tensors
+        gate = {} if g is None else {"g": g}
+        dq, dk, dv, dbeta, dh0, *dg = ctx.form.backward(
             q, k, v, beta, ctx.scale, initial_state, tuple(saved), do.contiguous(),
-            None if dht is None else dht.contiguous(), ctx.info, **ctx.options,
+            None if dht is None else dht.contiguous(), ctx.info, **ctx.options, **gate,
         )
+        dg = dg[0] if dg and g is not None else None
         if ctx.use_qk_l2norm:
             dq = l2norm_bwd(q, q_rstd, dq)
             dk = l2norm_bwd(k, k_rstd, dk)
         dh0 = _in_dtype(dh0, initial_state.dtype) if dh0 is not None and initial_state is not None else None
+        dg = _in_dtype(dg, g.dtype) if dg is not None else None
         return (_in_dtype(dq, q.dtype), _in_dtype(dk, k.dtype), _in_dtype(dv, v.dtype), _in_dtype(dbeta, beta.dtype),
-                dh0, None, None, None, None, None, None)
+                dh0, dg, None, None, None, None, None, None)
 
 
 def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

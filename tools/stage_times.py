@@ -76,7 +76,7 @@ def stage_calls(cfg: bench.Config, device):
     h, v_new, _ = walk.state_fwd(k1, w, u, None, False, info, C)
     dv_local = grads.dv_local(q1, k1, do1, scale, info, C)
     dh, dv, _ = reverse.state_bwd(q1, k1, w, do1, dv_local, None, scale, False, info, C)
-    _, dk_direct, dw = grads.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
+    _, dk_direct, dw, _ = grads.dqkw(q1, k1, v_new, h, dh, do1, dv, scale, info, C)
     on_chip = plan.wy_on_chip(k1.shape[3], v1.shape[3], info.num_seqs * k1.shape[2], k1.element_size())
     on_chip_prefix, pair_prefix = ("bwd: ", "unfused: ") if on_chip else ("unfused: ", "bwd: ")
     stages = {

@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk.portable.kkt import chunk_span
 from .chunk.portable.solve_tril import tril_inverse
 from .launch import launch
-from .utils import cdiv, dot_precision, head_block, load_tile, mm, store_tile, tril_precision
+from .utils import cdiv, chunk_span, dot_precision, head_block, load_tile, mm, store_tile, tril_precision
 
 # No software pipelining: on the H200 (triton 3.6) depths 2 and 3 run out of shared memory at K = 64-128
 # in 16-bit, and 1 is right for these kernels.
@@ -77,8 +76,8 @@ def parallel_fwd_tinv_kernel(k, beta, tinv, cu_seqlens, chunk_indices, H: tl.con
     """Tinv_ii = (I + A_ii)^{-1} of one row block, [BT, BT] fp32 stored at the rows of its tokens."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    # FROM_K=True: A_ii is built on chip from k and beta, the a argument is unused (k stands in)
-    b_t = tril_inverse(k, k + start * H * K + i_h * K, beta + start * H + i_h, n, H, BT, K, BK, True,
+    # FROM_K=True: A_ii is built on chip from k and beta, the a and gam arguments are unused (k stands in)
+    b_t = tril_inverse(k, k + start * H * K + i_h * K, beta + start * H + i_h, k, n, H, H, BT, K, BK, True, False,
                        KKT_PREC, TRIL_PREC, NEWTON)
     rows = tl.arange(0, BT)
     tl.store(tinv + (start + rows[:, None]) * (H * BT) + i_h * BT + rows[None, :], b_t, mask=rows[:, None] < n)

@@ -88,6 +88,18 @@ def tile_offsets(row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.
 
 
 @triton.jit
+def chunk_span(cu_seqlens, chunk_indices, i_c, C: tl.constexpr):
+    """(first token, number of tokens) of global chunk i_c. Chunks never cross sequences: the last chunk
+    of a sequence may hold fewer than C tokens."""
+    seq = tl.load(chunk_indices + 2 * i_c)
+    local = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    start = bos + local * C
+    return start, tl.minimum(eos - start, C)
+
+
+@triton.jit
 def load_tile(x, row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.constexpr):
     """x[row0 : row0 + BR, col0 : col0 + BC] of a row-major view, zero where masked (see tile_offsets)."""
     offs, mask = tile_offsets(row0, row_end, stride, col0, col_end, BR, BC)

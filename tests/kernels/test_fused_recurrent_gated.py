@@ -9,77 +9,16 @@ import torch
 
 import deltatron.kernels.fused_recurrent as fused_recurrent
 from deltatron.kernels.utils import seq_info
+
 from deltatron.reference import recurrent_gated_delta_rule
 
-from ..helpers import BOUNDS, DEVICE, INTERPRET, assert_within_bounds, random_cu_seqlens, rel_rms
+from ..helpers import BOUNDS, DEVICE, INTERPRET, check_gated_form, make_gated_inputs, rel_rms
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
 
-def make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=None, gates="soft", initial_state=True, seed=0):
-    """Fresh random float64 q, k [B, T, Hk, K] (unit-norm keys), v [B, T, Hv, V], beta in (0, 1), g [B, T, Hv]
-    (gates: "soft" -softplus(N(0, 1)), "strong" uniform in [-20, 0]) and h0 [N or B, Hv, K, V]."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, Hk, K, generator=gen, dtype=torch.float64)
-    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
-    v = torch.randn(B, T, Hv, V, generator=gen, dtype=torch.float64)
-    beta = torch.rand(B, T, Hv, generator=gen, dtype=torch.float64)
-    if gates == "strong":
-        g = -20 * torch.rand(B, T, Hv, generator=gen, dtype=torch.float64)
-    else:
-        g = -torch.nn.functional.softplus(torch.randn(B, T, Hv, generator=gen, dtype=torch.float64))
-    out = dict(q=q, k=k, v=v, beta=beta, g=g)
-    if initial_state:
-        out["initial_state"] = torch.randn(N if N is not None else B, Hv, K, V, generator=gen, dtype=torch.float64)
-    # the rounding of every input to what the kernels see; g and the state in fp32
-    return {n: x.to(dtype if n in ("q", "k", "v", "beta") else torch.float32) for n, x in out.items()}
-
-
-def kernels(inp, scale, info, do, dht, output_final_state=True):
-    """o, final state and the six gradients of the forms' forward and backward."""
-    dev = lambda x: None if x is None else x.to(DEVICE)
-    q, k, v, beta, g, h0 = (dev(inp.get(n)) for n in ("q", "k", "v", "beta", "g", "initial_state"))
-    o, ht, saved, _ = fused_recurrent.forward(q, k, v, beta, scale, h0, output_final_state, info, g=g)
-    dq, dk, dv, dbeta, dh0, dg = fused_recurrent.backward(q, k, v, beta, scale, h0, saved, dev(do), dev(dht), info,
-                                                          g=g)
-    out = dict(o=o, dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg)
-    if h0 is not None:
-        out["dinitial_state"] = dh0
-    if output_final_state:
-        out["state"] = ht
-    return out
-
-
-def oracle(inp, scale, cu_seqlens, do, dht):
-    x = {n: t.double().requires_grad_() for n, t in inp.items()}
-    o, ht = recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x.get("initial_state"),
-                                       True, cu_seqlens=cu_seqlens)
-    loss = (o * do.double()).sum() + (0 if dht is None else (ht * dht.double()).sum())
-    grads = torch.autograd.grad(loss, list(x.values()))
-    out = dict(o=o, state=ht, **{f"d{n}": d for n, d in zip(x, grads)})
-    return out
-
-
-def check(B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft", initial_state=True, dht=True,
-          output_final_state=True, seed=0):
-    N = None if lengths is None else len(lengths)
-    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed)
-    cu = None if lengths is None else random_cu_seqlens(lengths)
-    info = seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
-    gen = torch.Generator().manual_seed(seed + 1000)
-    do = torch.randn(B, T, Hv, V, generator=gen).to(dtype)
-    ht_grad = torch.randn(N or B, Hv, K, V, generator=gen) if dht and output_final_state else None
-    scale = K ** -0.5
-    got = kernels(inp, scale, info, do, ht_grad, output_final_state)
-    want = oracle(inp, scale, cu, do, ht_grad)
-    if not output_final_state:
-        assert got.get("state") is None
-        del want["state"]
-    assert got["o"].dtype == dtype and got["dg"].dtype == torch.float32
-    assert got["dq"].shape == inp["q"].shape and got["dg"].shape == inp["g"].shape
-    assert got.keys() == want.keys()
-    assert_within_bounds(got, want, dtype)
-    return got
+def check(*args, **kwargs):
+    return check_gated_form(fused_recurrent, *args, **kwargs)
 
 
 # K, V not powers of two; GVA (Hk = 2, Hv = 6; Hk = 1, Hv = 2) and Hk = Hv; T = 1, partial segments and

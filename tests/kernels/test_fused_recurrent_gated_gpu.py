@@ -8,7 +8,8 @@ import torch
 import deltatron.kernels.fused_recurrent as fused_recurrent
 from deltatron.kernels.utils import seq_info
 
-from .test_fused_recurrent_gated import check, make_gated_inputs
+from ..helpers import make_gated_inputs
+from .test_fused_recurrent_gated import check
 
 pytestmark = pytest.mark.gpu
 

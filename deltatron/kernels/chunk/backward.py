@@ -6,7 +6,8 @@
     reverse:   the state gradient backwards over the chunks, with the local dV' fused in (hopper.reverse or
                portable.reverse)
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
-Where the plan segments the backward, the reverse pass and the gradient stage run segment by segment
+The gated rule (g given) sums g into γ again and every stage takes it; wy_bwd finishes dg. With grouped value heads
+dQ and dK come out per value head and are summed over each group here. Where the plan segments the backward, the reverse pass and the gradient stage run segment by segment
 (schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the
 set alive at the widest stage. Deterministic: no atomics."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ..utils import side_stream
 from .plan import ChunkPlan
+from .portable.gate import chunk_gamma
 from .portable.grads import dqkw
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
@@ -23,8 +25,9 @@ from .portable.wy_bwd import wy_bwd
 from .schedule import segments as seg
 
 
-def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info):
-    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None)."""
+def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None):
+    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ (the portable
+    pass's)."""
     C = plan.problem.chunk_size
     if plan.reverse == "hopper":
         from .hopper.reverse import gluon_state_bwd
@@ -32,24 +35,25 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info):
             do = do.clone()
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
                                checked=True)
-    return state_bwd(q, k, w, do, None, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch)
+    return state_bwd(q, k, w, do, None, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam)
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False,
-             plan: ChunkPlan = None):
-    """(dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None) by deltatron.autograd's contract; saved = (T~,) or,
-    where the plan kept states, (T~, W, S^T, V'^T); plan: the call's, as its forward ran it."""
+             plan: ChunkPlan = None, g=None):
+    """(dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None, and dg fp32 where g is given) by deltatron.autograd's
+    contract; saved = (T~,) or, where the plan kept states, (T~, W, S^T, V'^T); plan: the call's, as its forward ran
+    it."""
     if plan is None:  # called on its own (tests): the plan the forward would have made
         from .forward import plan_call
-        plan = plan_call(q, k, v, info, True, chunk_size, save_states)
+        plan = plan_call(q, k, v, info, True, chunk_size, save_states, g)
     tinv, *kept = saved
     has_h0 = initial_state is not None
     if kept:
         w, st, vt = kept  # (autograd holds these until the backward returns)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
-        dq, dk_direct, dw = dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True)
+        dq, dk_direct, dw, _ = dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True)
         del dh
-        dk, dv, dbeta = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch)
+        dk, dv, dbeta, _ = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch)
         return dq, dk, dv, dbeta, dh0
     if plan.segments > 1:
         segment_plan = seg.segment_plan(info, plan.segments, chunk_size)
@@ -57,16 +61,17 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
             return segmented_backward(plan, q, k, v, beta, scale, initial_state, tinv, do, dht, info, segment_plan)
 
     cfg = plan.recompute_launch
+    gam = None if g is None else chunk_gamma(g, info, chunk_size)
     if plan.recompute == "on_chip":
-        w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg)
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
+        w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
     elif plan.overlap:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam)
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # an event after recompute_w_u: the walk waits for W, U, not for the reverse pass
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)  # queued first: its programs first
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)  # queued first: its programs
         with torch.cuda.stream(side):
-            h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg)
+            h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         main.wait_stream(side)  # grads reads h and v_new
         # The caching allocator hands a released block to the next allocation on the stream it was made on: h and
         # v_new are the side stream's, recorded on main so that their memory waits for main's work queued before
@@ -75,15 +80,20 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         v_new.record_stream(main)
         del u
     else:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch)
-        h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam)
+        h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         del u
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
     del w
-    dq, dk_direct, dw = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size)
+    dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam)
     del h, v_new, dh
-    dk, dv, dbeta = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch)
-    return dq, dk, dv, dbeta, dh0
+    dk, dv, dbeta, dg = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,
+                               gam=gam, dg_shares=dg_shares)
+    HK, H = k.shape[2], v.shape[2]
+    if HK != H:  # a key head's gradient is the sum over its group of value heads
+        dq = dq.unflatten(2, (HK, H // HK)).sum(3).to(q.dtype)
+        dk = dk.unflatten(2, (HK, H // HK)).sum(3).to(k.dtype)
+    return (dq, dk, dv, dbeta, dh0) + (() if g is None else (dg,))
 
 
 def segmented_backward(plan, q, k, v, beta, scale, initial_state, tinv, do, dht, info, segment_plan):

@@ -4,6 +4,8 @@
     split:     where the plan splits long sequences, pass 1 and the combine give the state entering each partition
                (schedule/seq_split.py), and the walk below runs on the partitions
     walk:      hopper.walk or portable.walk with the output fused in, or portable.walk then portable.output
+The gated rule (g given, DESIGN.md §11) first sums g along each chunk into γ (portable.gate), which every stage takes
+under its USE_G constexpr; grouped value heads (v's heads a multiple of q's and k's) run per value head.
 Saved for the backward: T~ (the backward recomputes the rest), or, where the plan keeps states, T~, W and the walk's
 per-chunk S^T and V'^T."""
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from ..utils import SeqInfo
 from .plan import ChunkPlan, call_plan
+from .portable.gate import chunk_gamma
 from .portable.output import output_fwd
 from .portable.walk import state_fwd, state_output_fwd
 from .portable.wy import tinv_pair_fwd, wy_fwd
@@ -21,22 +24,25 @@ from .schedule.seq_split import partition_states, split_plan_for
 
 
 def plan_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, needs_backward: bool,
-              chunk_size: int = 64, save_states: bool = False) -> ChunkPlan:
-    """The plan of a call on these (contiguous) tensors, under the calling context's overrides."""
+              chunk_size: int = 64, save_states: bool = False, g: Optional[torch.Tensor] = None) -> ChunkPlan:
+    """The plan of a call on these (contiguous) tensors, under the calling context's overrides; g: the gated rule's
+    log decays."""
     aligned = q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-    return call_plan(q.dtype, k.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
-                     needs_backward, save_states, aligned, q.device)
+    return call_plan(q.dtype, v.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
+                     needs_backward, save_states, aligned, q.device, g is not None, k.shape[2])
 
 
-def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None):
-    """The plan's fused walk: (o, final_state or None). states: the buffers the Hopper walk stores S^T, V'^T in."""
+def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None,
+                     gam=None):
+    """The plan's fused walk: (o, final_state or None). states: the buffers the Hopper walk stores S^T, V'^T in;
+    gam: the gated rule's γ (the portable walk's)."""
     if plan.walk == "hopper":
         from .hopper.walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info,
                                       plan.problem.chunk_size, block_v=plan.walk_launch.block_v, checked=True,
                                       states=states, residual=plan.residual)
     return state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, plan.problem.chunk_size,
-                            cfg=plan.walk_launch)
+                            cfg=plan.walk_launch, gam=gam)
 
 
 def walk_final_states(plan: ChunkPlan, q, k, w, u, initial_state, info) -> torch.Tensor:
@@ -52,15 +58,17 @@ def walk_final_states(plan: ChunkPlan, q, k, w, u, initial_state, info) -> torch
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
             needs_backward: bool = True, chunk_size: int = 64, save_states: bool = False,
-            plan: Optional[ChunkPlan] = None):
-    """(o, final_state, saved, extras = ()) by deltatron.autograd's contract; plan: the call's (made here if None)."""
+            plan: Optional[ChunkPlan] = None, g: Optional[torch.Tensor] = None):
+    """(o, final_state, saved, extras = ()) by deltatron.autograd's contract; plan: the call's (made here if None);
+    g: the gated rule's log decays [.., TT, H] (the backward sums them again rather than keep γ)."""
     if plan is None:
-        plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states)
+        plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g)
+    gam = None if g is None else chunk_gamma(g, info, chunk_size)
     if plan.residual:  # the walks' W and U slots take Tb and V
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
         u = v
     else:
-        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
+        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam)
     split = (split_plan_for(info, plan.split_partitions, plan.split_min_tokens, chunk_size, k.device)
              if plan.split else None)
     if split is not None:
@@ -75,11 +83,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
         return o, final_state, (tinv, w, *states), ()
     if plan.walk == "portable":
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size,
-                                          cfg=plan.walk_launch)
+                                          cfg=plan.walk_launch, gam=gam)
         del w, u  # not needed by the output: its peak is h, v_new and o
-        o = output_fwd(q, k, v_new, h, scale, info, chunk_size)
+        o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam)
     else:
-        o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info)
+        o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info, gam=gam)
     if split is not None and final_state is not None:  # each sequence's last partition's
         final_state = final_state.index_select(0, split.last_part)
     return o, final_state, (tinv,) if needs_backward else (), ()

@@ -104,7 +104,8 @@ def device_capabilities(device: torch.device) -> Capabilities:
 
 @dataclass(frozen=True)
 class Problem:
-    """The call's shape: q, k [.., heads, K], v [.., heads, V], num_seqs sequences of total_tokens tokens in all."""
+    """The call's shape: q, k [.., key_heads, K], v [.., heads, V], num_seqs sequences of total_tokens tokens in all;
+    gated: the gated rule (a log decay per token and head, DESIGN.md §11)."""
 
     dtype: torch.dtype
     heads: int
@@ -116,6 +117,12 @@ class Problem:
     training: bool = True  # a backward will run (the forward keeps what it needs)
     save_states: bool = False  # the caller asked the forward to keep its per-chunk states (chunk_delta_rule's option)
     tma_aligned: bool = True  # q, k, v contiguous and 16-byte aligned, as TMA descriptors take them
+    gated: bool = False
+    key_heads: int = 0  # heads of q and k (0: as many as v's); fewer: grouped value heads
+
+    @property
+    def grouped(self) -> bool:
+        return self.key_heads not in (0, self.heads)
 
     @property
     def states(self) -> int:
@@ -336,16 +343,19 @@ _MAX_CALL_PLANS = 4096
 
 
 def call_plan(dtype: torch.dtype, heads: int, K: int, V: int, num_seqs: int, total_tokens: int, chunk_size: int,
-              training: bool, save_states: bool, tma_aligned: bool, device: torch.device) -> ChunkPlan:
+              training: bool, save_states: bool, tma_aligned: bool, device: torch.device, gated: bool = False,
+              key_heads: int = 0) -> ChunkPlan:
     """make_plan for a call on `device` under the calling context's overrides, from the call's facts (a dict lookup
     where the same call was planned before: building a Problem costs the host more than the lookup)."""
     forced = _OVERRIDES.get()
-    key = (dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned, device, forced)
+    key = (dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned, device, forced,
+           gated, key_heads)
     plan = _CALL_PLANS.get(key)
     if plan is None:
         if len(_CALL_PLANS) >= _MAX_CALL_PLANS:
             _CALL_PLANS.clear()
-        problem = Problem(dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned)
+        problem = Problem(dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned,
+                          gated, 0 if key_heads == heads else key_heads)
         plan = _CALL_PLANS[key] = _make_plan(problem, device_capabilities(device), forced)
     return plan
 
@@ -362,10 +372,11 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     nh = f"sequences x heads {p.states}"
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
-                   and p.V == HOPPER_HEAD and p.tma_aligned)
+                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.gated and not p.grouped)
     if not hopper_fits:
         hopper = False
-        why = "the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v"
+        why = ("the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v; "
+               "it takes neither the gate nor grouped value heads")
         if o.hopper_walk:
             raise ValueError(f"overrides(hopper_walk=True): {why}")
     else:
@@ -406,6 +417,10 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     # -- backward: segments, then whether the forward keeps its states
     if not p.training:
         segments, why = 1, "inference: no backward"
+    elif p.gated or p.grouped:
+        segments, why = 1, "the segmented backward takes neither the gate nor grouped value heads"
+        if o.segments not in (None, 1):
+            raise ValueError(f"overrides(segments={o.segments}): {why}")
     else:
         rule = caps.two_streams and p.states <= SEGMENT_MAX_STATES and p.long_sequences(SEGMENT_MIN_TOKENS)
         segments, why = _forced("segments", o.segments, SEGMENTS if rule else 1,
@@ -532,8 +547,9 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
 def explain(plan: ChunkPlan) -> str:
     """The plan as text: the problem, the device, each choice with its reason, and the launches."""
     p = plan.problem
-    lines = [f"problem: {p.num_seqs} sequences, {p.total_tokens} tokens, {p.heads} heads, K = {p.K}, V = {p.V}, "
-             f"{_DTYPES.get(p.dtype, p.dtype)}, chunk {p.chunk_size}, "
+    heads = f"{p.key_heads} key heads, {p.heads} value heads" if p.grouped else f"{p.heads} heads"
+    lines = [f"problem: {'gated, ' if p.gated else ''}{p.num_seqs} sequences, {p.total_tokens} tokens, {heads}, "
+             f"K = {p.K}, V = {p.V}, {_DTYPES.get(p.dtype, p.dtype)}, chunk {p.chunk_size}, "
              f"{'training' if p.training else 'inference'}" + (", save_states" if p.save_states else ""),
              f"device:  {plan.caps.name}", "choices:"]
     backward = p.training
@@ -560,8 +576,10 @@ def explain(plan: ChunkPlan) -> str:
 
 def plan_for_shape(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, gpu: str = "sm90",
                    lengths: Optional[Tuple[int, ...]] = None, chunk_size: int = 64, training: bool = True,
-                   save_states: bool = False) -> ChunkPlan:
-    """The plan of a call on a named GPU (named_capabilities): [B, T] sequences, or packed `lengths` (B = 1)."""
+                   save_states: bool = False, gated: bool = False, key_heads: int = 0) -> ChunkPlan:
+    """The plan of a call on a named GPU (named_capabilities): [B, T] sequences, or packed `lengths` (B = 1); H value
+    heads, key_heads of q and k (0: H)."""
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (B, B * T)
-    problem = Problem(dtype, H, K, V, num_seqs, tokens, chunk_size, training, save_states)
+    problem = Problem(dtype, H, K, V, num_seqs, tokens, chunk_size, training, save_states, True, gated,
+                      0 if key_heads == H else key_heads)
     return make_plan(problem, named_capabilities(gpu))

@@ -6,6 +6,11 @@
               dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; the WY backward adds the rest)
               dW = -dV' S^T                                 (after the reverse pass: needs dS_next and the full dV')
 
+Gated (USE_G, DESIGN.md §11): dQ's state term takes exp(γ), dK's exp(γ_C - γ), the masked scores E; dqkw also
+writes its share of the log decays' gradient, per K-tile of the program, for wy_bwd to finish: the per-row dγ from
+Q S and the scores, x_i = exp(γ_C - γ_i) k_i^T dS_next v'_i, and exp(γ_C) <S, dS_next> per chunk. Grouped value
+heads: q, k of the value head's key head; dQ and dK come out per value head (the caller sums each group).
+
 Every output element is written by exactly one program (deterministic)."""
 from __future__ import annotations
 
@@ -14,9 +19,9 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_tile, load_rows, load_tile, mm, state_offsets,
+from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm, state_offsets,
                      store_rows)
-from .kkt import chunk_span
+from .gate import decay_matrix, load_gamma
 
 
 @triton.jit
@@ -46,12 +51,16 @@ def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
 
 
 @triton.jit
-def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seqlens, scale,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, STATES_T: tl.constexpr):
+def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunks, chunk_indices, cu_seqlens, scale,
+                TT, NT, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, STATES_T: tl.constexpr,
+                USE_G: tl.constexpr):
     """STATES_T: h and v_new as the forward's Hopper walk keeps them (hopper.walk.states_buffers): S^T [NT, H, V, K]
-    and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's)."""
+    and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's). H value heads
+    (dq, dk, dw are per value head), HK key heads (q, k). USE_G: gated by γ (gam); the K-tile's shares of the decays'
+    gradient go to dg_rows [NK, 2, TT, H] (dγ, x) and dg_chunks [NK, NT, H] (exp(γ_C) <S, dS_next>), fp32."""
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     dt = dout.dtype.element_ty
     i_s = (i_t * H + i_h).to(tl.int64)  # the chunk's state (and, STATES_T, its V'^T)
@@ -59,6 +68,7 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
     b_ds = tl.zeros([C, C], dtype=tl.float32)
+    b_sds = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)  # <S, dS_next> over this K-tile (USE_G)
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
         if STATES_T:  # V'^T rows of this V-block, whole: zero past the sequence's end (states_buffers), and a mask
@@ -75,14 +85,33 @@ def dqkw_kernel(q, k, v_new, h, dh, dout, dv, dq, dk, dw, chunk_indices, cu_seql
         else:
             b_st = tl.trans(tl.load(h + s_offs, mask=s_mask, other=0.0).to(dt))
         b_dsn = tl.load(dh + s_offs, mask=s_mask, other=0.0).to(dt)  # gradient of the state leaving it
+        if USE_G:
+            b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * tl.trans(b_dsn.to(tl.float32)), axis=1), axis=0)
         b_dq += mm(b_do, b_st, PRECISION)
         b_dk += mm(b_vn, tl.trans(b_dsn), PRECISION)
         b_dw -= mm(b_dv, b_st, PRECISION)
         b_ds += mm(b_do, tl.trans(b_vn), PRECISION)
     r = tl.arange(0, C)
-    b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
-    b_q = load_rows(q, start, n, i_h, i_k * BK, H, K, C, BK)
-    b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK)
+    b_q = load_rows(q, start, n, i_hk, i_k * BK, HK, K, C, BK)
+    b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK)
+    if USE_G:
+        b_gam, b_gam_last = load_gamma(gam, start, n, i_h, H, C)
+        b_dq *= tl.exp(b_gam)[:, None]  # dO S^T exp(γ): the entering state's term
+        b_dk *= tl.exp(b_gam_last - b_gam)[:, None]  # exp(γ_C - γ) V' dS_next^T: the leaving state's
+        b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale * decay_matrix(b_gam, b_gam), 0.0)
+        # the decays' gradient: through exp(γ_i) of Q S, and through E of the scores (dP ⊙ P, strictly lower:
+        # E_ii = 1 takes none) as dγ_i; x_i and the chunk's exp(γ_C) <S, dS_next> through the state update
+        b_dgam = scale * tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
+        b_dpp = tl.where(r[:, None] > r[None, :], b_ds * mm(b_q, tl.trans(b_k), PRECISION), 0.0)
+        b_dgam += tl.sum(b_dpp, axis=1) - tl.sum(b_dpp, axis=0)
+        b_x = tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
+        rows = start + r
+        tl.store(dg_rows + ((i_k * 2) * TT + rows) * H + i_h, b_dgam, mask=r < n)
+        tl.store(dg_rows + ((i_k * 2 + 1) * TT + rows) * H + i_h, b_x, mask=r < n)
+        tl.store(dg_chunks + (i_k * NT + i_t) * H + i_h, b_sds * tl.exp(b_gam_last))
+        b_ds = b_ds.to(dt)
+    else:
+        b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
     b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
     b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
     store_rows(dq, b_dq, start, n, i_h, i_k * BK, H, K, C, BK)
@@ -104,8 +133,11 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     return dv
 
 
-def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False):
-    """dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward) and dW (q's dtype).
+def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False,
+         gam=None):
+    """(dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward), dW (q's dtype), and for the gated
+    rule (gam: γ) the decays' gradient shares (dg_rows, dg_chunks) for wy_bwd, else None). With grouped value heads
+    dQ and dK are per value head, in fp32 (the caller sums each group).
 
     The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its HBM round trip (written here,
     read and added in fp32 by the WY backward), for one 16-bit rounding of one summand (DESIGN.md §4).
@@ -114,16 +146,25 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     dv: the full dV' (= dU) from the reverse pass. states_t: h and v_new are the forward's kept S^T and V'^T
     (hopper.walk.states_buffers) instead. dq: where to write dQ (q's shape and dtype, contiguous: the segmented
     backward passes its segment's view of the batch's), else a new tensor."""
-    H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
+    HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k)
-    dw = torch.empty_like(k)
+    grouped = H != HK
+    per_value_head = (*q.shape[:-2], H, K)
+    if dq is None:
+        dq = q.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(q)
+    dk = k.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(k)
+    dw = k.new_empty(per_value_head)
+    BK = head_tile(K)
+    TT, NT = info.total_tokens, chunks.num_chunks
+    dg = None
+    if gam is not None:
+        dg = (q.new_empty(cdiv(K, BK), 2, TT, H, dtype=torch.float32),
+              q.new_empty(cdiv(K, BK), NT, H, dtype=torch.float32))
     if chunks.num_chunks:
-        BK = head_tile(K)
         launch(
             dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
-            q, k, v_new, h, dh, do, dv, dq, dk, dw, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype), states_t, num_stages=PIPELINE_STAGES,
+            q, k, gam, v_new, h, dh, do, dv, dq, dk, dw, *(dg or (None, None)), chunks.chunk_indices,
+            info.cu_seqlens, scale, TT, NT, H, HK, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype),
+            states_t, gam is not None, num_stages=PIPELINE_STAGES,
         )
-    return dq, dk, dw
+    return dq, dk, dw, dg

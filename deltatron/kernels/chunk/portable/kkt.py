@@ -1,6 +1,7 @@
-"""A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2), and the chunk bookkeeping the portable kernels share.
+"""A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2).
 
-A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The forward
+Gated (USE_G, DESIGN.md §11): A_ij = beta_i exp(γ_i - γ_j) k_i^T k_j. Grouped value heads: A is per value head (beta
+and γ are), from the keys of its key head. A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The forward
 does not launch this stage: wy.wy_fwd builds A on chip through kkt_tile and never stores it (the tests launch it
 apart to check each stage: tests/kernels/chunk/portable/stages.py)."""
 from __future__ import annotations
@@ -9,43 +10,37 @@ import triton
 import triton.language as tl
 
 from ...utils import mm
+from .gate import decay_matrix
 
 
 @triton.jit
-def chunk_span(cu_seqlens, chunk_indices, i_c, C: tl.constexpr):
-    """(first token, number of tokens) of global chunk i_c. Chunks never cross sequences: the last chunk
-    of a sequence may hold fewer than C tokens."""
-    seq = tl.load(chunk_indices + 2 * i_c)
-    local = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + seq).to(tl.int64)
-    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
-    start = bos + local * C
-    return start, tl.minimum(eos - start, C)
+def kkt_tile(k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, I0: tl.constexpr, J0: tl.constexpr,
+             BI: tl.constexpr, BJ: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+             USE_G: tl.constexpr):
+    """Rows I0..I0+BI, columns J0..J0+BJ of A = tril(diag(beta) K K^T, -1) of one chunk, fp32 (USE_G: times
+    exp(γ_i - γ_j)).
 
-
-@triton.jit
-def kkt_tile(k, beta, n, H: tl.constexpr, I0: tl.constexpr, J0: tl.constexpr, BI: tl.constexpr,
-             BJ: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Rows I0..I0+BI, columns J0..J0+BJ of A = tril(diag(beta) K K^T, -1) of one chunk, fp32.
-
-    k, beta point at the chunk's first token and its head; rows and columns at or past n (the end of the
-    sequence) are zero, so a short last chunk leaves A zero there. Diagonal tiles (I0 == J0) keep i > j."""
+    k points at the chunk's first token and its key head (HK heads), beta and gam (γ, USE_G) at its value head (H
+    heads); rows and columns at or past n (the end of the sequence) are zero, so a short last chunk leaves A zero
+    there. Diagonal tiles (I0 == J0) keep i > j."""
     i = I0 + tl.arange(0, BI)
     j = J0 + tl.arange(0, BJ)
     acc = tl.zeros([BI, BJ], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
-        b_ki = tl.load(k + i[:, None] * (H * K) + cols[None, :], mask=(i[:, None] < n) & (cols[None, :] < K),
+        b_ki = tl.load(k + i[:, None] * (HK * K) + cols[None, :], mask=(i[:, None] < n) & (cols[None, :] < K),
                        other=0.0)
         if I0 == J0:
             b_kj = b_ki
         else:
-            b_kj = tl.load(k + j[:, None] * (H * K) + cols[None, :],
+            b_kj = tl.load(k + j[:, None] * (HK * K) + cols[None, :],
                            mask=(j[:, None] < n) & (cols[None, :] < K), other=0.0)
         acc += mm(b_ki, tl.trans(b_kj), PRECISION)
     # beta scales rows after the fp32 dot, so 16-bit inputs are not rounded twice
     b_beta = tl.load(beta + i * H, mask=i < n, other=0.0).to(tl.float32)
     acc = acc * b_beta[:, None]
+    if USE_G:
+        acc *= decay_matrix(tl.load(gam + i * H, mask=i < n, other=0.0), tl.load(gam + j * H, mask=j < n, other=0.0))
     if I0 == J0:
         acc = tl.where(i[:, None] > j[None, :], acc, 0.0)
     return acc

@@ -1,7 +1,8 @@
 """O = scale (Q S + (Q K^T ⊙ M) V') per chunk (DESIGN.md §2), M keeping j <= i, from the walk's h (the state entering
 each chunk) and V'. Every (chunk, head, V-block) is independent.
 
-The forward launches this stage only where the plan runs the walk without its output (K = 256, fp32, narrow
+Gated (USE_G, DESIGN.md §11): O = scale (exp(γ) ⊙ Q S + (Q K^T ⊙ E ⊙ M) V'); q, k are read from the value head's
+key head. The forward launches this stage only where the plan runs the walk without its output (K = 256, fp32, narrow
 V-blocks; DESIGN.md §6); elsewhere the walk computes O itself through causal_output, so both round alike."""
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_tile, mm
-from .kkt import chunk_span
+from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, chunk_span, dot_precision, head_tile, mm
+from .gate import decay_matrix, load_gamma
 
 
 @triton.jit
@@ -25,13 +26,14 @@ def causal_output(b_qs, b_qk, b_vn, scale, C: tl.constexpr, PRECISION: tl.conste
 
 
 @triton.jit
-def output_fwd_kernel(q, k, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      PRECISION: tl.constexpr):
+def output_fwd_kernel(q, k, gam, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_G: tl.constexpr, PRECISION: tl.constexpr):
     # V-blocks of one chunk are neighbours in the grid: they share the Q and K tiles in L2
     NV = (V + BV - 1) // BV
     i_cv, i_h = tl.program_id(0), tl.program_id(1)
     i_c, i_v = i_cv // NV, i_cv % NV
+    i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     rows = tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
@@ -43,9 +45,9 @@ def output_fwd_kernel(q, k, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         m_k = ck < K
-        b_q = tl.load(q + (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :],
+        b_q = tl.load(q + (start + rows[:, None]) * (HK * K) + i_hk * K + ck[None, :],
                       mask=m_rows[:, None] & m_k[None, :], other=0.0)
-        b_kt = tl.load(k + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
+        b_kt = tl.load(k + (start + rows[None, :]) * (HK * K) + i_hk * K + ck[:, None],
                        mask=m_k[:, None] & m_rows[None, :], other=0.0)
         b_s = tl.load(h_c + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & (cv[None, :] < V), other=0.0)
         b_qs += mm(b_q, b_s, PRECISION)
@@ -54,22 +56,26 @@ def output_fwd_kernel(q, k, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl
     o_v = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
     m_v = m_rows[:, None] & (cv[None, :] < V)
     b_vn = tl.load(v_new + o_v, mask=m_v, other=0.0)
+    if USE_G:
+        b_gam, _ = load_gamma(gam, start, n, i_h, H, C)
+        b_qs *= tl.exp(b_gam)[:, None]
+        b_qk *= decay_matrix(b_gam, b_gam)
     b_o = causal_output(b_qs, b_qk, b_vn, scale, C, PRECISION)
     tl.store(o + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, scale: float,
-               info: SeqInfo, chunk_size: int) -> torch.Tensor:
-    """o [B, T, H, V] in the input dtype from q, k [B, T, H, K], v_new [B, T, H, V] and the per-chunk
-    states h [NT, H, K, V]."""
-    H, K, V = q.shape[2], q.shape[3], v_new.shape[3]
+               info: SeqInfo, chunk_size: int, gam=None) -> torch.Tensor:
+    """o [B, T, H, V] in the input dtype from q, k [B, T, HK, K], v_new [B, T, H, V] and the per-chunk
+    states h [NT, H, K, V]; gam: the gated rule's γ."""
+    HK, H, K, V = q.shape[2], v_new.shape[2], q.shape[3], v_new.shape[3]
     o = torch.empty_like(v_new)
     chunks = info.chunks(chunk_size)
     BV = head_tile(V)
     if chunks.num_chunks:
         launch(
             output_fwd_kernel, (chunks.num_chunks * cdiv(V, BV), H),
-            q, k, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size,
-            head_tile(K), BV, dot_precision(q.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
+            q, k, gam, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V, chunk_size,
+            head_tile(K), BV, gam is not None, dot_precision(q.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
         )
     return o

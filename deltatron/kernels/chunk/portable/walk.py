@@ -10,7 +10,9 @@ Variants (constexprs of state_fwd_kernel):
     state_wy_fwd      WY_ON_CHIP: W and U computed per chunk from the stored T~ with wy.py's products (the same bits
                       as recompute_w_u), so U never reaches HBM; the V-block-0 programs write W for the reverse pass.
                       The backward's one-launch recompute, where plan.wy_on_chip holds.
-The loads do not depend on S, so the compiler fetches the next chunk's tiles while the current chunk's products
+Gated (USE_G, DESIGN.md §11): S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V'), O = scale (exp(γ) ⊙ Q S + (Q K^T ⊙ E ⊙ M)
+V'), and W's pair on chip takes exp(γ). Grouped value heads: a program walks a value head, reading q, k of its key
+head. The loads do not depend on S, so the compiler fetches the next chunk's tiles while the current chunk's products
 run. Launches (V-block, warps) come from the plan (plan.walk_launch)."""
 from __future__ import annotations
 
@@ -23,21 +25,24 @@ import triton.language as tl
 from ...launch import launch as launch_kernel
 from ..plan import Launch, walk_launch
 from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_offsets
+from .gate import decay_matrix, load_gamma
 from .output import causal_output
 from .wy import tinv_beta_pair, wy_product
 
 
 @triton.jit
-def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
-                     WY_ON_CHIP: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+def state_fwd_kernel(q, k, v, beta, gam, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                     FUSE_OUTPUT: tl.constexpr, WY_ON_CHIP: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr,
+                     PRECISION: tl.constexpr):
     """FUSE_OUTPUT: writes o (from q, scale); else h and v_new (q, o, scale unused).
     WY_ON_CHIP: W and U's V-block computed from tinv, beta, k, v (SPLIT: Tinv diag(beta) as a 16-bit
     pair, wy.tinv_beta_pair), W written to w by the V-block-0 programs, u unused; else W, U read from w, u
-    (v, beta, tinv unused)."""
+    (v, beta, tinv unused). H value heads, HK key heads (q, k); USE_G: gated by γ (gam)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     first_chunk = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -59,11 +64,16 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
             h_kv, _ = state_offsets((first_chunk + i_t) * H + i_h, 0, i_v * BV, K, V, BK, BV)
             tl.store(h + h_kv, b_s.to(h.dtype.element_ty), mask=m_kv)
 
-        o_qk = (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :]
+        o_qk = (start + rows[:, None]) * (HK * K) + i_hk * K + ck[None, :]
+        o_w = (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :]
         m_qk = m_rows[:, None] & (ck[None, :] < K)
         # K^T [BK, C], loaded transposed
-        b_kt = tl.load(k + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
+        b_kt = tl.load(k + (start + rows[None, :]) * (HK * K) + i_hk * K + ck[:, None],
                        mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
+        b_decay = tl.zeros([C], dtype=tl.float32)
+        if USE_G:
+            b_gam, b_gam_last = load_gamma(gam, start, eos - start, i_h, H, C)
+            b_decay = tl.exp(b_gam)
         o_uv = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
         m_uv = m_rows[:, None] & (cv[None, :] < V)
         if WY_ON_CHIP:
@@ -71,14 +81,16 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
             # bits as recompute_w_u's W, U). They do not depend on S: off the chain S -> V' -> S
             dt = k.dtype.element_ty
             b_t = load_rows(tinv, start, eos - start, i_h, 0, H, C, C, C)
-            b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta + start * H + i_h, eos - start, H, C, dt)
-            b_w = wy_product(b_tb_hi, b_tb_lo, tl.trans(b_kt), SPLIT, PRECISION).to(dt)
+            b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta + start * H + i_h, b_decay, eos - start, H, C, dt, False)
             b_v = tl.load(v + o_uv, mask=m_uv, other=0.0)
             b_u = wy_product(b_tb_hi, b_tb_lo, b_v, SPLIT, PRECISION).to(dt)
+            if USE_G:
+                b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta + start * H + i_h, b_decay, eos - start, H, C, dt, True)
+            b_w = wy_product(b_tb_hi, b_tb_lo, tl.trans(b_kt), SPLIT, PRECISION).to(dt)
             if i_v == 0:  # W is the same in every V-block program; the reverse pass reads it
-                tl.store(w + o_qk, b_w, mask=m_qk)
+                tl.store(w + o_w, b_w, mask=m_qk)
         else:
-            b_w = tl.load(w + o_qk, mask=m_qk, other=0.0)
+            b_w = tl.load(w + o_w, mask=m_qk, other=0.0)
             b_u = tl.load(u + o_uv, mask=m_uv, other=0.0)
 
         # S in the input dtype: what h holds for the unfused output stage
@@ -92,9 +104,17 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
             b_qs = mm(b_q, b_sd, PRECISION)
         else:
             tl.store(v_new + o_uv, b_vn, mask=m_uv)
-        b_s += mm(b_kt, b_vn, PRECISION)
+        if USE_G:  # S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V'); the decayed V' rounded as V' is
+            b_s = b_s * tl.exp(b_gam_last) + mm(b_kt, (b_vn.to(tl.float32) * tl.exp(b_gam_last - b_gam)[:, None])
+                                                .to(b_vn.dtype), PRECISION)
+        else:
+            b_s += mm(b_kt, b_vn, PRECISION)
         if FUSE_OUTPUT:
-            b_o = causal_output(b_qs, mm(b_q, b_kt, PRECISION), b_vn, scale, C, PRECISION)
+            b_qk = mm(b_q, b_kt, PRECISION)
+            if USE_G:
+                b_qs *= b_decay[:, None]
+                b_qk *= decay_matrix(b_gam, b_gam)
+            b_o = causal_output(b_qs, b_qk, b_vn, scale, C, PRECISION)
             tl.store(o + o_uv, b_o.to(o.dtype.element_ty), mask=m_uv)
 
     if STORE_HT:
@@ -102,11 +122,13 @@ def state_fwd_kernel(q, k, v, beta, tinv, w, u, h0, h, v_new, o, ht, scale, cu_s
 
 
 def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o,
-          cfg: Optional[Launch]):
+          cfg: Optional[Launch], gam: Optional[torch.Tensor] = None):
     """Launches the walk: fused when o is given (then h, v_new are None), else plain; with wy_inputs = (v, beta,
-    tinv), W and U computed on chip (W written to w, u None). Returns the final state [N, H, K, V] fp32, or None."""
+    tinv), W and U computed on chip (W written to w, u None). gam: the gated rule's γ. Returns the final state
+    [N, H, K, V] fp32 (H value heads: w's), or None."""
     v, beta, tinv = (None, None, None) if wy_inputs is None else wy_inputs
-    H, K, V = k.shape[2], k.shape[3], (u if v is None else v).shape[3]
+    HK, K = k.shape[2], k.shape[3]
+    H, V = w.shape[2], (u if v is None else v).shape[3]
     N = info.num_seqs
     final_state = k.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     fused = o is not None
@@ -115,48 +137,50 @@ def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info,
     if N * H:
         launch_kernel(
             state_fwd_kernel, (N * H, cdiv(V, cfg.block_v)),
-            q, k, v, beta, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
-            info.chunks(chunk_size).chunk_offsets, H, K, V, chunk_size, head_block(K), cfg.block_v,
-            initial_state is not None, output_final_state, fused, wy_inputs is not None,
+            q, k, v, beta, gam, tinv, w, u, initial_state, h, v_new, o, final_state, scale, info.cu_seqlens,
+            info.chunks(chunk_size).chunk_offsets, H, HK, K, V, chunk_size, head_block(K), cfg.block_v,
+            initial_state is not None, output_final_state, fused, wy_inputs is not None, gam is not None,
             k.dtype != torch.float32, dot_precision(k.dtype), num_warps=cfg.warps, num_stages=PIPELINE_STAGES,
         )
     return final_state
 
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
-              output_final_state: bool, info: SeqInfo, chunk_size: int, cfg: Optional[Launch] = None
-              ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+              output_final_state: bool, info: SeqInfo, chunk_size: int, cfg: Optional[Launch] = None,
+              gam: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(h [NT, H, K, V]: the state entering each chunk, in the input dtype; v_new = U - W S in the input dtype;
-    final_state [N, H, K, V] fp32 or None). A sequence of length 0 passes its initial state (or zeros) through."""
-    H, K, V = k.shape[2], k.shape[3], u.shape[3]
+    final_state [N, H, K, V] fp32 or None). A sequence of length 0 passes its initial state (or zeros) through.
+    gam: the gated rule's γ."""
+    H, K, V = w.shape[2], k.shape[3], u.shape[3]
     h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
     v_new = torch.empty_like(u)
     final_state = _walk(None, k, w, u, None, None, initial_state, output_final_state, info, chunk_size, h, v_new,
-                        None, cfg)
+                        None, cfg, gam)
     return h, v_new, final_state
 
 
 def state_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, tinv: torch.Tensor,
                  initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo, chunk_size: int,
-                 cfg: Optional[Launch] = None
+                 cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """wy.recompute_w_u and state_fwd in one launch: (w: recompute_w_u's W bit for bit; h, v_new, final_state as
     state_fwd's)."""
-    H, K, V = k.shape[2], k.shape[3], v.shape[3]
-    w = torch.empty_like(k)
+    H, K, V = v.shape[2], k.shape[3], v.shape[3]
+    w = k.new_empty(*k.shape[:2], H, K)
     h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
     v_new = torch.empty_like(v)
     final_state = _walk(None, k, w, None, (v, beta, tinv), None, initial_state, output_final_state, info,
-                        chunk_size, h, v_new, None, cfg)
+                        chunk_size, h, v_new, None, cfg, gam)
     return w, h, v_new, final_state
 
 
 def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                      initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
-                     chunk_size: int, cfg: Optional[Launch] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     chunk_size: int, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The walk with the output fused in: (o in the input dtype, final_state as state_fwd's); the same o as
     output.output_fwd on state_fwd's h and v_new, up to the order of fp32 sums over K."""
     o = torch.empty_like(u)
     final_state = _walk(q, k, w, u, None, scale, initial_state, output_final_state, info, chunk_size, None, None, o,
-                        cfg)
+                        cfg, gam)
     return o, final_state

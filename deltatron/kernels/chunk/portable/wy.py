@@ -7,6 +7,8 @@ One kernel, four entry points:
                                                     (the Hopper walk forms V' = Tb (V - K S), no W, U at all);
     tinv_fwd(k, beta, ...) -> T~                    fused_chunk's input;
     recompute_w_u(k, v, beta, T~, ...) -> (W, U)    from a stored T~: the backward's two-launch recompute.
+Gated (USE_G, DESIGN.md §11): A carries exp(γ_i - γ_j) and W = T~ (beta exp(γ) K), so W's pair is T~ diag(beta
+exp(γ)) while U's stays T~ diag(beta); grouped value heads: W, U and T~ per value head, K read from its key head.
 W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
 walk.state_wy_fwd, goes through tinv_beta_pair and wy_product, so they agree bit for bit. The plan chooses the form
 (plan.residual); the launch comes from plan.wy_launch."""
@@ -19,22 +21,25 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import WY_PIPELINE_STAGES, SeqInfo, dot_precision, load_rows, mm, store_rows, tril_precision
+from ...utils import WY_PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, load_rows, mm, store_rows, tril_precision
 from ..plan import Launch, wy_launch
-from .kkt import chunk_span
+from .gate import load_gamma
 from .solve_tril import tril_inverse
 
 
 @triton.jit
-def tinv_beta_pair(b_t, beta_c, n, H: tl.constexpr, C: tl.constexpr, DT: tl.constexpr):
-    """T~ diag(beta) of one chunk as a pair hi + lo of dtype DT (the input dtype; lo is zero for fp32).
-    beta_c points at the chunk's first token and its head; beta past the chunk's end (row n on) reads as 0.
+def tinv_beta_pair(b_t, beta_c, b_decay, n, H: tl.constexpr, C: tl.constexpr, DT: tl.constexpr, DECAY: tl.constexpr):
+    """T~ diag(beta) of one chunk (DECAY: T~ diag(beta b_decay), W's of the gated rule, b_decay = exp(γ) [C]) as a
+    pair hi + lo of dtype DT (the input dtype; lo is zero for fp32). beta_c points at the chunk's first token and its
+    head; beta past the chunk's end (row n on) reads as 0.
 
     W = (T~ diag(beta)) K, U = (T~ diag(beta)) V take K, V as they are (exact operands). Rounded to 16 bits alone,
     T~ diag(beta) would put 2^-9 (bf16) of error in every term of W's rows, which cancel when keys are nearly
     parallel; the pair leaves 2^-18 (DESIGN.md §2)."""
     rows = tl.arange(0, C)
     b_beta = tl.load(beta_c + rows * H, mask=rows < n, other=0.0).to(tl.float32)
+    if DECAY:
+        b_beta *= b_decay
     b_tb = b_t * b_beta[None, :]
     b_tb_hi = b_tb.to(DT)
     b_tb_lo = (b_tb - b_tb_hi.to(tl.float32)).to(DT)
@@ -52,60 +57,76 @@ def wy_product(t_hi, t_lo, b_x, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def apply_tinv(t_hi, t_lo, x, y, n, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr,
-               SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+def apply_tinv(t_hi, t_lo, x, y, n, HX: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+               C: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """y = (t_hi + t_lo) x for one chunk, BD columns of the head dimension D at a time (t_lo only with
-    SPLIT). x and y point at the chunk's first token and its head; t_hi, t_lo have x's dtype."""
+    SPLIT). x and y point at the chunk's first token and its head (of HX and H heads: K of a key head makes W of a
+    value head); t_hi, t_lo have x's dtype."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, BD)
     # one tile of offsets for all steps, the base pointers moved by d0: offsets computed per step are carried
     # by the software pipeliner as whole [C, BD] int32 tiles for the steps ahead, which spill under the cap
-    offs = rows[:, None] * (H * D) + cols[None, :]
+    x_offs = rows[:, None] * (HX * D) + cols[None, :]
+    y_offs = rows[:, None] * (H * D) + cols[None, :]
     for d0 in range(0, D, BD):
         mask = (rows[:, None] < n) & (d0 + cols[None, :] < D)
-        b_x = tl.load(x + d0 + offs, mask=mask, other=0.0)
+        b_x = tl.load(x + d0 + x_offs, mask=mask, other=0.0)
         b_y = wy_product(t_hi, t_lo, b_x, SPLIT, PRECISION)
-        tl.store(y + d0 + offs, b_y.to(y.dtype.element_ty), mask=mask)
+        tl.store(y + d0 + y_offs, b_y.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def wy_kernel(k, v, beta, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
+def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+              K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
               FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr, STORE_PAIR: tl.constexpr,
-              SPLIT: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
+              USE_G: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr,
+              NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U.
     STORE_PAIR: Tinv diag(beta) as its 16-bit pair into tb [.., H, 2C], hi in columns [0, C), lo in [C, 2C)
     (one [C, 2C] row block a chunk and head, so a TMA box of W's shape [64, 128] takes both halves).
-    Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators)."""
+    Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators). H value heads
+    (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam), which the residual form's pair does not take."""
+    tl.static_assert(not (USE_G and STORE_PAIR), "the residual form's pair is the ungated rule's")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
-    k_c = k + start * H * K + i_h * K
+    k_c = k + start * HK * K + (i_h // (H // HK)) * K
     beta_c = beta + start * H + i_h
+    b_decay = tl.zeros([C], dtype=tl.float32)
+    gam_c = gam
+    if USE_G:
+        b_gam, _ = load_gamma(gam, start, n, i_h, H, C)
+        b_decay = tl.exp(b_gam)
+        gam_c = gam + start * H + i_h
     if FUSED:
         # (A comes from K here: the first argument, A's address, is not read)
-        b_t = tril_inverse(k_c, k_c, beta_c, n, H, C, K, BK, True, PRECISION, TRIL_PREC, NEWTON)
+        b_t = tril_inverse(k_c, k_c, beta_c, gam_c, n, H, HK, C, K, BK, True, USE_G, PRECISION, TRIL_PREC, NEWTON)
         if STORE_TINV:
             store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
     else:
         # (Tinv is lower triangular: in the rows of the chunk, the columns past its end are stored zeros)
         b_t = load_rows(tinv, start, n, i_h, 0, H, C, C, C)
     if STORE_PAIR:
-        b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, n, H, C, tb.dtype.element_ty)
+        b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, tb.dtype.element_ty, False)
         store_rows(tb, b_tb_hi, start, n, i_h, 0, H, 2 * C, C, C)
         store_rows(tb, b_tb_lo, start, n, i_h, C, H, 2 * C, C, C)
     if APPLY:
-        b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, n, H, C, w.dtype.element_ty)
-        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, H, K, BW, C, SPLIT, PRECISION)
-        apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, n, H, V, BV,
+        b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, False)
+        apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, n, H, H, V, BV,
                    C, SPLIT, PRECISION)
+        if USE_G:  # W's pair takes the decay exp(γ) beside beta
+            b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, True)
+        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, HK, H, K, BW, C, SPLIT, PRECISION)
 
 
-def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, cfg: Optional[Launch] = None):
+def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, cfg: Optional[Launch] = None,
+        gam: Optional[torch.Tensor] = None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
-    no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd)."""
-    H, K = k.shape[2], k.shape[3]
+    no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd). gam: the gated rule's
+    γ (gate.chunk_gamma). Value heads are beta's, key heads k's."""
+    HK, K = k.shape[2], k.shape[3]
+    H = beta.shape[2]
     V = K if v is None else v.shape[3]
-    w, u = (None, None) if v is None else (torch.empty_like(k), torch.empty_like(v))
+    w, u = (None, None) if v is None else (k.new_empty(*k.shape[:2], H, K), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
     if cfg is None:
@@ -113,9 +134,9 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
-            k, v, beta, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, K, V, chunk_size, cfg.tile_k,
-            cfg.tile_k, cfg.tile_v,
-            fused, tinv is not None, v is not None, tb is not None, split, dot_precision(k.dtype),
+            k, v, beta, gam, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V, chunk_size,
+            cfg.tile_k, cfg.tile_k, cfg.tile_v,
+            fused, tinv is not None, v is not None, tb is not None, gam is not None, split, dot_precision(k.dtype),
             *tril_precision(k.dtype),
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
@@ -123,18 +144,20 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
 
 
 def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: torch.Tensor, info: SeqInfo,
-                  chunk_size: int, cfg: Optional[Launch] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """W = Tinv (beta*K) [B, T, H, K], U = Tinv (beta*V) [B, T, H, V], in the input dtype."""
-    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg)
+                  chunk_size: int, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """W = Tinv (beta*K) [B, T, H, K] (gated: Tinv (beta exp(γ) K)), U = Tinv (beta*V) [B, T, H, V], in the input
+    dtype."""
+    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg, gam=gam)
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
-           chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None
+           chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
            ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
-    (inference: nothing needs it after W and U), w, u)."""
-    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
-    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg)
+    (inference: nothing needs it after W and U), w, u). gam: the gated rule's γ."""
+    tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32) if store_tinv else None
+    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam)
     return tinv, w, u
 
 

@@ -112,8 +112,8 @@ def grad_segment(seg: Segment, q, k, v, beta, tinv, v_new, h, do, dh, dv, scale,
     from reverse_segment), written into the segment's tokens of out = the batch's (dq, dk, dv, dbeta), packed."""
     sl = slice(seg.t0, seg.t1)
     dq, dk, dv_out, dbeta = (x[:, sl] for x in out)
-    _, dk_direct, dw = dqkw(q[:, sl], k[:, sl], v_new[:, sl], h[seg.c0:seg.c1], dh, do[:, sl], dv, scale,
-                                       seg.info, chunk_size, dq=dq)
+    _, dk_direct, dw, _ = dqkw(q[:, sl], k[:, sl], v_new[:, sl], h[seg.c0:seg.c1], dh, do[:, sl], dv, scale,
+                               seg.info, chunk_size, dq=dq)
     wy_bwd(k[:, sl], v[:, sl], beta[:, sl], tinv[:, sl], dw, dv, dk_direct, seg.info, chunk_size,
                   out=(dk, dv_out, dbeta))
 

@@ -8,10 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deltatron.kernels.chunk.portable.kkt import chunk_span, kkt_tile
+from deltatron.kernels.chunk.portable.kkt import kkt_tile
 from deltatron.kernels.chunk.portable.solve_tril import tril_inverse
 from deltatron.kernels.launch import launch
-from deltatron.kernels.utils import PIPELINE_STAGES, SeqInfo, dot_precision, head_tile, store_rows, tril_precision
+from deltatron.kernels.utils import PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, head_tile, store_rows, tril_precision
 
 
 @triton.jit
@@ -19,7 +19,8 @@ def chunk_kkt_kernel(k, beta, a, cu_seqlens, chunk_indices, H: tl.constexpr, K: 
                      C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
-    b_a = kkt_tile(k + start * H * K + i_h * K, beta + start * H + i_h, n, H, 0, 0, C, C, K, BK, PRECISION)
+    b_a = kkt_tile(k + start * H * K + i_h * K, beta + start * H + i_h, beta, n, H, H, 0, 0, C, C, K, BK, PRECISION,
+                   False)
     rows = tl.arange(0, C)
     tl.store(a + (start + rows[:, None]) * (H * C) + i_h * C + rows[None, :], b_a, mask=rows[:, None] < n)
 
@@ -45,8 +46,8 @@ def solve_tril_kernel(a, tinv, cu_seqlens, chunk_indices, H: tl.constexpr, C: tl
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     offset = start * H * C + i_h * C
-    # FROM_K=False: k, beta and K are unused, a stands in for them
-    b_t = tril_inverse(a + offset, a, a, n, H, C, 16, 16, False, "ieee", TRIL_PREC, NEWTON)
+    # FROM_K=False: k, beta, gam and K are unused, a stands in for them
+    b_t = tril_inverse(a + offset, a, a, a, n, H, H, C, 16, 16, False, False, "ieee", TRIL_PREC, NEWTON)
     store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
 
 

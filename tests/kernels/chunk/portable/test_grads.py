@@ -63,7 +63,7 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
     dv_loc = grads.dv_local(inp["q"], inp["k"], dt_(do), scale, info, C)
     dh, dv, dh0 = reverse.state_bwd(inp["q"], inp["k"], dt_(w), dt_(do), dv_loc,
                                       None if dht is None else dht.float().to(DEVICE), scale, True, info, C)
-    dq, dk, dw = grads.dqkw(inp["q"], inp["k"], dt_(v_new), h, dh, dt_(do), dv, scale, info, C)
+    dq, dk, dw, _ = grads.dqkw(inp["q"], inp["k"], dt_(v_new), h, dh, dt_(do), dv, scale, info, C)
     # the same stage on the forward's saved layout (states_t: S^T, V'^T per chunk): the same products on operands
     # laid out otherwise (the interpreter's fp32 sums then run in another order: 1e-7 apart)
     st, vt = transposed_states(h, dt_(v_new), lengths, C)

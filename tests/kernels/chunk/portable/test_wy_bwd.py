@@ -29,7 +29,7 @@ def test_wy_bwd(dtype, C, lengths, K, V, parallel_keys, poison):
     dk_direct = torch.randn(k.shape, generator=g, dtype=torch.float64).to(dtype).double()  # as dqkw stores it
     ((w * dw).sum() + (u * du).sum() + (k * dk_direct).sum()).backward()
 
-    dk, dv, dbeta = wy_bwd.wy_bwd(inp["k"], inp["v"], inp["beta"], to_dev(tinv.detach(), torch.float32),
+    dk, dv, dbeta, _ = wy_bwd.wy_bwd(inp["k"], inp["v"], inp["beta"], to_dev(tinv.detach(), torch.float32),
                                   to_dev(dw, dtype), to_dev(du, dtype), to_dev(dk_direct, dtype), info, C)
     bound = BOUNDS[dtype]
     assert dk.dtype == dtype and dv.dtype == dtype and dbeta.dtype == inp["beta"].dtype
