@@ -449,7 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(describe_meta(results["meta"]))
     print(text_table(results["rows"]))
-    print(legend(results["meta"]))
+    print(legend(results["meta"], results["rows"]))
     if written:
         print("wrote " + ", ".join(str(w) for w in written))
     return 0

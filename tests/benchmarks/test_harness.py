@@ -406,6 +406,35 @@ def test_gated_competitor_that_is_missing_says_why():
         assert row["error"] in ("not installed", "needs CUDA: not run in smoke mode") and row["Hk"] == 1
 
 
+def test_report_compares_gated_rows_with_the_gated_competitors():
+    """A gated row's vs fla / vs FlashQLA are fla.chunk_gated's and flash_qla.gated's times over its own, on the
+    same configuration; delta-rule rows keep fla.chunk and flash_qla.g0; the legend explains the gated rows only
+    where there are some."""
+    def row(impl, config, fwd, fwdbwd, **extra):
+        return dict(impl=impl, config=config, fwd_ms=fwd, fwdbwd_ms=fwdbwd, **extra)
+
+    rows = [row("deltatron.chunk", "b8", 1.0, 4.0), row("fla.chunk", "b8", 2.0, 6.0),
+            row("flash_qla.g0", "b8", 1.5, 5.0),
+            row("deltatron.chunk_gated", "b8", 1.0, 4.0), row("fla.chunk_gated", "b8", 3.0, 8.0),
+            row("flash_qla.gated", "b8", 0.5, 2.0),
+            row("deltatron.chunk_gated", "qwen", 2.0, 5.0, Hk=16), row("fla.chunk_gated", "qwen", 4.0, 10.0, Hk=16),
+            dict(impl="flash_qla.gated", config="qwen", Hk=16, error="not installed")]
+    assert report.speedup(rows, rows[0], "fla", "fwd") == 2.0
+    assert report.speedup(rows, rows[0], "flash_qla", "fwdbwd") == 1.25
+    assert report.speedup(rows, rows[3], "fla", "fwd") == 3.0 and report.speedup(rows, rows[3], "fla", "fwdbwd") == 2.0
+    assert report.speedup(rows, rows[3], "flash_qla", "fwd") == 0.5
+    assert report.speedup(rows, rows[6], "fla", "fwdbwd") == 2.0
+    assert report.speedup(rows, rows[6], "flash_qla", "fwd") is None   # FlashQLA's row failed
+    cells = {(c[0], c[1]): c for c in report.table_cells(rows)}
+    assert cells[("deltatron.chunk_gated", "b8")][4:6] == ("3.00 / 2.00", "0.50 / 0.50")
+    assert cells[("deltatron.chunk_gated", "qwen")][4:6] == ("2.00 / 2.00", "")
+    assert cells[("flash_qla.gated", "qwen")][-1] == "not installed"
+    meta = dict(peak_tflops=800.0, peak_tbps=4.27, peaks_measured=False)
+    assert "fla.chunk_gated" in report.legend(meta, rows) and "query/key heads" in report.legend(meta, rows)
+    assert report.legend(meta, rows[:3]) == report.legend(meta)
+    assert "fla.chunk_gated" not in report.legend(meta, rows[:3])
+
+
 def test_floor_model_counts_the_gate_and_grouped_heads():
     """Gated: + 4 bytes (fp32 g read) a value token-head forward, + 12 forward+backward (g read twice, dg
     written); grouped value heads: q, k and their gradients at Hk heads, the FLOPs per value head."""
