@@ -16,7 +16,8 @@ goes on.
     python benchmarks/run.py --merge benchmarks/results/h200.json a.json b.json    # runs of subsets as one
 
 fla-core autotunes for 80-130 s on each new shape, so with it installed the whole table takes over 15 minutes
-without its cache: runs of a subset each (--configs) can be merged into one results file (--merge).
+without its cache: runs of a subset each (--configs, --impls) can be merged into one results file (--merge; the
+gated rows of a later run join a configuration's delta-rule rows of an earlier one).
 `deltatron bench` in a checkout calls main() here with its arguments.
 """
 from __future__ import annotations
@@ -385,7 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="where --report writes (default benchmarks/BENCHMARKS.md; its Notes section is kept)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar=("OUT", "RUN"),
                         help="write OUT.json from the runs that follow, each configuration's rows from the last "
-                             "run that timed it; no run")
+                             "run that timed it (the delta rule's and the gated rule's apart); no run")
     args = parser.parse_args(argv)
 
     table = SMOKE_CONFIGS if args.smoke else CONFIGS

@@ -172,16 +172,23 @@ def plot(results: dict, path: Path) -> Optional[Path]:
 
 def merge_runs(runs: Sequence[dict]) -> dict:
     """One results set from runs that timed different configurations (a run split over several processes, or one
-    that adds configurations to an earlier one). Every configuration's rows come from one run, the last that timed
-    it, so each row's ratios compare implementations timed in the same process; rows that were not run are left
-    out when another run has the configuration. meta is the first run's, with every run's meta under "runs"."""
-    source = {}  # config -> index of the run its rows come from: the last that timed it, else the last with it
+    that adds configurations or the gated rows to an earlier one). Every configuration's rows of one family (the
+    delta rule's, the gated rule's: the rows a ratio compares) come from one run, the last that timed them, so each
+    row's ratios compare implementations timed in the same process; rows that were not run are left out when
+    another run has them. Rows are in IMPLS order, each implementation's in the order of the runs. meta is the
+    first run's, with every run's meta under "runs"."""
+    def key(r):
+        return r["config"], r["impl"] in GATED
+
+    source = {}  # (config, gated) -> index of the run its rows come from: the last that timed them, else the last
     for timed_only in (False, True):
         for i, run in enumerate(runs):
             for r in run["rows"]:
                 if not timed_only or "fwd_ms" in r:
-                    source[r["config"]] = i
-    rows = [r for i, run in enumerate(runs) for r in run["rows"] if source[r["config"]] == i]
+                    source[key(r)] = i
+    rows = [r for i, run in enumerate(runs) for r in run["rows"] if source[key(r)] == i]
+    order = {impl: j for j, impl in enumerate(IMPLS)}
+    rows.sort(key=lambda r: order.get(r["impl"], len(order)))
     return dict(meta=dict(runs[0]["meta"], runs=[run["meta"] for run in runs]), rows=rows)
 
 

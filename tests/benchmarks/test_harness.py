@@ -447,3 +447,22 @@ def test_floor_model_counts_the_gate_and_grouped_heads():
     assert gva["flops_fwd"] == gated["flops_fwd"]
     assert gated["bytes_fwd"] - gva["bytes_fwd"] == (n - nk) * 2 * 2 * 128       # q and k read at Hk heads
     assert gated["bytes_fwdbwd"] - gva["bytes_fwdbwd"] == (n - nk) * 2 * 6 * 128  # q, k, dq, dk; read twice
+
+
+def test_merge_adds_gated_rows_to_an_earlier_run():
+    """A run of the gated ops merged after one of the delta rule on the same configuration keeps both families
+    (each family's ratios still compare rows of one process); a later gated run replaces the earlier gated rows;
+    the merged rows are in IMPLS order."""
+    def row(impl, config, ms):
+        return dict(impl=impl, config=config, fwd_ms=ms)
+
+    meta = dict(date="d")
+    delta = dict(meta=meta, rows=[row("deltatron.chunk", "b8", 1.0), row("fla.chunk", "b8", 2.0),
+                                  row("deltatron.fused_recurrent", "b8", 9.0)])
+    gated = dict(meta=meta, rows=[row("deltatron.chunk_gated", "b8", 3.0), row("fla.chunk_gated", "b8", 4.0),
+                                  row("deltatron.chunk_gated", "qwen", 5.0)])
+    again = dict(meta=meta, rows=[row("fla.chunk_gated", "b8", 6.0)])
+    merged = report.merge_runs([delta, gated, again])["rows"]
+    assert [(r["impl"], r["config"], r["fwd_ms"]) for r in merged] == [
+        ("deltatron.chunk", "b8", 1.0), ("fla.chunk", "b8", 2.0), ("deltatron.chunk_gated", "qwen", 5.0),
+        ("fla.chunk_gated", "b8", 6.0), ("deltatron.fused_recurrent", "b8", 9.0)]
