@@ -1,7 +1,12 @@
 """The benchmark's configurations, implementations and inputs, and the roofline floor model.
 
 The floor of a call is max(FLOPs / matmul ceiling, bytes / copy ceiling), with the FLOP and HBM byte counts of
-work() (docs/performance.md derives them)."""
+work() (docs/performance.md derives them; work() says what the gate and grouped value heads add).
+
+Two families of rows: the delta rule (deltatron's forms, fla's chunk_delta_rule, FlashQLA with g = 0) and the
+gated delta rule (GATED: deltatron's, fla's and FlashQLA's chunk_gated_delta_rule with a real gate, called as
+Qwen3-Next calls it). A configuration's H is its value heads (v, beta, g, the state), Hk its query/key heads:
+Hk < H is grouped value heads (GVA), which only the gated ops take."""
 from __future__ import annotations
 
 import math
@@ -20,19 +25,27 @@ L2_MULTIPLE = 4               # rotate input sets until one pass over them spans
 MAX_INPUT_SETS = 32
 RECURRENT_MAX_T = 4096        # the token-serial form runs the short configurations only
 GRAD_INPUTS = ("q", "k", "v", "beta")
+GATED_GRAD_INPUTS = ("q", "k", "v", "g", "beta")   # the gate g is computed outside the op, a leaf like the rest
 
-# Also the run order: the head-to-head rows first, so that a run cut short by --budget-s keeps the
-# comparisons and loses the slow forms (fused_chunk and fused_recurrent take most of a full run).
+# Also the run order: the head-to-head rows first (the delta rule's, then the gated rule's), so that a run cut
+# short by --budget-s keeps the comparisons and loses the slow forms (fused_chunk and fused_recurrent take most
+# of a full run).
 IMPLS = (
     "deltatron.chunk",
     "deltatron.chunk_save_states",  # chunk_delta_rule(save_states=True): the opt-in that keeps the forward's states
     "fla.chunk",
     "flash_qla.g0",           # chunk_gated_delta_rule with log-decay g = 0; K = V = 128 only
+    "deltatron.chunk_gated",  # chunk_gated_delta_rule with a real gate (GATED)
+    "fla.chunk_gated",
+    "flash_qla.gated",        # K = V = 128 only
     "fla.fused_recurrent",    # decode rows only
     "deltatron.fused_recurrent",
     "deltatron.fused_chunk",
 )
 OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
+# The gated delta rule, with the inputs of make_inputs(gated=True), the gradients of GATED_GRAD_INPUTS and the
+# ratios against the gated competitors (report.baseline_impl).
+GATED = ("deltatron.chunk_gated", "fla.chunk_gated", "flash_qla.gated")
 
 
 @dataclass(frozen=True)
@@ -40,11 +53,18 @@ class Config:
     name: str
     B: int
     T: int
-    H: int
+    H: int                                      # value heads: v, beta, g, the state (Hv)
     K: int
     V: int
     seqlens: Optional[Tuple[int, ...]] = None   # packed sequences: B = 1, T = sum(seqlens)
     decode: bool = False                        # one token per sequence, from a given fp32 state
+    Hk: Optional[int] = None                    # query/key heads (default H); Hk < H: grouped value heads
+
+    def __post_init__(self):
+        if self.Hk is None:
+            object.__setattr__(self, "Hk", self.H)
+        if self.Hk < 1 or self.H % self.Hk:
+            raise ValueError(f"{self.name}: H = {self.H} value heads must be a multiple of Hk = {self.Hk}")
 
 
 def dense(B: int, T: int, H: int, K: int) -> Config:
@@ -62,6 +82,16 @@ def decode(B: int, H: int, K: int) -> Config:
     return Config(f"decode-b{B}-h{H}-k{K}", B, 1, H, K, K, decode=True)
 
 
+def grouped(B: int, T: int, Hk: int, H: int, K: int, name: Optional[str] = None) -> Config:
+    """Grouped value heads: q, k with Hk heads, v, beta, g and the state with H (a multiple of Hk)."""
+    return Config(name or f"b{B}-t{T}-hk{Hk}-hv{H}-k{K}", B, T, H, K, K, Hk=Hk)
+
+
+def qwen3next(B: int, T: int) -> Config:
+    """Qwen3-Next's Gated DeltaNet layer: 16 query/key heads, 32 value heads, K = V = 128."""
+    return grouped(B, T, 16, 32, 128, name=f"qwen3next-b{B}-t{T}")
+
+
 CONFIGS = (
     dense(8, 2048, 16, 128),
     dense(4, 4096, 16, 128),
@@ -71,9 +101,11 @@ CONFIGS = (
     dense(16, 2048, 8, 64),
     dense(4, 4096, 16, 256),
     varlen(32768, 20, 16, 128, seed=0),
+    qwen3next(8, 4096),
+    qwen3next(1, 32768),
     decode(64, 16, 128),
 )
-SMOKE_CONFIGS = (dense(2, 40, 1, 16), varlen(40, 3, 1, 16, seed=0), decode(2, 1, 16))
+SMOKE_CONFIGS = (dense(2, 40, 1, 16), varlen(40, 3, 1, 16, seed=0), decode(2, 1, 16), grouped(2, 40, 1, 2, 16))
 
 
 def by_name(names: Sequence[str], smoke: bool = False) -> List[Config]:
@@ -86,17 +118,32 @@ def by_name(names: Sequence[str], smoke: bool = False) -> List[Config]:
     return [table[n] for n in names]
 
 
+def skip_reason(impl: str, cfg: Config) -> Optional[str]:
+    """Why the run does not time this (implementation, configuration) pair, or None where it does. Skipped pairs
+    are not rows at all; the report's legend states these rules."""
+    if cfg.decode:
+        if impl not in ("deltatron.fused_recurrent", "fla.fused_recurrent"):
+            return "decode rows time the token-serial fused_recurrent forms only"
+        return None
+    if impl == "fla.fused_recurrent":
+        return "fla's fused_recurrent runs the decode rows only"
+    if cfg.Hk != cfg.H and impl not in GATED:
+        return "grouped value heads (Hk < H): the delta-rule ops take one head count for q, k and v"
+    if impl == "deltatron.fused_recurrent" and cfg.T > RECURRENT_MAX_T:
+        return f"the token-serial form runs T <= {RECURRENT_MAX_T} only"
+    if impl.startswith("flash_qla.") and not cfg.K == cfg.V == 128:
+        return "FlashQLA's kernels take K = V = 128 only"
+    return None
+
+
 def applies(impl: str, cfg: Config) -> bool:
     """Which (implementation, configuration) pairs the run times; the others are not rows at all."""
-    if cfg.decode:
-        return impl in ("deltatron.fused_recurrent", "fla.fused_recurrent")
-    if impl == "fla.fused_recurrent":
-        return False
-    if impl == "deltatron.fused_recurrent":
-        return cfg.T <= RECURRENT_MAX_T
-    if impl == "flash_qla.g0":
-        return cfg.K == cfg.V == 128
-    return True
+    return skip_reason(impl, cfg) is None
+
+
+def grad_inputs(impl: str) -> Tuple[str, ...]:
+    """The inputs a forward+backward row differentiates: the gated rows' include the gate g."""
+    return GATED_GRAD_INPUTS if impl in GATED else GRAD_INPUTS
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,21 +157,32 @@ class Peaks:
     measured: bool
 
 
-def work(cfg: Config) -> Dict[str, float]:
-    """FLOPs and HBM bytes of one call: forward ('fwd') and forward+backward ('fwdbwd'); decode: one step."""
-    n = cfg.B * cfg.T * cfg.H          # token-heads
+def work(cfg: Config, gated: bool = False) -> Dict[str, float]:
+    """FLOPs and HBM bytes of one call: forward ('fwd') and forward+backward ('fwdbwd'); decode: one step.
+
+    Per value token-head (B T H of them) the chunkwise matmuls and the v, o, do, dv bytes; q, k and their
+    gradients per query/key token-head (B T Hk): with grouped value heads a group of H / Hk value heads reads
+    one q, k. The FLOPs stay per value head, as the kernels compute them (the q k^T and k k^T products a group
+    could share are counted once per value head). The gated rule adds its fp32 log decay g: read by the
+    forward (4 bytes a value token-head), read again and its gradient written by the backward (12 in all); its
+    exp and cumulative sums are a few FLOPs a token against thousands, not counted. beta (2 bytes) is not
+    counted either."""
+    n = cfg.B * cfg.T * cfg.H          # value token-heads
+    nk = cfg.B * cfg.T * cfg.Hk        # query/key token-heads
     C, K, V = CHUNK, cfg.K, cfg.V
     if cfg.decode:                     # read and write the fp32 state; S^T k, k v'^T, S^T q
         return dict(flops_fwd=n * 6 * K * V, bytes_fwd=n * (8 * K * V + 2 * (2 * K + 2 * V)))
     fwd = 2 * (3 * C * K + 2 * C * V + 3 * K * V)
     bwd = 2 * (7 * C * K + 4 * C * V + 6 * K * V + 2 * C * C)
-    return dict(flops_fwd=n * fwd, bytes_fwd=n * 2 * (2 * K + 2 * V),
-                flops_fwdbwd=n * (fwd + bwd), bytes_fwdbwd=n * 2 * (6 * K + 5 * V))
+    gate_fwd, gate_fwdbwd = (4, 12) if gated else (0, 0)
+    return dict(flops_fwd=n * fwd, bytes_fwd=nk * 2 * 2 * K + n * (2 * 2 * V + gate_fwd),
+                flops_fwdbwd=n * (fwd + bwd), bytes_fwdbwd=nk * 2 * 6 * K + n * (2 * 5 * V + gate_fwdbwd))
 
 
-def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks) -> Dict[str, float]:
-    """The counts, the floor per phase, and for each timed phase the FLOP rate and % of the floor."""
-    out = work(cfg)
+def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool = False) -> Dict[str, float]:
+    """The counts (work(cfg, gated)), the floor per phase, and for each timed phase the FLOP rate and % of the
+    floor."""
+    out = work(cfg, gated)
     for phase in ("fwd", "fwdbwd"):
         if f"flops_{phase}" not in out:
             continue
@@ -142,24 +200,26 @@ def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks) -> Dict[str,
 # Inputs
 # ---------------------------------------------------------------------------------------------------------
 
-def make_inputs(cfg: Config, device: torch.device, seed: int) -> Dict[str, torch.Tensor]:
-    """bf16 q, k (unit-norm), v; beta = sigmoid(randn); do for the backward; decode: an fp32 state h."""
+def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = False) -> Dict[str, torch.Tensor]:
+    """bf16 q and k (unit-norm) with Hk heads, v with H; beta = sigmoid(randn); do for the backward; decode: an fp32
+    state h. g: zeros (FlashQLA's log decay for the plain delta rule), or with gated the real gate of gate()
+    (fp32, a leaf that takes a gradient), drawn after everything else so the other inputs are the same."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    B, T, H, K, V = cfg.B, cfg.T, cfg.H, cfg.K, cfg.V
+    B, T, H, Hk, K, V = cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device)
 
     bf16 = torch.bfloat16
-    x = dict(q=randn(B, T, H, K).to(bf16), k=F.normalize(randn(B, T, H, K), dim=-1).to(bf16),
+    x = dict(q=randn(B, T, Hk, K).to(bf16), k=F.normalize(randn(B, T, Hk, K), dim=-1).to(bf16),
              v=randn(B, T, H, V).to(bf16), beta=randn(B, T, H).sigmoid().to(bf16))
     if cfg.decode:
         x["h"] = randn(B, H, K, V)
         return x
-    for name in GRAD_INPUTS:
-        x[name].requires_grad_()
     x["do"] = randn(B, T, H, V).to(bf16)
-    x["g"] = torch.zeros(B, T, H, device=device)    # FlashQLA's log-decay: 0 is the plain delta rule
+    x["g"] = gate(B, T, H, gen, device) if gated else torch.zeros(B, T, H, device=device)
+    for name in GATED_GRAD_INPUTS if gated else GRAD_INPUTS:
+        x[name].requires_grad_()
     if cfg.seqlens is not None:
         cu = torch.tensor([0, *cfg.seqlens]).cumsum(0)
         x["cu_seqlens_cpu"] = cu
@@ -168,12 +228,24 @@ def make_inputs(cfg: Config, device: torch.device, seed: int) -> Dict[str, torch
     return x
 
 
-def input_sets(cfg: Config, device: torch.device, l2_bytes: int, limit: int) -> List[Dict[str, torch.Tensor]]:
+def gate(B: int, T: int, H: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """The log decay [B, T, H] (fp32, <= 0) as Qwen3-Next computes it before its gated op:
+    g = -exp(A_log) softplus(a + dt_bias), with a the projection's output (randn here) and its initialization of
+    the per-head parameters, A_log = log(uniform(0, 16)) and dt_bias = 1. The decay per token exp(g) then
+    ranges from about 1 (A near 0) to far below (A near 16), as in a model at the start of training."""
+    a = torch.randn(B, T, H, generator=gen, device=device)
+    A_log = torch.rand(H, generator=gen, device=device).mul(16).log()
+    dt_bias = torch.ones(H, device=device)
+    return -A_log.exp() * F.softplus(a + dt_bias)
+
+
+def input_sets(cfg: Config, device: torch.device, l2_bytes: int, limit: int,
+               gated: bool = False) -> List[Dict[str, torch.Tensor]]:
     """Enough independent input sets (at most limit) that cycling through them streams several L2s of
     data per pass."""
-    first = make_inputs(cfg, device, seed=0)
+    first = make_inputs(cfg, device, seed=0, gated=gated)
     # by device type: torch.device("cuda") != the "cuda:0" its tensors report
     on_device = [t for t in first.values() if t.device.type == torch.device(device).type]
     nbytes = sum(t.numel() * t.element_size() for t in on_device)
     count = max(1, min(limit, math.ceil(L2_MULTIPLE * l2_bytes / nbytes)))
-    return [first] + [make_inputs(cfg, device, seed=i) for i in range(1, count)]
+    return [first] + [make_inputs(cfg, device, seed=i, gated=gated) for i in range(1, count)]

@@ -1,12 +1,14 @@
 """deltatron's forms against fla-core and FlashQLA on one GPU, with a roofline.
 
-One process times the forward (under no_grad) and the forward+backward of every implementation on every
-configuration (configs.CONFIGS), measures the matmul and copy ceilings in the same run, and reports per row the
-fraction of the floor max(FLOPs / matmul ceiling, bytes / copy ceiling) achieved (docs/performance.md derives
-the counts). Files: <name>.json (rewritten after every row, so a timeout keeps what ran), <name>.md (the table)
-and, with --plot, <name>.png; on a GPU by default benchmarks/results/<gpu>.json etc., the one results set per GPU
-(h200 on an H200; git keeps the earlier ones). Competitors are optional imports: one that is missing gives rows
-with error "not installed". A row that fails (OOM included) records its error and the run goes on.
+One process times the forward (under no_grad) and the forward+backward of every implementation (the delta rule's,
+and the gated delta rule's with a real gate: configs.GATED) on every configuration (configs.CONFIGS) it applies to
+(configs.skip_reason; --list names the pairs skipped and why), measures the matmul and copy ceilings in the same
+run, and reports per row the fraction of the floor max(FLOPs / matmul ceiling, bytes / copy ceiling) achieved
+(docs/performance.md derives the counts). Files: <name>.json (rewritten after every row, so a timeout keeps what
+ran), <name>.md (the table) and, with --plot, <name>.png; on a GPU by default benchmarks/results/<gpu>.json etc.,
+the one results set per GPU (h200 on an H200; git keeps the earlier ones). Competitors are optional imports: one
+that is missing gives rows with error "not installed". A row that fails (OOM included) records its error and the run
+goes on.
 
     python benchmarks/run.py --plot                          # a GPU run: benchmarks/results/<gpu>.json/.md/.png
     python benchmarks/run.py --smoke --out out/bench         # CPU, tiny sizes, seconds: the CI guard
@@ -14,7 +16,8 @@ with error "not installed". A row that fails (OOM included) records its error an
     python benchmarks/run.py --merge benchmarks/results/h200.json a.json b.json    # runs of subsets as one
 
 fla-core autotunes for 80-130 s on each new shape, so with it installed the whole table takes over 15 minutes
-without its cache: runs of a subset each (--configs) can be merged into one results file (--merge).
+without its cache: runs of a subset each (--configs, --impls) can be merged into one results file (--merge; the
+gated rows of a later run join a configuration's delta-rule rows of an earlier one).
 `deltatron bench` in a checkout calls main() here with its arguments.
 """
 from __future__ import annotations
@@ -41,8 +44,8 @@ if str(ROOT) not in sys.path:  # loaded by file (deltatron bench): the benchmark
 
 import torch  # noqa: E402
 
-from benchmarks.configs import (CONFIGS, GRAD_INPUTS, IMPLS, L2_BYTES, MAX_INPUT_SETS, SMOKE_CONFIGS, Config, Peaks,  # noqa: E402
-                                applies, input_sets, roofline)
+from benchmarks.configs import (CONFIGS, GATED, IMPLS, L2_BYTES, MAX_INPUT_SETS, SMOKE_CONFIGS, Config, Peaks,  # noqa: E402
+                                applies, grad_inputs, input_sets, roofline, skip_reason)
 from benchmarks.report import (describe_meta, kept_notes, legend, merge_runs, plot, render_benchmarks,  # noqa: E402
                                results_markdown, text_table, write_json)
 from benchmarks.timing import (SETTLE_S, SMOKE_INPUT_SETS, SMOKE_REPS, Options, cycling, free_memory,  # noqa: E402
@@ -91,13 +94,13 @@ def _fla(form: str) -> Callable:
     return call
 
 
-def _flash_qla_entry() -> Callable:
+def _flash_qla_entry(needs=("q", "k", "v", "g", "beta", "cu_seqlens")) -> Callable:
     """FlashQLA 0.1.3 exports chunk_gated_delta_rule at the top level; older layouts kept it in ops."""
     for module_name in ("flash_qla", "flash_qla.ops.gated_delta_rule"):
         fn = getattr(importlib.import_module(module_name), "chunk_gated_delta_rule", None)
         if fn is not None:
             params = inspect.signature(fn).parameters
-            if not {"q", "k", "v", "g", "beta", "cu_seqlens"} <= set(params):
+            if not set(needs) <= set(params):
                 raise Unavailable(f"API differs: {module_name}.chunk_gated_delta_rule{inspect.signature(fn)}")
             return fn
     raise Unavailable("API differs: no chunk_gated_delta_rule in flash_qla or flash_qla.ops.gated_delta_rule")
@@ -111,14 +114,52 @@ def _flash_qla() -> Callable:
     return call
 
 
+# The gated rows call every op as Qwen3-Next's layer does: g the log decay computed outside (configs.gate), beta
+# already through its sigmoid, q and k L2-normalized inside the op (use_qk_l2norm_in_kernel=True, so the
+# normalization and its backward are timed, the same work for the three), grouped value heads as they come.
+GATED_OPTIONS = dict(use_qk_l2norm_in_kernel=True)
+
+
+def _ours_gated() -> Callable:
+    def call(x):
+        return api.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x.get("cu_seqlens"),
+                                          cu_seqlens_cpu=x.get("cu_seqlens_cpu"), **GATED_OPTIONS)[0]
+    return call
+
+
+def _fla_gated() -> Callable:
+    fn = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+
+    def call(x):
+        varlen_args = {} if "cu_seqlens" not in x else dict(cu_seqlens=x["cu_seqlens"],
+                                                            cu_seqlens_cpu=x["cu_seqlens_cpu"])
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **varlen_args, **GATED_OPTIONS)[0]
+    return call
+
+
+def _flash_qla_gated() -> Callable:
+    fn = _flash_qla_entry(needs=("q", "k", "v", "g", "beta", "cu_seqlens", *GATED_OPTIONS))
+
+    def call(x):
+        return fn(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], cu_seqlens=x.get("cu_seqlens_i32"),
+                  **GATED_OPTIONS)[0]
+    return call
+
+
 def resolve(impl: str, smoke: bool) -> Callable:
     package, form = impl.split(".")
+    if impl == "deltatron.chunk_gated":
+        return _ours_gated()
     if package == "deltatron":
         return _ours(form)
     if importlib.util.find_spec(package) is None:
         raise Unavailable("not installed")
     if smoke:
         raise Unavailable("needs CUDA: not run in smoke mode")
+    if impl == "fla.chunk_gated":
+        return _fla_gated()
+    if impl == "flash_qla.gated":
+        return _flash_qla_gated()
     return _flash_qla() if package == "flash_qla" else _fla(form)
 
 
@@ -128,6 +169,8 @@ def resolve(impl: str, smoke: bool) -> Callable:
 
 def identity(impl: str, cfg: Config) -> dict:
     row = dict(impl=impl, config=cfg.name, B=cfg.B, T=cfg.T, H=cfg.H, K=cfg.K, V=cfg.V)
+    if cfg.Hk != cfg.H:                 # grouped value heads: H is the value heads
+        row["Hk"] = cfg.Hk
     if cfg.seqlens is not None:
         row["seqlens"] = list(cfg.seqlens)
     if cfg.decode:
@@ -138,7 +181,9 @@ def identity(impl: str, cfg: Config) -> dict:
 def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peaks) -> dict:
     """Times one pair. A backward that fails keeps the forward's numbers and records its error."""
     row = identity(impl, cfg)
-    sets = input_sets(cfg, opts.device, opts.l2_bytes, SMOKE_INPUT_SETS if opts.smoke else MAX_INPUT_SETS)
+    gated = impl in GATED
+    sets = input_sets(cfg, opts.device, opts.l2_bytes, SMOKE_INPUT_SETS if opts.smoke else MAX_INPUT_SETS, gated)
+    wrt = grad_inputs(impl)
 
     def fwd(x):
         with torch.no_grad():
@@ -147,7 +192,7 @@ def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peak
     def fwdbwd(x):
         with torch.enable_grad():
             o = call(x)
-            torch.autograd.grad(o, [x[n] for n in GRAD_INPUTS], x["do"])
+            torch.autograd.grad(o, [x[n] for n in wrt], x["do"])
 
     times, heaviest, first_call_s = {}, fwd, 0.0
     for phase, step in [("fwd", fwd)] if cfg.decode else [("fwd", fwd), ("fwdbwd", fwdbwd)]:
@@ -172,7 +217,7 @@ def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peak
         row["fwdbwd_ms"] = times["fwdbwd"]
     row["peak_mem_bytes"] = peak_memory(lambda: heaviest(sets[0]), opts)
     row["input_sets"] = len(sets)
-    row.update(roofline(cfg, times, peaks))
+    row.update(roofline(cfg, times, peaks, gated))
     return row
 
 
@@ -341,15 +386,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="where --report writes (default benchmarks/BENCHMARKS.md; its Notes section is kept)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar=("OUT", "RUN"),
                         help="write OUT.json from the runs that follow, each configuration's rows from the last "
-                             "run that timed it; no run")
+                             "run that timed it (the delta rule's and the gated rule's apart); no run")
     args = parser.parse_args(argv)
 
     table = SMOKE_CONFIGS if args.smoke else CONFIGS
     if args.list:
         for c in table:
-            print(f"{c.name:<24} B={c.B} T={c.T} H={c.H} K={c.K} V={c.V}"
+            print(f"{c.name:<24} B={c.B} T={c.T} H={c.H} K={c.K} V={c.V}" + (f" Hk={c.Hk}" if c.Hk != c.H else "")
                   + (f" seqlens={list(c.seqlens)}" if c.seqlens else "") + (" decode" if c.decode else ""))
         print("implementations: " + ", ".join(IMPLS))
+        reasons: Dict[str, List[str]] = {}
+        for impl in IMPLS:
+            for c in table:
+                reason = skip_reason(impl, c)
+                if reason is not None:
+                    reasons.setdefault(f"{impl}: {reason}", []).append(c.name)
+        print("not timed:")
+        for what, names in reasons.items():
+            print(f"  {what} ({', '.join(names)})")
         return 0
     if args.merge is not None:
         if len(args.merge) < 2:
@@ -396,7 +450,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(describe_meta(results["meta"]))
     print(text_table(results["rows"]))
-    print(legend(results["meta"]))
+    print(legend(results["meta"], results["rows"]))
     if written:
         print("wrote " + ", ".join(str(w) for w in written))
     return 0

@@ -10,13 +10,22 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from benchmarks.configs import IMPLS, RECURRENT_MAX_T
+from benchmarks.configs import GATED, IMPLS, RECURRENT_MAX_T
 
 
 def baseline_impl(competitor: str, row: dict) -> str:
+    """The row a ratio column compares with: the competitor's form of the same rule (a gated row's is the
+    competitor's gated op with the same gate, a delta-rule row's fla's chunk or fused_recurrent, FlashQLA's with
+    g = 0)."""
+    if row["impl"] in GATED:
+        return "fla.chunk_gated" if competitor == "fla" else "flash_qla.gated"
     if competitor == "fla":
         return "fla.fused_recurrent" if row.get("decode") else "fla.chunk"
     return "flash_qla.g0"
+
+
+def has_gated(rows: Sequence[dict]) -> bool:
+    return any(r["impl"] in GATED for r in rows)
 
 
 def speedup(rows: Sequence[dict], row: dict, competitor: str, phase: str) -> Optional[float]:
@@ -81,17 +90,28 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def legend(meta: dict) -> str:
+def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
+    """The table's legend; with gated rows among rows, what their ratios compare and which rows they skip."""
     runs = meta.get("runs", [meta])  # merged runs: each row's floor uses its own run's ceilings
     peaks = ("measured in " + ("this run" if len(runs) == 1 else "each run") if meta.get("peaks_measured")
              else "H200 anchors, not measured")
     tflops = " / ".join(f"{m['peak_tflops']:.0f}" for m in runs)
     tbps = " / ".join(dict.fromkeys(f"{m['peak_tbps']:.2f}" for m in runs))
-    return (f"bf16. f = forward (no_grad), fb = forward+backward. vs X = X's time / this row's time (> 1: faster "
+    text = (f"bf16. f = forward (no_grad), fb = forward+backward. vs X = X's time / this row's time (> 1: faster "
             f"than X; fla's decode baseline is its fused_recurrent). Floor = max(FLOPs / {tflops} "
             f"TFLOP/s, bytes / {tbps} TB/s) ({peaks}; counts in docs/performance.md); % floor = "
             "floor / time. Peak mem: one forward+backward's (decode: one step's) allocation above its inputs. "
             f"fused_recurrent runs T <= {RECURRENT_MAX_T} only; FlashQLA K = V = 128 only.")
+    if has_gated(rows):
+        text += (" Gated rows (" + ", ".join(GATED) + "): the gated delta rule with Qwen3-Next's gate "
+                 "g = -exp(A_log) softplus(a + dt_bias) (A_log = log(uniform(0, 16)), dt_bias = 1) computed "
+                 "outside the op, q and k L2-normalized in it, gradients to q, k, v, g and beta; their vs fla and "
+                 "vs FlashQLA compare with fla.chunk_gated and flash_qla.gated, and their floor counts the fp32 "
+                 "gate's bytes.")
+    if any("Hk" in r for r in rows):
+        text += (" Configurations with fewer query/key heads (Hk) than value heads (H; qwen3next-*: 16 and 32) "
+                 "have rows of the gated ops only: the others take one head count for q, k and v.")
+    return text
 
 
 def describe_meta(meta: dict) -> str:
@@ -109,11 +129,13 @@ def write_json(path: Path, results: dict) -> None:
 
 def results_markdown(results: dict) -> str:
     """<name>.md beside a results file: what ran, the table and its legend."""
-    return f"{describe_meta(results['meta'])}\n\n{markdown_table(results['rows'])}\n\n{legend(results['meta'])}\n"
+    return (f"{describe_meta(results['meta'])}\n\n{markdown_table(results['rows'])}\n\n"
+            f"{legend(results['meta'], results['rows'])}\n")
 
 
 def plot(results: dict, path: Path) -> Optional[Path]:
-    """Speedup over fla per configuration, forward and forward+backward panels; None without matplotlib."""
+    """Speedup over fla per configuration (a gated row's over fla's gated op), forward and forward+backward
+    panels; None without matplotlib."""
     try:
         import matplotlib
 
@@ -132,7 +154,8 @@ def plot(results: dict, path: Path) -> Optional[Path]:
         for j, impl in enumerate(impls):
             by_config = {r["config"]: speedup(rows, r, "fla", phase) for r in rows if r["impl"] == impl}
             ys = [by_config.get(c) or math.nan for c in configs]
-            ax.bar([i + (j - (len(impls) - 1) / 2) * width for i in range(len(configs))], ys, width, label=impl)
+            label = f"{impl} (vs {baseline_impl('fla', dict(impl=impl))})" if impl in GATED else impl
+            ax.bar([i + (j - (len(impls) - 1) / 2) * width for i in range(len(configs))], ys, width, label=label)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylabel(f"speedup vs fla, {title}")
         ax.grid(axis="y", alpha=0.3)
@@ -149,16 +172,23 @@ def plot(results: dict, path: Path) -> Optional[Path]:
 
 def merge_runs(runs: Sequence[dict]) -> dict:
     """One results set from runs that timed different configurations (a run split over several processes, or one
-    that adds configurations to an earlier one). Every configuration's rows come from one run, the last that timed
-    it, so each row's ratios compare implementations timed in the same process; rows that were not run are left
-    out when another run has the configuration. meta is the first run's, with every run's meta under "runs"."""
-    source = {}  # config -> index of the run its rows come from: the last that timed it, else the last with it
+    that adds configurations or the gated rows to an earlier one). Every configuration's rows of one family (the
+    delta rule's, the gated rule's: the rows a ratio compares) come from one run, the last that timed them, so each
+    row's ratios compare implementations timed in the same process; rows that were not run are left out when
+    another run has them. Rows are in IMPLS order, each implementation's in the order of the runs. meta is the
+    first run's, with every run's meta under "runs"."""
+    def key(r):
+        return r["config"], r["impl"] in GATED
+
+    source = {}  # (config, gated) -> index of the run its rows come from: the last that timed them, else the last
     for timed_only in (False, True):
         for i, run in enumerate(runs):
             for r in run["rows"]:
                 if not timed_only or "fwd_ms" in r:
-                    source[r["config"]] = i
-    rows = [r for i, run in enumerate(runs) for r in run["rows"] if source[r["config"]] == i]
+                    source[key(r)] = i
+    rows = [r for i, run in enumerate(runs) for r in run["rows"] if source[key(r)] == i]
+    order = {impl: j for j, impl in enumerate(IMPLS)}
+    rows.sort(key=lambda r: order.get(r["impl"], len(order)))
     return dict(meta=dict(runs[0]["meta"], runs=[run["meta"] for run in runs]), rows=rows)
 
 
@@ -180,9 +210,13 @@ def render_benchmarks(results_files: Sequence[Tuple[Path, dict]], md_path: Path,
     """BENCHMARKS.md at md_path: a section per GPU's results file (what ran, the table, the legend and the plot
     where <name>.png exists beside it), the Notes section (notes, written by hand), and how to reproduce."""
     rel = lambda p: os.path.relpath(p, md_path.parent)  # noqa: E731
+    gated = any(has_gated(results["rows"]) for _, results in results_files)
     parts = ["# Benchmarks\n",
              "deltatron's chunk, fused_chunk and fused_recurrent delta rule against fla-core's chunk_delta_rule "
-             "and FlashQLA's chunk_gated_delta_rule with g = 0, forward and forward+backward, bf16, with the "
+             "and FlashQLA's chunk_gated_delta_rule with g = 0"
+             + (", and the gated delta rule (chunk_gated_delta_rule with a real gate) against fla-core's and "
+                "FlashQLA's" if gated else "")
+             + ", forward and forward+backward, bf16, with the "
              "fraction of the roofline floor each reaches. Method and floor model: "
              f"[docs/performance.md]({rel(md_path.parents[1] / 'docs' / 'performance.md')}). Generated from "
              "each GPU's results file by `python benchmarks/run.py --report "
@@ -195,7 +229,7 @@ def render_benchmarks(results_files: Sequence[Tuple[Path, dict]], md_path: Path,
         parts.append(f"## {meta['gpu']}\n")
         parts.append(f"Raw numbers: [{path.name}]({rel(path)}). {describe_meta(meta)}.\n")
         parts.append(markdown_table(results["rows"]) + "\n")
-        parts.append(legend(meta) + "\n")
+        parts.append(legend(meta, results["rows"]) + "\n")
         png = path.with_suffix(".png")
         if png.exists():
             parts.append(f"![speedup over fla on {meta['gpu']}]({rel(png)})\n")

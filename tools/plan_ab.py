@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     names = args.configs if not args.smoke or args.configs != parser.get_default("configs") else \
-        [c.name for c in configs.SMOKE_CONFIGS if not c.decode]
+        [c.name for c in configs.SMOKE_CONFIGS if not c.decode and c.Hk == c.H]
     try:
         chosen = configs.by_name(names, smoke=args.smoke)
     except KeyError as e:

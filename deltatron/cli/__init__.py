@@ -13,7 +13,8 @@ COMMANDS = {
     "check": ("deltatron.cli.check", "every implementation and backend on this device against the float64 oracle"),
     "explain": ("deltatron.cli.explain",
                 "print which kernels chunk_delta_rule runs for a shape (the plan), on any machine"),
-    "train": ("deltatron.cli.train", "train a small DeltaNet LM on associative recall (MQAR), or a linear baseline"),
+    "train": ("deltatron.cli.train",
+              "train a small DeltaNet (or Gated DeltaNet, or linear-attention) LM on associative recall (MQAR)"),
     "bench": ("deltatron.cli.bench", "time deltatron against fla-core and FlashQLA, with a roofline (source checkout)"),
 }
 

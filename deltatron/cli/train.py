@@ -3,12 +3,16 @@
 MQAR (Arora et al., 2023, "Zoology"): a sequence lists key-value pairs, then asks for every key again,
 in random order; the model must predict each asked key's value. It measures what a recurrent state can store and
 retrieve, which is what the delta rule improves over plain linear attention: `--mixer linear` trains the
-same model with the additive update S += k v^T (no delta rule) for comparison. Data is generated on the fly
+same model with the additive update S += k v^T (no delta rule) for comparison, and `--mixer gated_deltanet` with
+Qwen3-Next's Gated DeltaNet layer (the delta rule with a learned per-token decay, grouped value heads: --num-heads
+value heads, half as many query/key heads when it is even). Data is generated on the fly
 from the seed (no download); accuracy is measured on the values at query positions of a fixed held-out
 set. Writes <out>/mqar_<mixer>.json (config, per-step losses, evaluations) and <out>/mqar.png (loss and
 accuracy of every run in <out>, when matplotlib is installed).
 
-Defaults: a CPU run of a few minutes (PyTorch backend); on a GPU larger settings and the Triton kernels."""
+Defaults: a CPU run of a few minutes (PyTorch backend); on a GPU larger settings and the Triton kernels. The gated
+ops refuse the Triton backend where deltatron has no gated kernel for the form yet (the error says so);
+DELTATRON_BACKEND=torch runs gated_deltanet on the PyTorch backend, on a GPU too."""
 from __future__ import annotations
 
 import argparse
@@ -26,11 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import backends
-from ..layers import DeltaNet
+from ..layers import DeltaNet, GatedDeltaNet
 from ..reference.common import l2norm
 from . import fail, parse_device
 
 IGNORE = -100
+MIXERS = ("delta", "linear", "gated_deltanet")
+MODE_MIXERS = ("delta", "gated_deltanet")      # the mixers whose layer takes --mode
 # autocast dtype of training (fp32: no autocast); the long names are accepted on the command line too
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
@@ -107,6 +113,16 @@ class LinearAttention(DeltaNet):
         return q.shape[-1] ** -0.5 * torch.einsum("bhts,bshv->bthv", scores, v), None
 
 
+def gated_deltanet(d_model: int, num_heads: int, mode: str, layer_idx: int) -> GatedDeltaNet:
+    """The Gated DeltaNet mixer at the width of the others: num_heads value heads of d_model / num_heads (the value
+    width d_model, as DeltaNet's), and grouped value heads as in Qwen3-Next (16 query/key heads for 32 value heads):
+    num_heads / 2 query/key heads of the same size when num_heads is even, else num_heads."""
+    head_dim = d_model // num_heads
+    return GatedDeltaNet(hidden_size=d_model, num_k_heads=num_heads // 2 if num_heads % 2 == 0 else num_heads,
+                         num_v_heads=num_heads, head_k_dim=head_dim, head_v_dim=head_dim, mode=mode,
+                         layer_idx=layer_idx)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + MLP(norm(x))."""
 
@@ -115,6 +131,8 @@ class Block(nn.Module):
         self.mixer_norm = nn.RMSNorm(d_model)
         if mixer == "delta":
             self.mixer = DeltaNet(hidden_size=d_model, num_heads=num_heads, mode=mode, layer_idx=layer_idx)
+        elif mixer == "gated_deltanet":
+            self.mixer = gated_deltanet(d_model, num_heads, mode, layer_idx)
         else:
             self.mixer = LinearAttention(hidden_size=d_model, num_heads=num_heads, layer_idx=layer_idx)
         self.mlp_norm = nn.RMSNorm(d_model)
@@ -131,8 +149,8 @@ class DeltaNetLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, mixer: str = "delta",
                  mode: str = "chunk"):
         super().__init__()
-        if mixer not in ("delta", "linear"):
-            raise ValueError(f"mixer must be 'delta' or 'linear', got {mixer!r}")
+        if mixer not in MIXERS:
+            raise ValueError(f"mixer must be one of {', '.join(MIXERS)}, got {mixer!r}")
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(Block(d_model, num_heads, mixer, mode, i) for i in range(num_layers))
         self.norm = nn.RMSNorm(d_model)
@@ -317,7 +335,8 @@ SETTINGS_HELP = {
     "num_kv": "key-value pairs per sequence (every key is asked once)",
     "d_model": "model width",
     "num_layers": "number of blocks (mixer + MLP)",
-    "num_heads": "heads per mixer (d_model must be divisible by it)",
+    "num_heads": "heads per mixer (d_model must be divisible by it); gated_deltanet: value heads, with half as many "
+                 "query/key heads when even",
     "batch_size": "sequences per training step (and per evaluation batch)",
     "steps": "training steps",
     "lr": "peak learning rate (linear warm-up over 10%% of the steps, then cosine decay to a tenth)",
@@ -331,10 +350,11 @@ def main(argv=None) -> int:
                                      epilog="Settings left out take the device's preset: " + "; ".join(
                                          f"{d}: " + ", ".join(f"{k}={v}" for k, v in p.items())
                                          for d, p in PRESETS.items()))
-    parser.add_argument("--mixer", choices=["delta", "linear"], default="delta",
-                        help="delta: DeltaNet layers; linear: the same model with plain linear attention")
+    parser.add_argument("--mixer", choices=MIXERS, default="delta",
+                        help="delta: DeltaNet layers; linear: the same model with plain linear attention; "
+                             "gated_deltanet: Gated DeltaNet layers (Qwen3-Next's, grouped value heads)")
     parser.add_argument("--mode", choices=["chunk", "fused_recurrent"], default="chunk",
-                        help="the delta-rule form used in training (default chunk)")
+                        help="the delta-rule form used in training, delta and gated_deltanet mixers (default chunk)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--dtype", type=_dtype, choices=list(DTYPES), default=None,
                         help="bf16: train under bf16 autocast; fp32: no autocast (float32 and bfloat16 are "
@@ -355,8 +375,8 @@ def main(argv=None) -> int:
         return fail("train", str(e))
     cfg = Config.preset(str(device), **{k: v for k, v in vars(args).items()
                                         if v is not None and k in Config.__dataclass_fields__ and k != "device"})
-    if cfg.mixer == "linear" and cfg.mode != "chunk":
-        parser.error("--mode applies to the delta mixer only")
+    if cfg.mixer not in MODE_MIXERS and cfg.mode != "chunk":
+        parser.error(f"--mode applies to the {' and '.join(MODE_MIXERS)} mixers only")
     if cfg.d_model % cfg.num_heads:
         parser.error(f"--d-model ({cfg.d_model}) must be divisible by --num-heads ({cfg.num_heads})")
     try:

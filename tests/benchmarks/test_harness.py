@@ -1,14 +1,17 @@
 """The benchmark harness (benchmarks/harness.py) cannot rot: its smoke mode (CPU, tiny sizes, PyTorch backend) runs
 here and in CI and must produce the JSON the GPU run produces, with rows for every form of ours; BENCHMARKS.md and
 the results' tables are generated from the committed results files."""
+import importlib.machinery
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import configs, harness, report
 from benchmarks.timing import Options
@@ -69,6 +72,8 @@ def test_varlen_and_decode_rows(smoke):
     _, results = smoke
     rows = {(r["impl"], r["config"]): r for r in results["rows"]}
     for cfg in configs.SMOKE_CONFIGS:
+        if not configs.applies("deltatron.fused_recurrent", cfg):
+            continue
         row = rows[("deltatron.fused_recurrent", cfg.name)]
         if cfg.seqlens is not None:
             assert row["seqlens"] == list(cfg.seqlens) and sum(row["seqlens"]) == row["T"]
@@ -249,3 +254,215 @@ def test_script_runs_as_a_subprocess(tmp_path):
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit):
         harness.main(["--smoke", "--configs", "no-such-config"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The gated delta rule's rows
+# ---------------------------------------------------------------------------------------------------------
+
+GVA_SMOKE = next(c for c in configs.SMOKE_CONFIGS if c.Hk != c.H)
+
+
+def test_gated_rows_run_on_every_smoke_configuration_but_decode(smoke):
+    """deltatron.chunk_gated is timed (PyTorch backend) on the dense, packed and grouped-value-head smoke
+    configurations; the grouped one has no row of the ungated ops, and its rows record Hk."""
+    _, results = smoke
+    rows = {(r["impl"], r["config"]): r for r in results["rows"]}
+    for cfg in configs.SMOKE_CONFIGS:
+        row = rows.get(("deltatron.chunk_gated", cfg.name))
+        if cfg.decode:
+            assert row is None
+            continue
+        assert "error" not in row and row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0, row
+        ungated = rows.get(("deltatron.chunk", cfg.name))
+        # the floor counts the gate's fp32 bytes, and q, k at Hk heads
+        n = cfg.B * cfg.T * cfg.H
+        assert row["bytes_fwd"] == configs.work(cfg)["bytes_fwd"] + 4 * n
+        assert row["bytes_fwdbwd"] == configs.work(cfg)["bytes_fwdbwd"] + 12 * n
+        if cfg is GVA_SMOKE:
+            assert ungated is None and row["Hk"] == cfg.Hk < row["H"] == cfg.H
+        else:
+            assert ungated is not None and "Hk" not in row and row["flops_fwd"] == ungated["flops_fwd"]
+    assert {impl for impl, config in rows if config == GVA_SMOKE.name} == set(configs.GATED) & {
+        i for i in configs.IMPLS if configs.applies(i, GVA_SMOKE)}
+
+
+def test_gate_is_qwen3nexts():
+    """The gated inputs: the ungated ones unchanged (same seed), q and k with Hk heads, and g the fp32 log decay
+    -exp(A_log) softplus(a + dt_bias) <= 0 per value head, finite, a leaf taking a gradient like q, k, v, beta."""
+    cfg = configs.grouped(2, 300, 2, 4, 16)
+    plain, gated = (configs.make_inputs(cfg, torch.device("cpu"), seed=3, gated=g) for g in (False, True))
+    assert gated["q"].shape == gated["k"].shape == (2, 300, 2, 16) and gated["v"].shape == (2, 300, 4, 16)
+    for name in ("q", "k", "v", "beta", "do"):
+        assert torch.equal(plain[name], gated[name]), name
+    g = gated["g"]
+    assert g.shape == (2, 300, 4) and g.dtype == torch.float32 and g.is_leaf and g.requires_grad
+    assert torch.isfinite(g).all() and (g <= 0).all() and g.min() < -1 and g.max() > -1
+    assert not plain["g"].requires_grad and not plain["g"].any()
+    takes_grad = {n for n, t in gated.items() if t.requires_grad}
+    assert takes_grad == set(configs.GATED_GRAD_INPUTS) == {*configs.GRAD_INPUTS, "g"}
+    # one A = exp(A_log) per value head: g / softplus(a + 1) is constant over tokens within a head
+    gen = torch.Generator().manual_seed(0)
+    g = configs.gate(1, 500, 3, gen, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 500, 3, generator=gen)
+    A = -g / torch.nn.functional.softplus(a + 1)
+    assert torch.allclose(A, A[:, :1].expand_as(A), rtol=1e-5) and ((A >= 0) & (A < 16)).all()
+
+
+def test_grouped_configurations_time_only_the_gated_ops():
+    """Qwen3-Next's shapes (16 query/key heads, 32 value heads, K = V = 128) have rows of the three gated ops and
+    no other, each skip with its reason; the gated ops run on every dense and packed configuration too."""
+    for name in ("qwen3next-b8-t4096", "qwen3next-b1-t32768"):
+        cfg, = configs.by_name([name])
+        assert (cfg.Hk, cfg.H, cfg.K, cfg.V) == (16, 32, 128, 128)
+        assert [i for i in configs.IMPLS if configs.applies(i, cfg)] == list(configs.GATED)
+        assert "grouped value heads" in configs.skip_reason("deltatron.chunk", cfg)
+    for cfg in configs.CONFIGS:
+        if cfg.decode:
+            assert not any(configs.applies(i, cfg) for i in configs.GATED)
+        else:
+            assert configs.applies("deltatron.chunk_gated", cfg) and configs.applies("fla.chunk_gated", cfg)
+            assert configs.applies("flash_qla.gated", cfg) == (cfg.K == cfg.V == 128)
+    assert configs.skip_reason("flash_qla.gated", configs.dense(1, 64, 1, 64)) == (
+        "FlashQLA's kernels take K = V = 128 only")
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        configs.grouped(1, 64, 3, 4, 16)
+
+
+def test_gated_impls_follow_the_head_to_head_rows():
+    """A run cut short by its budget keeps the comparisons: the gated head-to-head rows come right after the
+    delta rule's, before the slow token-serial and fused_chunk forms."""
+    order = list(configs.IMPLS)
+    assert order[order.index("flash_qla.g0") + 1:][:3] == list(configs.GATED)
+    assert all(order.index(g) < order.index(slow) for g in configs.GATED
+               for slow in ("fla.fused_recurrent", "deltatron.fused_recurrent", "deltatron.fused_chunk"))
+
+
+def test_existing_configuration_names_are_kept():
+    """The committed results key rows by configuration name: every one of them is still a configuration."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "h200.json").read_text())
+    known = {c.name: c for c in configs.CONFIGS}
+    for row in results["rows"]:
+        cfg = known[row["config"]]
+        assert (cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V) == tuple(row[n] for n in ("B", "T", "H", "H", "K", "V"))
+
+
+def _fake_module(monkeypatch, name, **attrs):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def test_gated_competitors_get_the_same_inputs(monkeypatch):
+    """What the gated rows pass: fla's chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu,
+    use_qk_l2norm_in_kernel=True), FlashQLA's with keywords, int32 cu_seqlens and the same flag, ours as fla's;
+    the same tensors (grouped heads as they come, the precomputed gate) for the three."""
+    seen = {}
+
+    def recorder(key):
+        def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+            seen[key] = dict(q=q, k=k, v=v, g=g, beta=beta, l2norm=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                             cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs)
+            return v.clone(), None
+        return chunk_gated_delta_rule
+
+    _fake_module(monkeypatch, "fla")
+    _fake_module(monkeypatch, "fla.ops")
+    _fake_module(monkeypatch, "fla.ops.gated_delta_rule", chunk_gated_delta_rule=recorder("fla"))
+
+    def flash_qla_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False):
+        return recorder("flash_qla")(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                     cu_seqlens=cu_seqlens)
+
+    _fake_module(monkeypatch, "flash_qla", chunk_gated_delta_rule=flash_qla_op)
+    monkeypatch.setattr(harness.api, "chunk_gated_delta_rule", recorder("deltatron"))
+    for cfg in (GVA_SMOKE, configs.varlen(40, 3, 2, 16, seed=0)):
+        x = configs.make_inputs(cfg, torch.device("cpu"), seed=0, gated=True)
+        for impl in configs.GATED:
+            harness.resolve(impl, smoke=False)(x)
+        for key, call in seen.items():
+            assert all(call[n] is x[n] for n in ("q", "k", "v", "g", "beta")), key
+            assert call["l2norm"] is True and call["kwargs"] == {}, key
+        if cfg.seqlens is None:
+            assert all(call["cu_seqlens"] is None for call in seen.values())
+        else:
+            assert seen["fla"]["cu_seqlens"] is x["cu_seqlens"] and seen["fla"]["cu_seqlens_cpu"] is x["cu_seqlens_cpu"]
+            assert seen["deltatron"]["cu_seqlens"] is x["cu_seqlens"]
+            assert seen["flash_qla"]["cu_seqlens"].dtype == torch.int32
+        seen.clear()
+
+
+def test_gated_competitor_that_is_missing_says_why():
+    opts = Options(mode="smoke", warmup_ms=0, rep_ms=0, budget_s=60)
+    cfg = configs.grouped(1, 64, 1, 2, 128)
+    results = harness.run(["flash_qla.gated", "fla.chunk_gated"], [cfg], opts, None, "x", [],
+                          log=lambda *a, **k: None)
+    for row in results["rows"]:
+        assert row["error"] in ("not installed", "needs CUDA: not run in smoke mode") and row["Hk"] == 1
+
+
+def test_report_compares_gated_rows_with_the_gated_competitors():
+    """A gated row's vs fla / vs FlashQLA are fla.chunk_gated's and flash_qla.gated's times over its own, on the
+    same configuration; delta-rule rows keep fla.chunk and flash_qla.g0; the legend explains the gated rows only
+    where there are some."""
+    def row(impl, config, fwd, fwdbwd, **extra):
+        return dict(impl=impl, config=config, fwd_ms=fwd, fwdbwd_ms=fwdbwd, **extra)
+
+    rows = [row("deltatron.chunk", "b8", 1.0, 4.0), row("fla.chunk", "b8", 2.0, 6.0),
+            row("flash_qla.g0", "b8", 1.5, 5.0),
+            row("deltatron.chunk_gated", "b8", 1.0, 4.0), row("fla.chunk_gated", "b8", 3.0, 8.0),
+            row("flash_qla.gated", "b8", 0.5, 2.0),
+            row("deltatron.chunk_gated", "qwen", 2.0, 5.0, Hk=16), row("fla.chunk_gated", "qwen", 4.0, 10.0, Hk=16),
+            dict(impl="flash_qla.gated", config="qwen", Hk=16, error="not installed")]
+    assert report.speedup(rows, rows[0], "fla", "fwd") == 2.0
+    assert report.speedup(rows, rows[0], "flash_qla", "fwdbwd") == 1.25
+    assert report.speedup(rows, rows[3], "fla", "fwd") == 3.0 and report.speedup(rows, rows[3], "fla", "fwdbwd") == 2.0
+    assert report.speedup(rows, rows[3], "flash_qla", "fwd") == 0.5
+    assert report.speedup(rows, rows[6], "fla", "fwdbwd") == 2.0
+    assert report.speedup(rows, rows[6], "flash_qla", "fwd") is None   # FlashQLA's row failed
+    cells = {(c[0], c[1]): c for c in report.table_cells(rows)}
+    assert cells[("deltatron.chunk_gated", "b8")][4:6] == ("3.00 / 2.00", "0.50 / 0.50")
+    assert cells[("deltatron.chunk_gated", "qwen")][4:6] == ("2.00 / 2.00", "")
+    assert cells[("flash_qla.gated", "qwen")][-1] == "not installed"
+    meta = dict(peak_tflops=800.0, peak_tbps=4.27, peaks_measured=False)
+    assert "fla.chunk_gated" in report.legend(meta, rows) and "query/key heads" in report.legend(meta, rows)
+    assert report.legend(meta, rows[:3]) == report.legend(meta)
+    assert "fla.chunk_gated" not in report.legend(meta, rows[:3])
+
+
+def test_floor_model_counts_the_gate_and_grouped_heads():
+    """Gated: + 4 bytes (fp32 g read) a value token-head forward, + 12 forward+backward (g read twice, dg
+    written); grouped value heads: q, k and their gradients at Hk heads, the FLOPs per value head."""
+    dense, grouped = configs.dense(1, 4096, 32, 128), configs.qwen3next(1, 4096)
+    n, nk = 4096 * 32, 4096 * 16
+    plain, gated = configs.work(dense), configs.work(dense, gated=True)
+    assert gated["bytes_fwd"] - plain["bytes_fwd"] == 4 * n and gated["bytes_fwdbwd"] - plain["bytes_fwdbwd"] == 12 * n
+    assert gated["flops_fwd"] == plain["flops_fwd"] and gated["flops_fwdbwd"] == plain["flops_fwdbwd"]
+    gva = configs.work(grouped, gated=True)
+    assert gva["flops_fwd"] == gated["flops_fwd"]
+    assert gated["bytes_fwd"] - gva["bytes_fwd"] == (n - nk) * 2 * 2 * 128       # q and k read at Hk heads
+    assert gated["bytes_fwdbwd"] - gva["bytes_fwdbwd"] == (n - nk) * 2 * 6 * 128  # q, k, dq, dk; read twice
+
+
+def test_merge_adds_gated_rows_to_an_earlier_run():
+    """A run of the gated ops merged after one of the delta rule on the same configuration keeps both families
+    (each family's ratios still compare rows of one process); a later gated run replaces the earlier gated rows;
+    the merged rows are in IMPLS order."""
+    def row(impl, config, ms):
+        return dict(impl=impl, config=config, fwd_ms=ms)
+
+    meta = dict(date="d")
+    delta = dict(meta=meta, rows=[row("deltatron.chunk", "b8", 1.0), row("fla.chunk", "b8", 2.0),
+                                  row("deltatron.fused_recurrent", "b8", 9.0)])
+    gated = dict(meta=meta, rows=[row("deltatron.chunk_gated", "b8", 3.0), row("fla.chunk_gated", "b8", 4.0),
+                                  row("deltatron.chunk_gated", "qwen", 5.0)])
+    again = dict(meta=meta, rows=[row("fla.chunk_gated", "b8", 6.0)])
+    merged = report.merge_runs([delta, gated, again])["rows"]
+    assert [(r["impl"], r["config"], r["fwd_ms"]) for r in merged] == [
+        ("deltatron.chunk", "b8", 1.0), ("fla.chunk", "b8", 2.0), ("deltatron.chunk_gated", "qwen", 5.0),
+        ("fla.chunk_gated", "b8", 6.0), ("deltatron.fused_recurrent", "b8", 9.0)]

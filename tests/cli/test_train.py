@@ -1,4 +1,5 @@
-"""`deltatron train`: the MQAR data, the linear-attention baseline, a short CPU run that learns, seeding."""
+"""`deltatron train`: the MQAR data, the linear-attention baseline, the Gated DeltaNet mixer's heads and modes, a
+short CPU run of each mixer that learns, seeding."""
 import json
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 from deltatron import cli
 from deltatron.reference.common import l2norm
 from deltatron.cli import train as train_module
-from deltatron.cli.train import Config, LinearAttention, mqar_batch, train
+from deltatron.cli.train import Config, DeltaNetLM, LinearAttention, mqar_batch, train
+from deltatron.layers import GatedDeltaNet
 
 TINY = ["--device", "cpu", "--steps", "40", "--batch-size", "16", "--seq-len", "24", "--num-kv", "4",
         "--vocab-size", "32", "--d-model", "32", "--num-heads", "2", "--eval-every", "20", "--eval-size", "32", "--lr", "1e-2"]
@@ -58,7 +60,7 @@ def test_linear_attention_is_the_additive_recurrence():
         layer._attend(q, k, v, None, None, True, None)
 
 
-@pytest.mark.parametrize("mixer", ["delta", "linear"])
+@pytest.mark.parametrize("mixer", ["delta", "linear", "gated_deltanet"])
 def test_short_run_lowers_the_loss_and_writes_its_log(mixer, tmp_path, capsys):
     assert cli.main(["train", *TINY, "--mixer", mixer, "--out", str(tmp_path)]) == 0
     log = json.loads((tmp_path / f"mqar_{mixer}.json").read_text())
@@ -76,6 +78,23 @@ def test_short_run_lowers_the_loss_and_writes_its_log(mixer, tmp_path, capsys):
         assert "matplotlib is not installed" in out.out and not (tmp_path / "mqar.png").exists()
     else:
         assert (tmp_path / "mqar.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("num_heads, key_heads", [(4, 2), (2, 1), (3, 3)])
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_gated_deltanet_mixer_heads_and_mode(num_heads, key_heads, mode):
+    """--mixer gated_deltanet: GatedDeltaNet layers with --num-heads value heads of d_model / num_heads and half as
+    many query/key heads when that is even (Qwen3-Next's grouping), in the --mode given; the model runs."""
+    torch.manual_seed(0)
+    model = DeltaNetLM(vocab_size=16, d_model=12 * num_heads, num_layers=2, num_heads=num_heads,
+                       mixer="gated_deltanet", mode=mode)
+    for block in model.blocks:
+        layer = block.mixer
+        assert isinstance(layer, GatedDeltaNet) and layer.mode == mode
+        assert (layer.num_v_heads, layer.num_k_heads, layer.head_k_dim, layer.head_v_dim) == (num_heads, key_heads,
+                                                                                               12, 12)
+    logits = model(torch.randint(0, 16, (2, 9)))
+    assert logits.shape == (2, 9, 16) and torch.isfinite(logits).all()
 
 
 class _Quiet:
@@ -111,7 +130,8 @@ def test_same_seed_same_losses():
     (["--batch-size", "two"], "argument --batch-size: expected a positive int, got 'two'"),
     (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--d-model", "30", "--num-heads", "4"], "--d-model (30) must be divisible by --num-heads (4)"),
-    (["--mixer", "linear", "--mode", "fused_recurrent"], "--mode applies to the delta mixer only"),
+    (["--mixer", "linear", "--mode", "fused_recurrent"], "--mode applies to the delta and gated_deltanet mixers only"),
+    (["--mixer", "gated", "--steps", "1"], "argument --mixer: invalid choice: 'gated'"),
 ])
 def test_cli_rejects_bad_settings(capsys, args, message):
     with pytest.raises(SystemExit) as e:
