@@ -128,6 +128,9 @@ def _ours_gated() -> Callable:
 
 
 def _fla_gated() -> Callable:
+    # fla-core 0.6 hands chunk_gated_delta_rule to FlashQLA when that package is installed (its FLA_FLASH_QLA backend,
+    # on by default and read once per process): off, so that this row times fla's own Triton kernels
+    os.environ["FLA_FLASH_QLA"] = "0"
     fn = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
 
     def call(x):

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
-from deltatron.reference import recurrent_gated_delta_rule
+from deltatron.reference import chunk_gated_delta_rule_reference, recurrent_gated_delta_rule
 
 # Bounds on ||x - ref|| / ||ref|| against the float64 oracle.
 BOUNDS = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
@@ -176,10 +176,17 @@ def make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=None, gates="soft", initial_s
 
 def gated_oracle(inp, scale, cu_seqlens, do, dht):
     """o, the final state and the gradients of <o, do> + <final state, dht> (dht may be None) by torch.autograd
-    through the float64 recurrence, on make_gated_inputs's inputs."""
-    x = {n: t.double().requires_grad_() for n, t in inp.items()}
-    o, ht = recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x.get("initial_state"),
-                                       True, cu_seqlens=cu_seqlens)
+    through the float64 recurrence, on make_gated_inputs's inputs. On a GPU, through the float64 chunkwise form
+    there (equal to the recurrence within 1e-12: tests/reference/test_gated.py): the token loop's launches would
+    take minutes at the GPU tests' lengths."""
+    x = {n: t.to(DEVICE, torch.float64).requires_grad_() for n, t in inp.items()}
+    if DEVICE == "cpu":
+        form = recurrent_gated_delta_rule
+    else:
+        form, cu_seqlens = chunk_gated_delta_rule_reference, None if cu_seqlens is None else cu_seqlens.to(DEVICE)
+        do, dht = do.to(DEVICE), None if dht is None else dht.to(DEVICE)
+    o, ht = form(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x.get("initial_state"), True,
+                 cu_seqlens=cu_seqlens)
     loss = (o * do.double()).sum() + (0 if dht is None else (ht * dht.double()).sum())
     grads = torch.autograd.grad(loss, list(x.values()))
     out = dict(o=o, state=ht, **{f"d{n}": d for n, d in zip(x, grads)})
