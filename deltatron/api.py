@@ -1,7 +1,8 @@
 """Public API (DESIGN.md §9): fla-compatible entry points. Thin: validation, backend choice, autograd wiring.
 
 Layout: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] (N = B, or the number of
-sequences in cu_seqlens, where B must be 1). Every entry point returns (o, final_state); o has the input
+sequences in cu_seqlens, where B must be 1). Grouped value heads (chunk, fused_recurrent and the gated ops): v, beta,
+g and the states have Hv, a multiple of q's and k's H, and value head h reads q, k head h // (Hv / H). Every entry point returns (o, final_state); o has the input
 dtype, final_state is fp32 (None unless output_final_state)."""
 from __future__ import annotations
 
@@ -23,15 +24,36 @@ _TORCH_IMPLS = {
     "fused_recurrent": recurrent_delta_rule,
     "parallel": parallel_delta_rule_reference,
 }
+_GATED_TORCH_IMPLS = {"chunk": chunk_gated_delta_rule_reference, "fused_recurrent": recurrent_gated_delta_rule}
+
+
+def _run_gated_torch(form, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     cu_seqlens, options):
+    """(o in q's dtype, final_state) of the gated references (grouped heads; in fp32 for 16-bit inputs)."""
+    dt = compute_dtype(q.dtype)
+    qc, kc = prepare_qk(q, k, use_qk_l2norm_in_kernel)
+    o, final_state = _GATED_TORCH_IMPLS[form](
+        qc.to(dt), kc.to(dt), v.to(dt), g.to(dt), beta.to(dt), scale,
+        None if initial_state is None else initial_state.to(dt), output_final_state, cu_seqlens, **options)
+    return o.to(q.dtype), final_state
+
+
+# the forms that take grouped value heads (v with more heads than q and k, DESIGN.md §11)
+_GROUPED_FORMS = ("chunk", "fused_recurrent")
 
 
 def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
          cu_seqlens, cu_seqlens_cpu, kwargs, **options):
     reject_unknown_kwargs(f"{form}_delta_rule", kwargs)
-    if beta is None and isinstance(q, torch.Tensor):
-        beta = q.new_ones(q.shape[:3])
+    grouped = (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 4
+               and v.shape[2] != q.shape[2])
+    if grouped and form not in _GROUPED_FORMS:
+        raise ValueError(f"{form}_delta_rule: v has {v.shape[2]} heads and q, k {q.shape[2]}: grouped value heads "
+                         f"run in chunk_delta_rule and fused_recurrent_delta_rule; here v must have q's heads")
+    if beta is None and isinstance(v, torch.Tensor):
+        beta = v.new_ones(v.shape[:3])
     scale, cu_seqlens_cpu = check_inputs(
-        q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, options.get("chunk_size")
+        q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, options.get("chunk_size"), grouped=grouped
     )
     if torch.compiler.is_compiling():
         # one opaque custom op (deltatron/library.py): no graph break; it runs this function at run time
@@ -41,10 +63,15 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     if backend == "torch":
         inplace = options.pop("inplace_final_state", False)
         options.pop("save_states", None)  # the reference's autograd keeps what it keeps
-        o, final_state, *extras = _TORCH_IMPLS[form](
-            q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            **options,
-        )
+        if grouped:  # the gated references take grouped heads; with g = 0 they are the delta rule
+            o, final_state = _run_gated_torch(form, q, k, v, v.new_zeros(v.shape[:3]), beta, scale, initial_state,
+                                              output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, options)
+            extras = []
+        else:
+            o, final_state, *extras = _TORCH_IMPLS[form](
+                q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                **options,
+            )
         if inplace:
             final_state = initial_state.copy_(final_state)
         return (o, final_state, *extras)
@@ -88,7 +115,8 @@ def chunk_delta_rule(
     """Delta rule by the chunkwise WY algorithm: the default for training and prefill.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (fp16, bf16 or fp32; beta any float dtype).
+        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (fp16, bf16 or fp32; beta any float dtype). Grouped
+            value heads: v [B, T, Hv, V], beta [B, T, Hv] and states [N, Hv, K, V], Hv a multiple of H.
         scale: factor on q·k, default K ** -0.5.
         initial_state: [N, H, K, V] state before the first token (fp32 recommended).
         output_final_state: also return the state after the last token, [N, H, K, V] fp32.
@@ -202,9 +230,6 @@ def _check_inplace(q, k, v, beta, initial_state) -> None:
 # The gated delta rule (Gated DeltaNet, DESIGN.md §11): fla's chunk_gated_delta_rule and
 # fused_recurrent_gated_delta_rule, with grouped value heads
 
-_GATED_TORCH_IMPLS = {"chunk": chunk_gated_delta_rule_reference, "fused_recurrent": recurrent_gated_delta_rule}
-
-
 def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, Hv):
     """(g, beta) as the recurrence takes them, from the raw projections where the flags say so:
     g = -exp(A_log) softplus(g + dt_bias) (fp32) and beta = sigmoid(beta), times 2 with allow_neg_eigval."""
@@ -252,13 +277,9 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
         _check_inplace(q, k, v, beta, initial_state)
         output_final_state = True
     if backends.select_backend(q) == "torch":
-        dt = compute_dtype(q.dtype)
-        qc, kc = prepare_qk(q, k, use_qk_l2norm_in_kernel)
-        options = {} if chunk_size is None else {"chunk_size": chunk_size}
-        o, final_state = _GATED_TORCH_IMPLS[form](
-            qc.to(dt), kc.to(dt), v.to(dt), g.to(dt), beta.to(dt), scale, None if h0 is None else h0.to(dt),
-            output_final_state, cu_seqlens, **options)
-        o = o.to(q.dtype)
+        o, final_state = _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state,
+                                          use_qk_l2norm_in_kernel, cu_seqlens,
+                                          {} if chunk_size is None else {"chunk_size": chunk_size})
     else:
         if torch.compiler.is_compiling():
             raise RuntimeError(f"{fn}: the gated rule's Triton kernels are not torch.compile custom ops yet; call "

@@ -7,7 +7,7 @@ import deltatron
 from deltatron import chunk_delta_rule, fused_chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule
 from deltatron.reference import recurrent_delta_rule
 
-from .helpers import BOUNDS, make_inputs, random_cu_seqlens, rel_rms
+from .helpers import BOUNDS, DEVICE, INTERPRET, make_inputs, random_cu_seqlens, rel_rms
 
 ENTRY_POINTS = [chunk_delta_rule, fused_chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule]
 
@@ -82,8 +82,8 @@ def test_rank_and_shape_mismatches(fn):
     q, k, v, b = _args()
     _raises(ValueError, r"q must have shape \[B, T, H, K\]", q[0], k, v, b, fn=fn)
     _raises(ValueError, r"k must have the shape of q", q, k[:, :5], v, b, fn=fn)
-    _raises(ValueError, r"v must have shape \[B, T, H, V\] = \[1, 10, 2, V\], got \[1, 10, 3, 6\]",
-            q, k, torch.randn(1, 10, 3, 6), b, fn=fn)
+    _raises(ValueError, r"v must have shape \[B, T, Hv, V\] = \[1, 10, Hv, V\] with Hv a multiple of q's 2 heads, "
+                        r"got \[1, 10, 3, 6\]|v has 3 heads and q, k 2", q, k, torch.randn(1, 10, 3, 6), b, fn=fn)
     _raises(ValueError, r"beta must have shape \[B, T, H\] = \[1, 10, 2\], got \[1, 10, 2, 1\]",
             q, k, v, b[..., None], fn=fn)
 
@@ -201,3 +201,38 @@ def test_save_states_option():
         _raises(TypeError, r"save_states must be a bool", *_args(), save_states=bad)
     for fn in (fused_chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule):
         _raises(TypeError, r"unexpected keyword argument\(s\) \['save_states'\]", *_args(), fn=fn, save_states=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fn", [chunk_delta_rule, fused_recurrent_delta_rule])
+def test_grouped_value_heads(fn, backend, monkeypatch):
+    # v, beta and the states with 6 value heads over q's and k's 2: the rule on repeated q, k (dq, dk summed over
+    # each group), on both backends (the Triton one in the interpreter without a GPU)
+    if backend == "triton" and DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("DELTATRON_BACKEND", backend)
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 37, 2, 16, generator=gen) for _ in range(2))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    v, beta, h0 = torch.randn(1, 37, 6, 24, generator=gen), torch.rand(1, 37, 6, generator=gen), \
+        torch.randn(1, 6, 16, 24, generator=gen)
+    cu = random_cu_seqlens([0, 20, 17])
+    h0 = h0.expand(3, -1, -1, -1).contiguous()
+    device = DEVICE if backend == "triton" else "cpu"
+    leaves = [x.to(device).requires_grad_() for x in (q, k, v, beta, h0)]
+    o, ht = fn(*leaves[:4], initial_state=leaves[4], output_final_state=True, cu_seqlens=cu.to(device))
+    (o.sum() + (ht * ht).sum()).backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v, beta, h0)]
+    o_ref, ht_ref = recurrent_delta_rule(ref[0].repeat_interleave(3, 2), ref[1].repeat_interleave(3, 2), *ref[2:4],
+                                         16 ** -0.5, ref[4], True, cu_seqlens=cu)
+    (o_ref.sum() + (ht_ref * ht_ref).sum()).backward()
+    assert rel_rms(o, o_ref) <= 1e-4 and rel_rms(ht, ht_ref) <= 1e-4
+    for name, leaf, r in zip(("q", "k", "v", "beta", "h0"), leaves, ref):
+        assert rel_rms(leaf.grad, r.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("fn", [fused_chunk_delta_rule, parallel_delta_rule])
+def test_grouped_value_heads_refused_where_a_form_lacks_them(fn):
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="grouped value heads run in chunk_delta_rule"):
+        fn(q, q, torch.randn(1, 8, 4, 16), torch.rand(1, 8, 4))

@@ -375,8 +375,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                    and p.V == HOPPER_HEAD and p.tma_aligned and not p.gated and not p.grouped)
     if not hopper_fits:
         hopper = False
-        why = ("the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v; "
-               "it takes neither the gate nor grouped value heads")
+        why = ("the Hopper walk takes neither the gate nor grouped value heads" if p.gated or p.grouped else
+               "the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v")
         if o.hopper_walk:
             raise ValueError(f"overrides(hopper_walk=True): {why}")
     else:
