@@ -276,32 +276,42 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         output_final_state = True
-    if backends.select_backend(q) == "torch":
-        o, final_state = _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state,
-                                          use_qk_l2norm_in_kernel, cu_seqlens,
-                                          {} if chunk_size is None else {"chunk_size": chunk_size})
+    if torch.compiler.is_compiling():
+        # the same custom op as the ungated rule's, carrying g (deltatron/library.py): no graph break
+        o, final_state = library.run_compiled(form, q, k, v, beta, scale, h0, output_final_state,
+                                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, g=g,
+                                              **({} if chunk_size is None else {"chunk_size": chunk_size}))
     else:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(f"{fn}: the gated rule's Triton kernels are not torch.compile custom ops yet; call "
-                               f"it outside the compiled region, or use the PyTorch backend (DELTATRON_BACKEND=torch)")
-        run_form, seq_info = _triton_dispatch()
-        backends.check_triton_inputs(q, v)
-        B, T = q.shape[:2]
-        info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
-        q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
-        if h0 is not None:
-            h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
-        options = {"inplace_final_state": inplace_final_state and not state_v_first} if form == "fused_recurrent" \
-            else {"chunk_size": chunk_size}
-        o, final_state = run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
-                                  use_qk_l2norm_in_kernel, info, options, g=g)[:2]
-        if options.get("inplace_final_state"):
+        in_place = inplace_final_state and not state_v_first and form == "fused_recurrent"
+        o, final_state = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
+                                     cu_seqlens, cu_seqlens_cpu, chunk_size, in_place)
+        if in_place:  # the kernel wrote the caller's state
             return o, final_state
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2).contiguous()
     if inplace_final_state:
         final_state = initial_state.copy_(final_state)
     return o, final_state
+
+
+def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                cu_seqlens_cpu, chunk_size=None, inplace_final_state=False):
+    """(o, final_state [N, Hv, K, V]) of the gated rule on validated inputs (g and beta as the recurrence takes
+    them), on the call's backend; inplace_final_state: the Triton fused_recurrent kernel writes the final state into
+    h0 and returns it."""
+    if backends.select_backend(q) == "torch":
+        return _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
+                                cu_seqlens, {} if chunk_size is None else {"chunk_size": chunk_size})
+    run_form, seq_info = _triton_dispatch()
+    backends.check_triton_inputs(q, v)
+    B, T = q.shape[:2]
+    info = seq_info(B, T, q.device, cu_seqlens, cu_seqlens_cpu)
+    q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
+    if h0 is not None:
+        h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
+    options = {"inplace_final_state": inplace_final_state} if form == "fused_recurrent" else {"chunk_size": chunk_size}
+    return tuple(run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
+                          use_qk_l2norm_in_kernel, info, options, g=g)[:2])
 
 
 def chunk_gated_delta_rule(

@@ -1,5 +1,5 @@
-"""torch.compile support: the delta rule as two torch.library custom ops, so that a compiled model with
-DeltaNet layers is one graph (no graph break), forward and backward.
+"""torch.compile support: the delta rule and its gated form as two torch.library custom ops, so that a compiled model
+with DeltaNet or Gated DeltaNet layers is one graph (no graph break), forward and backward.
 
 Under torch.compile the public API (api._run) validates shapes and dtypes while tracing, then calls
 `delta_rule` below instead of running the implementation inline. To the compiler both ops are opaque:
@@ -7,12 +7,15 @@ their fake (meta) implementations give the output shapes, and at run time they c
 which checks the cu_seqlens values, picks the backend and runs it (PyTorch, or the Triton form through
 DeltaRuleFunction). So compiled and eager runs compute the same function with the same code.
 
-    deltatron::delta_rule(q, k, v, beta, initial_state?, cu_seqlens?, cu_seqlens_cpu?, form, scale,
+    deltatron::delta_rule(q, k, v, beta, g?, initial_state?, cu_seqlens?, cu_seqlens_cpu?, form, scale,
                           output_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states)
         -> (o, final_state, attentions)          # empty [0] tensors stand for "not asked for"
-    deltatron::delta_rule_backward(do, dht?, q, k, v, beta, initial_state?, cu_seqlens?, cu_seqlens_cpu?,
+    deltatron::delta_rule_backward(do, dht?, q, k, v, beta, g?, initial_state?, cu_seqlens?, cu_seqlens_cpu?,
                                    form, scale, use_qk_l2norm, chunk_size, save_states)
-        -> (dq, dk, dv, dbeta, dh0)              # dh0 is [0] without an initial state
+        -> (dq, dk, dv, dbeta, dg, dh0)          # dg, dh0 are [0] without a gate, an initial state
+
+g is the gated rule's log decays (api.chunk_gated_delta_rule's, after its gate and beta transforms, which are
+traced as ordinary torch operations); v may have more heads than q and k (grouped value heads).
 
 The backward op recomputes the forward with autograd and returns torch.autograd.grad; on the Triton
 backend that runs the form's forward and backward (deltatron.autograd), with save_states (chunk_delta_rule's)
@@ -39,10 +42,16 @@ FORM_OPTIONS = {
 _NOT_ASKED = (0,)
 
 
-def _eager(form, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
+def _eager(form, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
            use_qk_l2norm, chunk_size, output_attentions, save_states):
     from . import api  # here, not at the top: api imports this module
 
+    if g is not None:  # the cu_seqlens values are checked here, at run time, as api._run checks the ungated op's
+        chunk_size = chunk_size if form == "chunk" else None
+        _, cu_seqlens_cpu = api.check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                             chunk_size, g=g, grouped=True)
+        return api._gated_core(form, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                               cu_seqlens, cu_seqlens_cpu, chunk_size)
     options = dict(chunk_size=chunk_size, output_attentions=output_attentions, save_states=save_states)
     return api._run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
                     cu_seqlens_cpu, {}, **{name: options[name] for name in FORM_OPTIONS[form]})
@@ -60,25 +69,25 @@ def _unaliased(x: Tensor, inputs) -> Tensor:
 
 @torch.library.custom_op("deltatron::delta_rule", mutates_args=())
 def delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-    cu_seqlens_cpu: Optional[Tensor], form: str, scale: float, output_final_state: bool, use_qk_l2norm: bool,
-    chunk_size: int, output_attentions: bool, save_states: bool,
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], form: str, scale: float, output_final_state: bool,
+    use_qk_l2norm: bool, chunk_size: int, output_attentions: bool, save_states: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
-        o, final_state, *extras = _eager(form, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
+        o, final_state, *extras = _eager(form, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
                                          output_final_state, use_qk_l2norm, chunk_size, output_attentions,
                                          save_states)
-    inputs = (q, k, v, beta, initial_state)
+    inputs = (q, k, v, beta, g, initial_state)
     final_state = q.new_empty(_NOT_ASKED) if final_state is None else _unaliased(final_state, inputs)
     attentions = _unaliased(extras[0], inputs) if output_attentions else q.new_empty(_NOT_ASKED)
     return _unaliased(o, inputs), final_state, attentions
 
 
 @delta_rule.register_fake
-def _(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm,
+def _(q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm,
       chunk_size, output_attentions, save_states):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[-2:]  # value heads
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state_dtype = compute_dtype(q.dtype)  # fp32 (float64 for float64 inputs), as the implementations return
     o = q.new_empty(B, T, H, V)
@@ -102,51 +111,52 @@ def _autograd_enabled():
 
 @torch.library.custom_op("deltatron::delta_rule_backward", mutates_args=())
 def delta_rule_backward(
-    do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
+    do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
     initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], form: str,
     scale: float, use_qk_l2norm: bool, chunk_size: int, save_states: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    inputs = [x.detach().requires_grad_() for x in (q, k, v, beta)]
-    if initial_state is not None:
-        inputs.append(initial_state.detach().requires_grad_())
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    leaves = {name: x.detach().requires_grad_() for name, x in
+              dict(q=q, k=k, v=v, beta=beta, g=g, initial_state=initial_state).items() if x is not None}
+    inputs = list(leaves.values())
     with _autograd_enabled():
-        o, final_state, *_ = _eager(form, *inputs[:4], inputs[4] if len(inputs) == 5 else None, cu_seqlens,
-                                    cu_seqlens_cpu, scale, dht is not None, use_qk_l2norm, chunk_size, False,
-                                    save_states)
+        o, final_state, *_ = _eager(form, leaves["q"], leaves["k"], leaves["v"], leaves["beta"], leaves.get("g"),
+                                    leaves.get("initial_state"), cu_seqlens, cu_seqlens_cpu, scale, dht is not None,
+                                    use_qk_l2norm, chunk_size, False, save_states)
         outputs, grads = [o], [do]
         if dht is not None:
             outputs.append(final_state)
             grads.append(dht)
         # allow_unused: with no tokens at all nothing depends on q, k, v, beta
         found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-    found = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, inputs)]
-    dh0 = found[4] if initial_state is not None else q.new_empty(_NOT_ASKED)
-    return found[0], found[1], found[2], found[3], dh0
+    found = dict(zip(leaves, (torch.zeros_like(x) if d is None else d.contiguous() for d, x in zip(found, inputs))))
+    return (found["q"], found["k"], found["v"], found["beta"], found.get("g", q.new_empty(_NOT_ASKED)),
+            found.get("initial_state", q.new_empty(_NOT_ASKED)))
 
 
 @delta_rule_backward.register_fake
-def _(do, dht, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, use_qk_l2norm, chunk_size,
+def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, use_qk_l2norm, chunk_size,
       save_states):
+    dg = q.new_empty(_NOT_ASKED) if g is None else g.new_empty(g.shape)
     dh0 = q.new_empty(_NOT_ASKED) if initial_state is None else initial_state.new_empty(initial_state.shape)
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, beta)) + (dh0,)
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, beta)) + (dg, dh0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm, \
+    q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm, \
         chunk_size, _, save_states = inputs
-    ctx.save_for_backward(q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
-    ctx.has_initial_state = initial_state is not None
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu)
+    ctx.has_initial_state, ctx.has_gate = initial_state is not None, g is not None
     ctx.args = (form, scale, use_qk_l2norm, chunk_size, save_states)
     ctx.output_final_state = output_final_state
 
 
 def _backward(ctx, do, dht, _):
-    q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
-    dq, dk, dv, dbeta, dh0 = delta_rule_backward(
-        do, dht if ctx.output_final_state else None, q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+    q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    dq, dk, dv, dbeta, dg, dh0 = delta_rule_backward(
+        do, dht if ctx.output_final_state else None, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu,
         *ctx.args,
     )
-    return (dq, dk, dv, dbeta, dh0 if ctx.has_initial_state else None) + (None,) * 9
+    return (dq, dk, dv, dbeta, dg if ctx.has_gate else None, dh0 if ctx.has_initial_state else None) + (None,) * 9
 
 
 delta_rule.register_autograd(_backward, setup_context=_setup_context)
@@ -154,10 +164,11 @@ delta_rule.register_autograd(_backward, setup_context=_setup_context)
 
 def run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
                  cu_seqlens_cpu, chunk_size: int = 64, output_attentions: bool = False,
-                 inplace_final_state: bool = False, save_states: bool = False):
-    """api._run under torch.compile (inputs already validated): the same results through the custom op."""
+                 inplace_final_state: bool = False, save_states: bool = False, g: Optional[Tensor] = None):
+    """api._run (and api._run_gated, with g) under torch.compile (inputs already validated): the same results
+    through the custom op."""
     o, final_state, attentions = delta_rule(
-        q, k, v, beta, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale,
+        q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale,
         output_final_state or inplace_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states,
     )
     if inplace_final_state:

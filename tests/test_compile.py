@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from deltatron import chunk_delta_rule, fused_recurrent_delta_rule, parallel_delta_rule
+from deltatron import (chunk_delta_rule, chunk_gated_delta_rule, fused_recurrent_delta_rule,
+                       fused_recurrent_gated_delta_rule, parallel_delta_rule)
 from deltatron.library import delta_rule
 from deltatron.cli.train import DeltaNetLM
 
@@ -135,9 +136,51 @@ def test_cu_seqlens_values_still_checked_under_compile():
 def test_opcheck(with_state, save_states):
     lengths = [2, 0, 5]
     inp = make_inputs(1, 7, 2, 8, 4, initial_state=with_state, N=3, seed=5, requires_grad=True)
-    args = (inp["q"], inp["k"], inp["v"], inp["beta"], inp.get("initial_state"), random_cu_seqlens(lengths),
+    args = (inp["q"], inp["k"], inp["v"], inp["beta"], None, inp.get("initial_state"), random_cu_seqlens(lengths),
             None, "chunk", 0.3, with_state, True, 16, False, save_states)
     torch.library.opcheck(delta_rule, args)
+
+
+def test_opcheck_gated_grouped():
+    # the gated rule's g and grouped value heads (v with 4 heads over q's and k's 2) through the same op
+    gen = torch.Generator().manual_seed(8)
+    q, k = (torch.randn(1, 7, 2, 8, generator=gen).requires_grad_() for _ in range(2))
+    v, h0 = torch.randn(1, 7, 4, 4, generator=gen).requires_grad_(), torch.randn(3, 4, 8, 4).requires_grad_()
+    beta, g = torch.rand(1, 7, 4).requires_grad_(), (-torch.rand(1, 7, 4)).requires_grad_()
+    args = (q, k, v, beta, g, h0, random_cu_seqlens([2, 0, 5]), None, "chunk", 0.3, True, True, 16, False, False)
+    torch.library.opcheck(delta_rule, args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule])
+def test_gated_api_is_one_graph(fn, backend, monkeypatch):
+    # every option of the gated ops (gate and beta made in the op, V-first states, grouped heads) in one graph
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(9)
+    lengths = [3, 0, 9]
+    q, k = (torch.randn(1, 12, 1, 16, generator=gen).to(device).requires_grad_() for _ in range(2))
+    v, a, b = (torch.randn(1, 12, 2, *s, generator=gen).to(device).requires_grad_() for s in ((16,), (), ()))
+    A_log, dt_bias = (torch.randn(2, generator=gen).to(device).requires_grad_() for _ in range(2))
+    h0 = torch.randn(3, 2, 16, 16, generator=gen).to(device).requires_grad_()
+    cu = random_cu_seqlens(lengths, device=device)
+    args = [q, k, v, a, b, A_log, dt_bias, h0]
+
+    def run(q, k, v, a, b, A_log, dt_bias, h0):
+        return fn(q, k, v, a, b, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                  use_beta_sigmoid_in_kernel=True, state_v_first=True)
+
+    monkeypatch.setenv("DELTATRON_BACKEND", backend)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    got = torch.compile(run, backend=counter, fullgraph=True)(*args)
+    grads = _grads(got, args)
+    assert counter.frame_count == 1
+    monkeypatch.setenv("DELTATRON_BACKEND", "torch")
+    ref = run(*args)
+    for x, x_ref in zip(list(got) + list(grads), list(ref) + list(_grads(ref, args))):
+        assert rel_rms(x, x_ref) <= 1e-4
 
 
 @pytest.mark.parametrize("save_states", [False, True])
