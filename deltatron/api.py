@@ -297,11 +297,13 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
 def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                 cu_seqlens_cpu, chunk_size=None, inplace_final_state=False):
     """(o, final_state [N, Hv, K, V]) of the gated rule on validated inputs (g and beta as the recurrence takes
-    them), on the call's backend; inplace_final_state: the Triton fused_recurrent kernel writes the final state into
-    h0 and returns it."""
+    them), on the call's backend; inplace_final_state: the final state is written into h0 (by the Triton
+    fused_recurrent kernel itself) and h0 returned."""
     if backends.select_backend(q) == "torch":
-        return _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
-                                cu_seqlens, {} if chunk_size is None else {"chunk_size": chunk_size})
+        o, final_state = _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state,
+                                          use_qk_l2norm_in_kernel, cu_seqlens,
+                                          {} if chunk_size is None else {"chunk_size": chunk_size})
+        return o, h0.copy_(final_state) if inplace_final_state else final_state
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]

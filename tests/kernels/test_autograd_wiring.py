@@ -49,7 +49,7 @@ def test_backward_casts_only_where_the_dtype_differs():
         def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info):
             return grads
 
-    o, _ = DeltaRuleFunction.apply(q, k, v, beta, h0, Form, 1.0, False, False, None, {})
+    o, _ = DeltaRuleFunction.apply(q, k, v, beta, h0, None, Form, 1.0, False, False, None, {})
     got = torch.autograd.grad(o, (q, k, v, beta, h0), torch.randn_like(o))
     for g, x in zip(got, (q, k, v, beta, h0)):
         assert g.dtype == x.dtype

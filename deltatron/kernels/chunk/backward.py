@@ -6,7 +6,8 @@
     reverse:   the state gradient backwards over the chunks, with the local dV' fused in (hopper.reverse or
                portable.reverse)
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
-The gated rule (g given) sums g into γ again and every stage takes it; wy_bwd finishes dg. With grouped value heads
+The gated rule (g given) sums g into γ again and every stage takes it; portable.gate sums dg from the stages'
+shares. With grouped value heads
 dQ and dK come out per value head and are summed over each group here. Where the plan segments the backward, the reverse pass and the gradient stage run segment by segment
 (schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the
 set alive at the widest stage. Deterministic: no atomics."""
@@ -16,7 +17,7 @@ import torch
 
 from ..utils import side_stream
 from .plan import ChunkPlan
-from .portable.gate import chunk_gamma
+from .portable.gate import chunk_gamma, gate_grad
 from .portable.grads import dqkw
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
@@ -87,8 +88,9 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     del w
     dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam)
     del h, v_new, dh
-    dk, dv, dbeta, dg = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,
-                               gam=gam, dg_shares=dg_shares)
+    dk, dv, dbeta, dgam = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,
+                                 gam=gam)
+    dg = None if g is None else gate_grad(dgam, dg_shares, info, chunk_size)
     HK, H = k.shape[2], v.shape[2]
     if HK != H:  # a key head's gradient is the sum over its group of value heads
         dq = dq.unflatten(2, (HK, H // HK)).sum(3).to(q.dtype)

@@ -6,10 +6,9 @@ T~ = (I + A)^{-1}, A = tril(diag(beta) K K^T, -1):
     dbeta = rowsum(dVb ⊙ V) + rowsum((dKb + dA K) ⊙ K)
 
 Gated (USE_G, DESIGN.md §11): W = T~ (beta exp(γ) K) and A carries E = exp(γ_i - γ_j), so (beta K) becomes
-(beta exp(γ) K) in dT~ and dKb takes exp(γ); dA becomes dA ⊙ E in dK and dbeta. This kernel also finishes the log
-decays' gradient: it adds its dγ (W through exp(γ), A through E) to grads.dqkw's shares and sums along the chunk,
-dg_j = sum_{i >= j} dγ_i + exp(γ_C) <S, dS_next> + sum_{i < j} x_i. Grouped value heads: k of the value head's key
-head; dK comes out per value head.
+(beta exp(γ) K) in dT~ and dKb takes exp(γ); dA becomes dA ⊙ E in dK and dbeta; this kernel's share of the log
+decays' gradient, dγ through W's exp(γ) and A's E, goes to gate.gate_grad with grads.dqkw's. Grouped value heads: k of
+the value head's key head; dK comes out per value head.
 
 One program per (chunk, head): the chunk's C x C matrices stay in fp32 registers, K and V are looped over in tiles.
 Products whose result is a gradient of 16-bit data take 16-bit operands (dT~ from dW, dU and the rounded beta K,
@@ -70,12 +69,10 @@ def wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dg_rows, dg_chunks, dk, dv, dbeta, dg, chunk_indices,
-                  cu_seqlens, TT, NT, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-                  USE_G: tl.constexpr):
-    """H value heads, HK key heads (k). USE_G: gated by γ (gam); dg [TT, H] fp32 from this kernel's dγ and
-    grads.dqkw's NK_ROWS K-tile shares (dg_rows [NK_ROWS, 2, TT, H], dg_chunks [NK_ROWS, NT, H])."""
+def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunk_indices, cu_seqlens,
+                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, USE_G: tl.constexpr):
+    """H value heads, HK key heads (k). USE_G: gated by γ (gam); this kernel's dγ share to dgam [TT, H] fp32."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
@@ -132,44 +129,32 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dg_rows, dg_chunks, 
         b_dbeta += b_dbeta_k
     tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
     if USE_G:
-        b_x = tl.zeros([C], dtype=tl.float32)
-        b_state = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
-        for i_k in tl.static_range(NK_ROWS):  # grads.dqkw's K-tile shares, in a fixed order
-            b_dgam += tl.load(dg_rows + ((i_k * 2) * TT + rows) * H + i_h, mask=valid, other=0.0)
-            b_x += tl.load(dg_rows + ((i_k * 2 + 1) * TT + rows) * H + i_h, mask=valid, other=0.0)
-            b_state += tl.load(dg_chunks + (i_k * NT + i_t) * H + i_h)
-        # dg_j = sum_{i >= j} dγ_i + the state's share + sum_{i < j} x_i, as masked sums (no cancellation)
-        b_dg = (tl.sum(tl.where(r[None, :] >= r[:, None], b_dgam[None, :], 0.0), axis=1) + b_state
-                + tl.sum(tl.where(r[None, :] < r[:, None], b_x[None, :], 0.0), axis=1))
-        tl.store(dg + rows * H + i_h, b_dg, mask=valid)
+        tl.store(dgam + rows * H + i_h, b_dgam, mask=valid)
 
 
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None, cfg: Optional[Launch] = None,
-           gam=None, dg_shares=None):
+           gam=None):
     """Returns (dk in k's dtype, dv in v's dtype, dbeta in beta's dtype [.., TT, H]: summed in fp32 and rounded once
-    in the kernel, so that the API returns it without a conversion launch; dg [.., TT, H] fp32 for the gated rule,
-    else None).
+    in the kernel, so that the API returns it without a conversion launch; for the gated rule this stage's share of
+    the log decays' gradient, dγ [.., TT, H] fp32 for gate.gate_grad, else None).
 
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
     the output and the state update (k's dtype, as grads.dqkw stores it; added in fp32). out: (dk, dv,
     dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
-    views of the batch's), else new tensors. gam: the gated rule's γ, with dg_shares, grads.dqkw's (dg_rows,
-    dg_chunks). With grouped value heads (beta's heads more than k's) dk is per value head, in dk_direct's dtype."""
+    views of the batch's), else new tensors. gam: the gated rule's γ. With grouped value heads (beta's heads more than k's) dk is per value head, in dk_direct's dtype."""
     HK, H, K, V = k.shape[-2], beta.shape[-1], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
     if out is None:
         out = torch.empty_like(dk_direct), torch.empty_like(v), torch.empty_like(beta)
     dk, dv, dbeta = out
-    dg_rows, dg_chunks = dg_shares if dg_shares is not None else (None, None)
-    dg = torch.empty(beta.shape, dtype=torch.float32, device=beta.device) if gam is not None else None
+    dgam = torch.empty(beta.shape, dtype=torch.float32, device=beta.device) if gam is not None else None
     if cfg is None:
         cfg = wy_bwd_launch(K, V, k.element_size())
     if chunks.num_chunks:
         launch(
             wy_bwd_kernel, (chunks.num_chunks, H),
-            k, v, beta, gam, tinv, dw, du, dk_direct, dg_rows, dg_chunks, dk, dv, dbeta, dg, chunks.chunk_indices,
-            info.cu_seqlens, info.total_tokens, chunks.num_chunks, H, HK, K, V, chunk_size, cfg.tile_k, cfg.tile_v,
-            0 if dg_rows is None else dg_rows.shape[0], dot_precision(k.dtype), gam is not None,
+            k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunks.chunk_indices, info.cu_seqlens,
+            H, HK, K, V, chunk_size, cfg.tile_k, cfg.tile_v, dot_precision(k.dtype), gam is not None,
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
-    return dk, dv, dbeta, dg
+    return dk, dv, dbeta, dgam
