@@ -58,7 +58,8 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
     """STATES_T: h and v_new as the forward's Hopper walk keeps them (hopper.walk.states_buffers): S^T [NT, H, V, K]
     and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's). H value heads
     (dq, dk, dw are per value head), HK key heads (q, k). USE_G: gated by γ (gam); the K-tile's shares of the decays'
-    gradient go to dg_rows [NK, 2, TT, H] (dγ, x) and dg_chunks [NK, NT, H] (exp(γ_C) <S, dS_next>), fp32."""
+    gradient go to dg_rows [NK, 2, TT, H] (dγ, x) and dg_chunks [NK, NT, H, BV] (exp(γ_C) <S, dS_next> in BV parts),
+    fp32."""
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
@@ -68,7 +69,7 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
     b_ds = tl.zeros([C, C], dtype=tl.float32)
-    b_sds = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)  # <S, dS_next> over this K-tile (USE_G)
+    b_sds = tl.zeros([BV], dtype=tl.float32)  # <S, dS_next> over this K-tile, by rows of S^T (USE_G)
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
         if STATES_T:  # V'^T rows of this V-block, whole: zero past the sequence's end (states_buffers), and a mask
@@ -86,7 +87,7 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
             b_st = tl.trans(tl.load(h + s_offs, mask=s_mask, other=0.0).to(dt))
         b_dsn = tl.load(dh + s_offs, mask=s_mask, other=0.0).to(dt)  # gradient of the state leaving it
         if USE_G:
-            b_sds += tl.sum(tl.sum(b_st.to(tl.float32) * tl.trans(b_dsn.to(tl.float32)), axis=1), axis=0)
+            b_sds += tl.sum(b_st.to(tl.float32) * tl.trans(b_dsn.to(tl.float32)), axis=1)
         b_dq += mm(b_do, b_st, PRECISION)
         b_dk += mm(b_vn, tl.trans(b_dsn), PRECISION)
         b_dw -= mm(b_dv, b_st, PRECISION)
@@ -103,12 +104,12 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
         # E_ii = 1 takes none) as dγ_i; x_i and the chunk's exp(γ_C) <S, dS_next> through the state update
         b_dgam = scale * tl.sum(b_q.to(tl.float32) * b_dq, axis=1)
         b_dpp = tl.where(r[:, None] > r[None, :], b_ds * mm(b_q, tl.trans(b_k), PRECISION), 0.0)
-        b_dgam += tl.sum(b_dpp, axis=1) - tl.sum(b_dpp, axis=0)
+        b_dgam += tl.sum(b_dpp, axis=1) - tl.sum(tl.trans(b_dpp), axis=1)  # column sums as row sums: see gate.py
         b_x = tl.sum(b_k.to(tl.float32) * b_dk, axis=1)
         rows = start + r
         tl.store(dg_rows + ((i_k * 2) * TT + rows) * H + i_h, b_dgam, mask=r < n)
         tl.store(dg_rows + ((i_k * 2 + 1) * TT + rows) * H + i_h, b_x, mask=r < n)
-        tl.store(dg_chunks + (i_k * NT + i_t) * H + i_h, b_sds * tl.exp(b_gam_last))
+        tl.store(dg_chunks + ((i_k * NT + i_t) * H + i_h) * BV + tl.arange(0, BV), b_sds * tl.exp(b_gam_last))
         b_ds = b_ds.to(dt)
     else:
         b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
@@ -159,7 +160,7 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     dg = None
     if gam is not None:
         dg = (q.new_empty(cdiv(K, BK), 2, TT, H, dtype=torch.float32),
-              q.new_empty(cdiv(K, BK), NT, H, dtype=torch.float32))
+              q.new_empty(cdiv(K, BK), NT, H, head_tile(V), dtype=torch.float32))
     if chunks.num_chunks:
         launch(
             dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),

@@ -110,7 +110,7 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
         b_da *= decay_matrix(b_gam, b_gam)  # the gradient of the ungated entries beta_i k_i^T k_j
         # A through E: dγ_i += sum_j (dA ⊙ A)_ij - sum_l (dA ⊙ A)_li, strictly lower (b_da is)
         b_daa = b_da * b_beta[:, None] * b_kk
-        b_dgam = tl.sum(b_daa, axis=1) - tl.sum(b_daa, axis=0)
+        b_dgam = tl.sum(b_daa, axis=1) - tl.sum(tl.trans(b_daa), axis=1)  # column sums as row sums: see gate.py
     b_dat = tl.trans(b_beta[:, None] * b_da)  # dA^T (beta K) = (beta dA)^T K: beta scales dA once, not each K tile
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK).to(tl.float32)
