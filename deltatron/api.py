@@ -16,7 +16,7 @@ from . import backends, library
 from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
-from .validation import check_inputs, reject_unknown_kwargs, warn_if_head_first
+from .validation import check_inputs, check_state_pool, reject_unknown_kwargs, warn_if_head_first
 
 _TORCH_IMPLS = {
     "chunk": chunk_delta_rule_reference,
@@ -52,9 +52,9 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
                          f"run in chunk_delta_rule and fused_recurrent_delta_rule; here v must have q's heads")
     if beta is None and isinstance(v, torch.Tensor):
         beta = v.new_ones(v.shape[:3])
-    scale, cu_seqlens_cpu = check_inputs(
-        q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, options.get("chunk_size"), grouped=grouped
-    )
+    pooled = options.get("state_indices") is not None  # initial_state is a pool, checked by _state_pool
+    scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, None if pooled else initial_state, cu_seqlens,
+                                         cu_seqlens_cpu, options.get("chunk_size"), grouped=grouped)
     if torch.compiler.is_compiling():
         # one opaque custom op (deltatron/library.py): no graph break; it runs this function at run time
         return library.run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state,
@@ -110,6 +110,8 @@ def chunk_delta_rule(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
     save_states: bool = False,
+    inplace_final_state: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Delta rule by the chunkwise WY algorithm: the default for training and prefill.
@@ -129,11 +131,24 @@ def chunk_delta_rule(
             token and head (K = V = 128) held from the forward to the backward. Taken where the Hopper walk runs
             (sm_90, 16-bit, K = V = 128, chunk_size 64, no sequence split, an unsegmented backward; DESIGN.md §6);
             elsewhere, and under torch.compile's forward, it changes nothing.
+        inplace_final_state, ssm_state_indices: a prefill into a serving engine's state pool, as
+            fused_recurrent_delta_rule's (inference only). The chunk form gathers the slots into dense states and
+            writes the final states back (copies of N states).
     Returns:
         (o [B, T, H, V] in the input dtype, final_state or None)."""
     warn_if_head_first("chunk_delta_rule", q)
     if not isinstance(save_states, bool):
         raise TypeError(f"chunk_delta_rule: save_states must be a bool, got {save_states!r}")
+    if ssm_state_indices is not None:
+        return _state_pool("chunk_delta_rule", chunk_delta_rule, q, k, v, beta, dict(
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, **kwargs), initial_state, ssm_state_indices,
+            output_final_state, inplace_final_state, kernel_slots=False)
+    if inplace_final_state:
+        _check_inplace(q, k, v, beta, initial_state)
+        o, final_state = _run("chunk", q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
+                              cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size)
+        return o, initial_state.copy_(final_state)
     return _run("chunk", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size, save_states=save_states)
 
@@ -171,6 +186,7 @@ def fused_recurrent_delta_rule(
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     inplace_final_state: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The recurrence token by token: the decoding kernel (few tokens per call) and a GPU reference.
@@ -178,13 +194,27 @@ def fused_recurrent_delta_rule(
     Same arguments and results as chunk_delta_rule (beta defaults to ones), plus:
         inplace_final_state: write the final state into initial_state (which must be given, fp32 and
             contiguous) and return that tensor as final_state: one decode step allocates no state.
-            Inference only (no gradients)."""
-    if inplace_final_state:
+            Inference only (no gradients).
+        ssm_state_indices: [N] int32/int64, a serving engine's state pool: initial_state is the pool [S, H, K, V]
+            (fp32, contiguous) and sequence n starts from slot ssm_state_indices[n]; -1 marks a padding entry
+            (its outputs are zeros, no slot is read or written). With inplace_final_state the final states go back
+            into those slots and the pool is returned; else final_state is [N, H, K, V] (zeros for padding).
+            Inference only; the slots are read from the device once per call (not while a CUDA graph is being
+            captured) to check them against S."""
+    pool = {}
+    if ssm_state_indices is not None:
+        done = _state_pool("fused_recurrent_delta_rule", fused_recurrent_delta_rule, q, k, v, beta, dict(
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, **kwargs), initial_state, ssm_state_indices, output_final_state,
+            inplace_final_state)
+        if done is not None:
+            return done
+        pool = {"state_indices": ssm_state_indices}
+    elif inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
-        output_final_state = True
-    return _run("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state,
+    return _run("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state or inplace_final_state,
                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
-                inplace_final_state=inplace_final_state)
+                inplace_final_state=inplace_final_state, **pool)
 
 
 def parallel_delta_rule(
@@ -210,6 +240,41 @@ def parallel_delta_rule(
     warn_if_head_first("parallel_delta_rule", q)
     return _run("parallel", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, cu_seqlens_cpu, kwargs, output_attentions=output_attentions)
+
+
+def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output_final_state, inplace, g=None,
+                kernel_slots=True):
+    """Checks a call on states held in a pool by slot (ssm_state_indices). Returns None where the Triton kernel reads
+    and writes the slots itself (kernel_slots: the fused_recurrent kernel; the caller goes on with state_indices);
+    elsewhere (the PyTorch backend, which defines the semantics, the chunk form, state_v_first pools,
+    torch.compile) returns fn's (o, final_state) on the slots gathered into dense states, with the results written
+    back into the slots (inplace) or returned per sequence, padding entries zeroed."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"{fn_name}: q [B, T, H, K] and v [B, T, Hv, V] tensors are needed with ssm_state_indices")
+    cu = options.get("cu_seqlens")
+    N = v.shape[0] if cu is None else cu.shape[0] - 1
+    K, V = q.shape[-1], v.shape[-1]
+    v_first = options.get("state_v_first", False)
+    check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device)
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in (q, k, v, beta, g, pool)):
+        raise ValueError(f"{fn_name}: ssm_state_indices is for inference: call it under torch.no_grad()")
+    if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
+        return None
+    gate = {} if g is None else {"g": g}
+    live = state_indices >= 0
+    h0 = pool.index_select(0, state_indices.clamp(min=0)) * live.view(-1, 1, 1, 1)
+    o, final_state = fn(q, k, v, beta=beta, initial_state=h0, output_final_state=True, **gate, **options)
+    if cu is None:
+        o = o * live.view(-1, 1, 1, 1).to(o.dtype)
+    else:  # each token's sequence, from the offsets
+        seq = torch.repeat_interleave(torch.arange(N, device=o.device), cu[1:] - cu[:-1], output_size=o.shape[1])
+        o = o * live[seq].view(1, -1, 1, 1).to(o.dtype)
+    if inplace:
+        rows = live.nonzero().squeeze(1)
+        pool.index_copy_(0, state_indices.index_select(0, rows).long(), final_state.index_select(0, rows))
+        return o, pool
+    return o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None
 
 
 def _check_inplace(q, k, v, beta, initial_state) -> None:
@@ -256,7 +321,8 @@ def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_k
 
 
 def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-               cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first, inplace_final_state=False, chunk_size=None):
+               cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first, inplace_final_state=False, chunk_size=None,
+               state_indices=None):
     reject_unknown_kwargs(fn, kwargs)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"{fn}: state_v_first must be a bool, got {state_v_first!r}")
@@ -271,8 +337,9 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     g, beta = _gate(fn, g, beta, *gate, Hv)
     # the kernels' layout is [N, Hv, K, V]; state_v_first callers keep their pool as [N, Hv, V, K]
     h0 = initial_state.transpose(-1, -2) if state_v_first and isinstance(initial_state, torch.Tensor) else initial_state
-    scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, h0, cu_seqlens, cu_seqlens_cpu, chunk_size, g=g,
-                                         grouped=True)
+    # with state_indices, h0 is a pool _state_pool checked (the Triton kernel reads its slots)
+    scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, None if state_indices is not None else h0, cu_seqlens,
+                                         cu_seqlens_cpu, chunk_size, g=g, grouped=True)
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         output_final_state = True
@@ -284,7 +351,7 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     else:
         in_place = inplace_final_state and not state_v_first and form == "fused_recurrent"
         o, final_state = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
-                                     cu_seqlens, cu_seqlens_cpu, chunk_size, in_place)
+                                     cu_seqlens, cu_seqlens_cpu, chunk_size, in_place, state_indices)
         if in_place:  # the kernel wrote the caller's state
             return o, final_state
     if final_state is not None and state_v_first:
@@ -295,7 +362,7 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
 
 
 def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                cu_seqlens_cpu, chunk_size=None, inplace_final_state=False):
+                cu_seqlens_cpu, chunk_size=None, inplace_final_state=False, state_indices=None):
     """(o, final_state [N, Hv, K, V]) of the gated rule on validated inputs (g and beta as the recurrence takes
     them), on the call's backend; inplace_final_state: the final state is written into h0 (by the Triton
     fused_recurrent kernel itself) and h0 returned."""
@@ -312,6 +379,8 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
     if h0 is not None:
         h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
     options = {"inplace_final_state": inplace_final_state} if form == "fused_recurrent" else {"chunk_size": chunk_size}
+    if state_indices is not None:
+        options["state_indices"] = state_indices
     return tuple(run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
                           use_qk_l2norm_in_kernel, info, options, g=g)[:2])
 
@@ -335,6 +404,8 @@ def chunk_gated_delta_rule(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    inplace_final_state: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet) by the chunkwise form, with grouped value heads (DESIGN.md §11):
@@ -347,12 +418,19 @@ def chunk_gated_delta_rule(
             A_log and dt_bias [Hv], with gradients to all three.
         use_beta_sigmoid_in_kernel: beta holds logits (beta = sigmoid(beta)); allow_neg_eigval: beta in (0, 2)
             (beta times 2).
-    Runs on the PyTorch backend (CPU tensors, or DELTATRON_BACKEND=torch); the Triton backend refuses it with a
-    RuntimeError until its kernels take the gate."""
+        inplace_final_state, ssm_state_indices: as chunk_delta_rule's (a prefill into a state pool, in its
+            layout)."""
+    if ssm_state_indices is not None:
+        return _state_pool("chunk_gated_delta_rule", chunk_gated_delta_rule, q, k, v, beta, dict(
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
+            inplace_final_state, g=g, kernel_slots=False)
     return _run_gated("chunk", "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
                       (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-                      state_v_first, chunk_size=chunk_size)
+                      state_v_first, inplace_final_state=inplace_final_state, chunk_size=chunk_size)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -374,12 +452,24 @@ def fused_recurrent_gated_delta_rule(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule token by token (decoding), forward and backward; fla's fused_recurrent_gated_delta_rule.
-    Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state as
-    fused_recurrent_delta_rule's (the new states written into initial_state, in its layout)."""
+    Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state and ssm_state_indices as
+    fused_recurrent_delta_rule's (the new states written into initial_state, or into its slots, in its layout)."""
+    gate = (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    pool = {}
+    if ssm_state_indices is not None:
+        done = _state_pool("fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule, q, k, v, beta, dict(
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
+            inplace_final_state, g=g)
+        if done is not None:
+            return done
+        pool = {"state_indices": ssm_state_indices}
     return _run_gated("fused_recurrent", "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
-                      output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
-                      (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-                      state_v_first, inplace_final_state=inplace_final_state)
+                      output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate,
+                      state_v_first, inplace_final_state=inplace_final_state, **pool)

@@ -159,3 +159,32 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
     if cu_seqlens_cpu[-1] != T:
         raise ValueError(f"cu_seqlens must end at T = {T} (the packed length), got {int(cu_seqlens_cpu[-1])}")
     return cu_seqlens_cpu
+
+
+def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: int, V: int, device) -> None:
+    """ssm_state_indices [N] (an integer slot of the pool per sequence; -1 marks a padding entry) into
+    initial_state, the pool [S, Hv, K, V] (fp32, contiguous). The slot values are read, which syncs with the device,
+    unless a CUDA graph is being captured or torch.compile traces the call."""
+    if pool is None:
+        raise ValueError(f"{fn}: ssm_state_indices needs initial_state: the pool [S, Hv, K, V] its slots index")
+    if not isinstance(state_indices, torch.Tensor):
+        raise TypeError(f"{fn}: ssm_state_indices must be a torch.Tensor of integers, got {type(state_indices).__name__}")
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: ssm_state_indices must be int32 or int64, got {state_indices.dtype}")
+    if tuple(state_indices.shape) != (num_seqs,):
+        raise ValueError(f"{fn}: ssm_state_indices must have shape [N] = [{num_seqs}] (one slot per sequence), "
+                         f"got {_shape(state_indices)}")
+    if state_indices.device != device or pool.device != device:
+        raise ValueError(f"{fn}: ssm_state_indices and initial_state must be on q's device {device}")
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != (Hv, K, V) or pool.shape[0] == 0:
+        raise ValueError(f"{fn}: with ssm_state_indices, initial_state is the pool [S, Hv, K, V] = [S, {Hv}, {K}, "
+                         f"{V}] (S >= 1), got {_shape(pool)}")
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise ValueError(f"{fn}: the state pool must be contiguous float32, got {pool.dtype}"
+                         f"{'' if pool.is_contiguous() else ', non-contiguous'}")
+    capturing = state_indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if num_seqs and not capturing and not torch.compiler.is_compiling():
+        low, high = int(state_indices.min()), int(state_indices.max())
+        if low < -1 or high >= pool.shape[0]:
+            raise ValueError(f"{fn}: ssm_state_indices must lie in [-1, S) = [-1, {pool.shape[0]}), "
+                             f"got values from {low} to {high}")

@@ -40,17 +40,25 @@ SUBSEGMENT = 8
 
 
 @triton.jit
-def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, cu_seqlens, segment_offsets, scale,
-                               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                               BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
+def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, state_indices, num_slots, cu_seqlens,
+                               segment_offsets, scale, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                               SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr):
+                               SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr, USE_INDICES: tl.constexpr,
+                               FINAL_IN_POOL: tl.constexpr):
     """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
     log decays, S <- exp(g_t) S before each token's write. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
     the decayed state) and the state entering every SEG-token segment into h [segments, H, K, V]
-    (segment_offsets: first global segment of each sequence)."""
+    (segment_offsets: first global segment of each sequence). USE_INDICES: h0 is a pool of num_slots states and
+    sequence n starts from slot state_indices[n]; a slot outside [0, num_slots) (-1: padding) reads and writes no
+    state and outputs zeros; FINAL_IN_POOL: the final state goes back into the slot (ht is the pool)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    i_s = i_nh  # the state's row in h0 (and in ht with FINAL_IN_POOL)
+    if USE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+        live = (slot >= 0) & (slot < num_slots)
+        i_s = tl.where(live, slot, 0) * H + i_h
     # int64 token offsets: tokens * H * K may pass 2^31
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -60,8 +68,11 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, cu_seqlens, se
     m_v = o_v < V
     # this program's [BK, BV] slice of the [K, V] state; rows of V contiguous (coalesced)
     p_S, m_S = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
+    p_S0, m_S0 = state_offsets(i_s, 0, i_v * BV, K, V, BK, BV)
+    if USE_INDICES:  # (a bound on the rows: Triton's interpreter rejects a mask combined with a scalar one)
+        m_S0 = m_S0 & (tl.arange(0, BK)[:, None] < tl.where(live, BK, 0))
     if USE_INITIAL_STATE:
-        b_S = tl.load(h0 + p_S, mask=m_S, other=0.0).to(tl.float32)
+        b_S = tl.load(h0 + p_S0, mask=m_S0, other=0.0).to(tl.float32)
     else:
         b_S = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -97,6 +108,8 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, cu_seqlens, se
         b_vn = b_beta * b_e
         b_S += b_k[:, None] * b_vn[None, :]                    # S += k v'^T
         b_o = scale * (b_sq + tl.sum(b_k * b_q, 0) * b_vn)
+        if USE_INDICES:
+            b_o *= tl.where(live, 1.0, 0.0)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
         if SAVE_FOR_BACKWARD:
             tl.store(p_e, b_e, mask=m_v)
@@ -107,7 +120,12 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, cu_seqlens, se
         p_o += H * V
         p_beta += H
     if STORE_FINAL_STATE:
-        tl.store(ht + p_S, b_S, mask=m_S)
+        if FINAL_IN_POOL:
+            tl.store(ht + p_S0, b_S, mask=m_S0)
+        elif USE_INDICES:
+            tl.store(ht + p_S, b_S * tl.where(live, 1.0, 0.0), mask=m_S)
+        else:
+            tl.store(ht + p_S, b_S, mask=m_S)
 
 
 @triton.jit
@@ -249,12 +267,14 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
-            inplace_final_state=False, g=None):
+            inplace_final_state=False, g=None, state_indices=None):
     """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
     ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv]; Hk divides Hv. With
     needs_backward, saved = (e, per-segment states, final state) for the backward; without it (inference,
     decoding) nothing is saved or written beyond o and the final state. inplace_final_state writes the final
-    state over initial_state (fp32, contiguous: checked by the api)."""
+    state over initial_state (fp32, contiguous: checked by the api). state_indices [N] (inference): initial_state
+    is a pool of states and sequence n's is slot state_indices[n] (api.fused_recurrent_delta_rule's
+    ssm_state_indices); with inplace_final_state the final states go back into the slots."""
     HK, K = k.shape[2], k.shape[3]
     H, V = v.shape[2], v.shape[3]
     assert H % HK == 0, f"the value heads ({H}) must be a multiple of the key heads ({HK})"
@@ -278,9 +298,11 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     grid = (N * H, cdiv(V, BV))
     launch(
         fused_recurrent_fwd_kernel, grid,
-        q, k, v, beta, g, o, e, h, initial_state, ht, info.cu_seqlens, segment_offsets, scale,
+        q, k, v, beta, g, o, e, h, initial_state, ht, state_indices,
+        0 if initial_state is None else initial_state.shape[0], info.cu_seqlens, segment_offsets, scale,
         H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
+        USE_INDICES=state_indices is not None, FINAL_IN_POOL=state_indices is not None and inplace_final_state,
         num_warps=num_warps,
     )
     saved = (e, h, ht) if needs_backward else ()

@@ -1,0 +1,152 @@
+"""State pools by slot (ssm_state_indices) in the fused_recurrent (decode) and chunk (prefill) forms, gated and not, on
+both backends (Triton in its interpreter without a GPU): sequences start from their slots of a pool [S, H, K, V],
+padding entries (-1) output zeros and touch no slot, inplace_final_state writes the final states back into the
+slots and leaves every other slot as it was; a serving loop with requests arriving and leaving against the float64
+recurrence of each request."""
+import pytest
+import torch
+
+import deltatron
+from deltatron.reference import recurrent_gated_delta_rule
+
+from .helpers import BOUNDS, DEVICE, INTERPRET, rel_rms
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "triton" and DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("DELTATRON_BACKEND", request.param)
+    return request.param
+
+
+def _device(backend):
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def _inputs(lengths, Hk, Hv, K, V, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q = torch.randn(1, T, Hk, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, T, Hk, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, Hv, V, generator=gen)
+    beta = torch.rand(1, T, Hv, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(1, T, Hv, generator=gen))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return [x.to(device) for x in (q, k, v, beta, g)], cu.to(device)
+
+
+def _reference(q, k, v, beta, g, h0, cu, scale):
+    x = [t.double().cpu() for t in (q, k, v, g, beta, h0)]
+    return recurrent_gated_delta_rule(*x[:5], scale, x[5], True, cu_seqlens=cu.cpu())
+
+
+FORMS = {(False, "fused_recurrent"): deltatron.fused_recurrent_delta_rule,
+         (True, "fused_recurrent"): deltatron.fused_recurrent_gated_delta_rule,
+         (False, "chunk"): deltatron.chunk_delta_rule, (True, "chunk"): deltatron.chunk_gated_delta_rule}
+
+
+@pytest.mark.parametrize("form", ["fused_recurrent", "chunk"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_pool_slots(backend, form, gated, inplace):
+    lengths, slots = [1, 3, 1, 2], [5, -1, 0, 3]
+    Hk, Hv, K, V, S = 1, 2, 16, 24, 7
+    device = _device(backend)
+    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=1)
+    pool = torch.randn(S, Hv, K, V, generator=torch.Generator().manual_seed(2)).to(device)
+    before = pool.clone()
+    idx = torch.tensor(slots, dtype=torch.int32, device=device)
+    gate = dict(g=g) if gated else {}
+    chunk = {"chunk_size": 16} if form == "chunk" else {}
+    with torch.no_grad():
+        o, ht = FORMS[gated, form](q, k, v, beta=beta, **gate, initial_state=pool, output_final_state=True,
+                                   cu_seqlens=cu, inplace_final_state=inplace, ssm_state_indices=idx, **chunk)
+    live = [n for n, s in enumerate(slots) if s >= 0]
+    h0 = torch.stack([before[s] if s >= 0 else torch.zeros_like(before[0]) for s in slots])
+    o_ref, ht_ref = _reference(q, k, v, beta, g if gated else torch.zeros_like(g), h0, cu, K ** -0.5)
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    for n in range(len(slots)):
+        o_n, ref_n = o[0, bounds[n]:bounds[n + 1]], o_ref[0, bounds[n]:bounds[n + 1]]
+        if n in live:
+            assert rel_rms(o_n, ref_n) <= BOUNDS[torch.float32], n
+        else:
+            assert torch.count_nonzero(o_n) == 0  # a padding entry outputs zeros
+    if inplace:
+        assert ht is pool
+        for n in live:
+            assert rel_rms(pool[slots[n]], ht_ref[n]) <= BOUNDS[torch.float32], n
+        untouched = [s for s in range(S) if s not in slots]
+        assert torch.equal(pool[untouched], before[untouched])
+    else:
+        assert torch.equal(pool, before) and ht.shape == (len(slots), Hv, K, V)
+        for n in range(len(slots)):
+            if n in live:
+                assert rel_rms(ht[n], ht_ref[n]) <= BOUNDS[torch.float32], n
+            else:
+                assert torch.count_nonzero(ht[n]) == 0
+
+
+def test_serving_loop(backend):
+    # requests arrive (a chunk prefill of several tokens into a free slot), decode one token a step
+    # (fused_recurrent), and leave (their slot is reused); each request's outputs against the float64 recurrence
+    # over all its tokens
+    Hk, Hv, K, V, S = 1, 2, 16, 16, 4
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.zeros(S, Hv, K, V, device=device)
+    streams = {}  # request -> its tokens so far (q, k, v, beta, g) and outputs
+    free, active, next_id = list(range(S)), {}, 0
+
+    def step(requests, lengths, fn):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        T = sum(lengths)
+        x = [torch.randn(1, T, Hk, K, generator=gen), torch.randn(1, T, Hk, K, generator=gen),
+             torch.randn(1, T, Hv, V, generator=gen), torch.rand(1, T, Hv, generator=gen),
+             -torch.rand(1, T, Hv, generator=gen)]
+        x[1] = torch.nn.functional.normalize(x[1], dim=-1)
+        idx = torch.tensor([active[r] for r in requests], dtype=torch.int32, device=device)
+        with torch.no_grad():
+            o, _ = fn(*(t.to(device) for t in x[:3]), x[4].to(device), x[3].to(device), initial_state=pool,
+                      cu_seqlens=cu, inplace_final_state=True, ssm_state_indices=idx)
+        for n, r in enumerate(requests):
+            sl = slice(int(cu[n]), int(cu[n + 1]))
+            streams.setdefault(r, []).append(([t[:, sl] for t in x], o[:, sl].cpu()))
+
+    for round_ in range(4):
+        if free:  # a new request with a prefill of 3 + round_ tokens
+            r, next_id = next_id, next_id + 1
+            active[r] = free.pop(0)
+            pool[active[r]] = 0.0
+            step([r], [3 + round_], deltatron.chunk_gated_delta_rule)
+        step(list(active), [1] * len(active), deltatron.fused_recurrent_gated_delta_rule)  # one token each
+        if round_ == 1:  # the oldest request leaves; its slot is reused
+            oldest = min(active)
+            free.append(active.pop(oldest))
+    for r, parts in streams.items():
+        x = [torch.cat([p[0][i] for p in parts], 1) for i in range(5)]
+        o = torch.cat([p[1] for p in parts], 1)
+        o_ref, _ = recurrent_gated_delta_rule(*(t.double() for t in (x[0], x[1], x[2], x[4], x[3])), K ** -0.5)
+        assert rel_rms(o, o_ref) <= BOUNDS[torch.float32], r
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(idx=[0, 7]), r"must lie in \[-1, S\) = \[-1, 7\)"),
+    (dict(idx=[0, -2]), r"must lie in \[-1, S\)"),
+    (dict(idx=[0]), r"ssm_state_indices must have shape \[N\] = \[2\]"),
+    (dict(pool_shape=(7, 2, 16, 8)), r"initial_state is the pool \[S, Hv, K, V\]"),
+    (dict(no_pool=True), "needs initial_state"),
+    (dict(grad=True), "for inference"),
+])
+def test_pool_errors(change, match):
+    q = torch.randn(1, 2, 1, 16)
+    v, beta = torch.randn(1, 2, 2, 16), torch.rand(1, 2, 2)
+    pool = None if change.get("no_pool") else torch.zeros(*change.get("pool_shape", (7, 2, 16, 16)))
+    if change.get("grad"):
+        v.requires_grad_()
+    idx = torch.tensor(change.get("idx", [0, 1]), dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        deltatron.fused_recurrent_delta_rule(q, q, v, beta, initial_state=pool, cu_seqlens=torch.tensor([0, 1, 2]),
+                                             ssm_state_indices=idx)
