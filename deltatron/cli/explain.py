@@ -1,7 +1,9 @@
-"""`deltatron explain`: which kernels chunk_delta_rule runs for a shape, and why (the call's plan).
+"""`deltatron explain`: which kernels chunk_delta_rule (or chunk_gated_delta_rule) runs for a shape, and why (the
+call's plan).
 
     deltatron explain --batch 8 --seqlen 2048 --heads 16 --head-dim 128 --dtype bf16 --gpu sm90
     deltatron explain --lengths 4096 100 0 --heads 16 --gpu sm80 --inference
+    deltatron explain --batch 8 --seqlen 4096 --heads 32 --key-heads 16 --gated     # Qwen3-Next's layout
 
 Runs on any machine: the plan is made for the named GPU's capabilities (--gpu), or this machine's (--gpu here)."""
 from __future__ import annotations
@@ -23,7 +25,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", "-T", type=int, default=2048, help="tokens a sequence (default 2048)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="packed variable-length sequences (cu_seqlens), instead of --batch and --seqlen")
-    p.add_argument("--heads", "-H", type=int, default=16, help="heads (default 16)")
+    p.add_argument("--heads", "-H", type=int, default=16, help="heads (value heads with --key-heads; default 16)")
+    p.add_argument("--key-heads", type=int, default=None,
+                   help="heads of q and k, dividing --heads: grouped value heads (default: as many as --heads)")
+    p.add_argument("--gated", action="store_true", help="the gated delta rule (chunk_gated_delta_rule)")
     p.add_argument("--head-dim", "-K", type=int, default=128, help="key head size K (default 128)")
     p.add_argument("--value-dim", "-V", type=int, default=None, help="value head size V (default: K)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16", help="input dtype (default bf16)")
@@ -48,6 +53,10 @@ def main(argv=None) -> int:
     if args.lengths is not None and (not args.lengths or min(args.lengths) < 0):
         print("deltatron explain: --lengths takes sequence lengths >= 0", file=sys.stderr)
         return 2
+    key_heads = args.key_heads or args.heads
+    if key_heads < 1 or args.heads % key_heads:
+        print(f"deltatron explain: --key-heads must divide --heads ({args.heads}), got {key_heads}", file=sys.stderr)
+        return 2
     V = args.value_dim or args.head_dim
     if max(args.head_dim, V) > 256:
         print(f"deltatron explain: head sizes up to 256, got K = {args.head_dim}, V = {V}", file=sys.stderr)
@@ -60,6 +69,7 @@ def main(argv=None) -> int:
     lengths = tuple(args.lengths) if args.lengths else None
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (args.batch, args.batch * args.seqlen)
     problem = chunk_plan.Problem(DTYPES[args.dtype], args.heads, args.head_dim, V, num_seqs, tokens,
-                                 args.chunk_size, not args.inference, args.save_states)
+                                 args.chunk_size, not args.inference, args.save_states, True, args.gated,
+                                 0 if key_heads == args.heads else key_heads)
     print(chunk_plan.explain(chunk_plan.make_plan(problem, caps)))
     return 0

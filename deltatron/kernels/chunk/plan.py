@@ -517,7 +517,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         wy = "portable.wy (T~ and its Tb pair)"
     else:
         wy = "portable.wy (T~, W, U)"
-    fwd = [wy]
+    fwd = ["portable.gate (γ)", wy] if p.gated else [wy]
     if plan.split:
         fwd += [f"{walk} pass 1 without output, on U (and on W beside it, side stream)", "combine (torch)",
                 f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
@@ -527,7 +527,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         fwd.append("portable.output")
     if not p.training:
         return tuple(fwd), ()
-    bwd = []
+    bwd = ["portable.gate (γ)"] if p.gated else []
     if plan.recompute == "on_chip":
         bwd.append("portable.walk (W, U on chip from T~)")
     elif plan.recompute == "two_launch":
@@ -541,6 +541,8 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
                    f"side stream")
     else:
         bwd += [rev, grads]
+    if p.gated:
+        bwd.append("portable.gate (dg)")
     return tuple(fwd), tuple(bwd)
 
 

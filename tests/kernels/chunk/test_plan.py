@@ -334,3 +334,19 @@ def test_explain_inference_has_no_backward():
     assert "inference" in text.splitlines()[0]
     assert "forward:  portable.wy (T~ and its Tb pair) -> hopper.walk" in text
     assert "backward:" not in text
+
+
+@pytest.mark.parametrize("gated, key_heads", [(True, 0), (False, 8), (True, 8)])
+def test_gated_and_grouped_calls_take_the_portable_kernels(gated, key_heads):
+    # on sm90, where the ungated call of this shape runs the Hopper walk, reverse pass and segments
+    p = plan_for_shape(1, 32768, 16, 128, 128, bf16, gated=gated, key_heads=key_heads)
+    assert p.walk.startswith("portable") and (p.reverse, p.segments, p.residual, p.split, p.keep_states) == (
+        "portable", 1, False, False, False)
+    assert "takes neither the gate nor grouped value heads" in p.reason("walk")
+    fwd, bwd = plan.kernels(p)
+    assert (fwd[0] == "portable.gate (γ)") == gated and (bwd[-1] == "portable.gate (dg)") == gated
+    problem = plan.Problem(bf16, 16, 128, 128, 1, 32768, gated=gated, key_heads=key_heads)
+    for forced in (dict(hopper_walk=True), dict(segments=2)):
+        with pytest.raises(ValueError):
+            plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(**forced))
+
