@@ -89,6 +89,13 @@ def transposed_states(h: torch.Tensor, v_new: torch.Tensor, lengths: Sequence[in
     return h.transpose(-1, -2).contiguous(), vt
 
 
+def twenty_lengths(longest: int, seed: int = 2) -> list:
+    """Lengths of 20 packed sequences for the GPU tests: empty ones, 1 and 2 tokens, around a chunk's 64 tokens,
+    and 13 random ones up to longest."""
+    g = torch.Generator().manual_seed(seed)
+    return [0, 1, 2, 63, 64, 65, 0] + torch.randint(1, longest, (13,), generator=g).tolist()
+
+
 def random_cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
     lens = torch.tensor([0, *lengths], dtype=torch.int64)
     return lens.cumsum(0).to(device=device, dtype=torch.int32)

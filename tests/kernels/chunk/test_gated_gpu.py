@@ -7,7 +7,7 @@ import torch
 from deltatron.kernels import chunk
 from deltatron.kernels.utils import seq_info
 
-from ...helpers import make_gated_inputs
+from ...helpers import make_gated_inputs, twenty_lengths
 from .test_gated import check
 
 pytestmark = pytest.mark.gpu
@@ -27,8 +27,7 @@ def test_forward_backward(B, T, Hk, Hv, K, V, dtype, gates, C):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_varlen_20_sequences(dtype):
-    g = torch.Generator().manual_seed(2)
-    lengths = [0, 1, 2, 63, 64, 65, 0] + torch.randint(1, 700, (13,), generator=g).tolist()
+    lengths = twenty_lengths(700)
     check(1, sum(lengths), 2, 4, 128, 128, dtype, lengths=lengths, gates="strong", seed=2)
 
 
