@@ -242,6 +242,76 @@ def parallel_delta_rule(
                 cu_seqlens, cu_seqlens_cpu, kwargs, output_attentions=output_attentions)
 
 
+def fused_sigmoid_gating_delta_rule_update(
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    softplus_beta: float,
+    softplus_threshold: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    initial_state_source: torch.Tensor,
+    initial_state_indices: torch.Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """A serving engine's gated decode step from the raw projections, vLLM's and SGLang's
+    fused_sigmoid_gating_delta_rule_update: g = -exp(A_log) softplus(a + dt_bias) (softplus(x) = log(1 + exp(sx)) / s
+    with s = softplus_beta, x itself where s x > softplus_threshold), beta = sigmoid(b), the optional L2 norm of q
+    and k, and the gated delta rule from and back into the slots initial_state_indices [N] of the state pool
+    initial_state_source [S, Hv, K, V] (-1: a padding entry). Returns o [B, T, Hv, V]. On the Triton backend all of
+    it is one kernel launch; inference only.
+
+    q, k [B, T, Hk, K]; v [B, T, Hv, V]; a, b [B, T, Hv]; A_log, dt_bias [Hv]; cu_seqlens as fused_recurrent's."""
+    fn = "fused_sigmoid_gating_delta_rule_update"
+    for name, x in (("a", a), ("b", b), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    Hv = v.shape[2] if v.dim() == 4 else -1
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (Hv,) or not x.is_floating_point():
+            raise ValueError(f"{fn}: {name} must be a floating-point [Hv] = [{Hv}] tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    for name, x in (("softplus_beta", softplus_beta), ("softplus_threshold", softplus_threshold)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+            raise ValueError(f"{fn}: {name} must be a positive number, got {x!r}")
+    if backends.select_backend(q) == "torch" or torch.compiler.is_compiling():
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=softplus_beta,
+                                              threshold=softplus_threshold)
+        return fused_recurrent_gated_delta_rule(
+            q, k, v, g, b.float().sigmoid(), scale=scale, initial_state=initial_state_source,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            inplace_final_state=True, ssm_state_indices=initial_state_indices)[0]
+    scale, cu_seqlens_cpu = check_inputs(q, k, v, b, scale, None, cu_seqlens, cu_seqlens_cpu, g=a, grouped=True)
+    _check_pool(fn, q, k, v, b, a, initial_state_source, initial_state_indices, cu_seqlens)
+    backends.check_triton_inputs(q, v)
+    _, seq_info = _triton_dispatch()
+    info = seq_info(q.shape[0], q.shape[1], q.device, cu_seqlens, cu_seqlens_cpu)
+    q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
+    o, _, _, _ = backends.triton_form("fused_recurrent").forward(
+        q, k, v, b, scale, initial_state_source, True, info, needs_backward=False, inplace_final_state=True, g=a,
+        state_indices=initial_state_indices, raw_gate=(A_log, dt_bias, softplus_beta, softplus_threshold),
+        beta_logits_scale=1.0, qk_l2norm=use_qk_l2norm_in_kernel)
+    return o
+
+
+def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_first=False) -> int:
+    """Checks a call on a state pool (validation.check_state_pool), inference only; returns N, the sequences."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"{fn_name}: q [B, T, H, K] and v [B, T, Hv, V] tensors are needed with a state pool")
+    N = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    K, V = q.shape[-1], v.shape[-1]
+    check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device)
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in (q, k, v, beta, g, pool)):
+        raise ValueError(f"{fn_name}: a state pool is for inference: call it under torch.no_grad()")
+    return N
+
+
 def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output_final_state, inplace, g=None,
                 kernel_slots=True):
     """Checks a call on states held in a pool by slot (ssm_state_indices). Returns None where the Triton kernel reads
@@ -249,16 +319,8 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     elsewhere (the PyTorch backend, which defines the semantics, the chunk form, state_v_first pools,
     torch.compile) returns fn's (o, final_state) on the slots gathered into dense states, with the results written
     back into the slots (inplace) or returned per sequence, padding entries zeroed."""
-    if not isinstance(v, torch.Tensor) or v.dim() != 4 or not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"{fn_name}: q [B, T, H, K] and v [B, T, Hv, V] tensors are needed with ssm_state_indices")
-    cu = options.get("cu_seqlens")
-    N = v.shape[0] if cu is None else cu.shape[0] - 1
-    K, V = q.shape[-1], v.shape[-1]
-    v_first = options.get("state_v_first", False)
-    check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device)
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                       for x in (q, k, v, beta, g, pool)):
-        raise ValueError(f"{fn_name}: ssm_state_indices is for inference: call it under torch.no_grad()")
+    cu, v_first = options.get("cu_seqlens"), options.get("state_v_first", False)
+    N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first)
     if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
         return None
     gate = {} if g is None else {"g": g}

@@ -150,3 +150,41 @@ def test_pool_errors(change, match):
     with pytest.raises(ValueError, match=match):
         deltatron.fused_recurrent_delta_rule(q, q, v, beta, initial_state=pool, cu_seqlens=torch.tensor([0, 1, 2]),
                                              ssm_state_indices=idx)
+
+
+@pytest.mark.parametrize("softplus", [(1.0, 20.0), (2.0, 1.0)])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_fused_sigmoid_gating_decode_step(backend, softplus, l2norm):
+    # the raw projections in, the gate, beta and norms made in the op (one kernel on the Triton backend), the pool's
+    # slots updated in place; against the float64 recurrence on the same quantities made in float64
+    lengths, slots = [1, 1, 2, 1], [2, -1, 0, 4]
+    Hk, Hv, K, V, S = 2, 4, 16, 16, 5
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(4)
+    T = sum(lengths)
+    q, k = (torch.randn(1, T, Hk, K, generator=gen) for _ in range(2))
+    v, a, b = torch.randn(1, T, Hv, V, generator=gen), torch.randn(1, T, Hv, generator=gen) * 3, \
+        torch.randn(1, T, Hv, generator=gen)
+    A_log, dt_bias = torch.rand(Hv, generator=gen) * 2, torch.randn(Hv, generator=gen)
+    pool = torch.randn(S, Hv, K, V, generator=gen)
+    before = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pool_dev = pool.to(device)
+    with torch.no_grad():
+        o = deltatron.fused_sigmoid_gating_delta_rule_update(
+            A_log.to(device), a.to(device), dt_bias.to(device), *softplus, q.to(device), k.to(device), v.to(device),
+            b.to(device), pool_dev, torch.tensor(slots, dtype=torch.int32, device=device),
+            use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu.to(device))
+    d = lambda x: x.double()
+    g = -d(A_log).exp() * torch.nn.functional.softplus(d(a) + d(dt_bias), beta=softplus[0], threshold=softplus[1])
+    qr, kr = (torch.nn.functional.normalize(d(x), dim=-1, eps=0) if l2norm else d(x) for x in (q, k))
+    h0 = torch.stack([d(before[s]) if s >= 0 else torch.zeros_like(d(before[0])) for s in slots])
+    o_ref, ht_ref = recurrent_gated_delta_rule(qr, kr, d(v), g, d(b).sigmoid(), K ** -0.5, h0, True, cu_seqlens=cu)
+    live = [n for n, s in enumerate(slots) if s >= 0]
+    tokens = [t for n in live for t in range(int(cu[n]), int(cu[n + 1]))]
+    assert rel_rms(o[0, tokens], o_ref[0, tokens]) <= BOUNDS[torch.float32]
+    assert torch.count_nonzero(o[0, int(cu[1]):int(cu[2])]) == 0
+    for n in live:
+        assert rel_rms(pool_dev[slots[n]], ht_ref[n]) <= BOUNDS[torch.float32], n
+    untouched = [s for s in range(S) if s not in slots]
+    assert torch.equal(pool_dev[untouched].cpu(), before[untouched])

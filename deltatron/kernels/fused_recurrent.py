@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.common import L2NORM_EPS
 from .launch import launch
 from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_offsets
 
@@ -37,21 +38,30 @@ BWD_TILE = 4096
 SEGMENT = 64
 # Gated backward: tokens per sub-block of a segment, the unit of its forward rebuild (divides SEGMENT)
 SUBSEGMENT = 8
+QK_NORM_EPS = tl.constexpr(L2NORM_EPS)  # the in-kernel L2 norm's, kernels/l2norm.py's
 
 
 @triton.jit
-def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, state_indices, num_slots, cu_seqlens,
-                               segment_offsets, scale, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht, state_indices, num_slots,
+                               cu_seqlens, segment_offsets, scale, beta_scale, softplus_beta, softplus_threshold,
+                               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
                                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                                SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr, USE_INDICES: tl.constexpr,
-                               FINAL_IN_POOL: tl.constexpr):
+                               FINAL_IN_POOL: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+                               BETA_SIGMOID: tl.constexpr, QK_L2NORM: tl.constexpr):
     """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
     log decays, S <- exp(g_t) S before each token's write. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
     the decayed state) and the state entering every SEG-token segment into h [segments, H, K, V]
     (segment_offsets: first global segment of each sequence). USE_INDICES: h0 is a pool of num_slots states and
     sequence n starts from slot state_indices[n]; a slot outside [0, num_slots) (-1: padding) reads and writes no
-    state and outputs zeros; FINAL_IN_POOL: the final state goes back into the slot (ht is the pool)."""
+    state and outputs zeros; FINAL_IN_POOL: the final state goes back into the slot (ht is the pool).
+    Inference only (a serving engine's fused decode step): GATE_IN_KERNEL: g holds the raw projection a and
+    g = -exp(A_log) softplus(a + dt_bias) per token (softplus with softplus_beta and softplus_threshold, as
+    torch's); BETA_SIGMOID: beta holds logits, beta = beta_scale sigmoid(beta); QK_L2NORM: q and k L2-normalized
+    per token (kernels/l2norm.py's formula)."""
+    tl.static_assert(not (SAVE_FOR_BACKWARD and (GATE_IN_KERNEL or BETA_SIGMOID or QK_L2NORM)),
+                     "the in-kernel gate, beta and norm are for inference")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_s = i_nh  # the state's row in h0 (and in ht with FINAL_IN_POOL)
@@ -89,6 +99,9 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, state_indices,
     p_beta = beta + first
     if USE_G:
         p_g = g + first
+        if GATE_IN_KERNEL:
+            b_decay_rate = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            b_dt_bias = tl.load(dt_bias + i_h).to(tl.float32)
     for t in range(bos, eos):
         if SAVE_FOR_BACKWARD:
             if (t - bos) % SEG == 0:  # checkpoint: the state entering this segment
@@ -97,9 +110,19 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, o, e, h, h0, ht, state_indices,
         b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        if QK_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + QK_NORM_EPS)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + QK_NORM_EPS)
         b_beta = tl.load(p_beta).to(tl.float32)
+        if BETA_SIGMOID:
+            b_beta = beta_scale * tl.sigmoid(b_beta)
         if USE_G:
-            b_S *= tl.exp(tl.load(p_g).to(tl.float32))          # S <- exp(g) S
+            b_g = tl.load(p_g).to(tl.float32)
+            if GATE_IN_KERNEL:  # g = -exp(A_log) softplus(a + dt_bias)
+                b_x = b_g + b_dt_bias
+                b_g = b_decay_rate * tl.where(softplus_beta * b_x <= softplus_threshold,
+                                              tl.log(1.0 + tl.exp(softplus_beta * b_x)) / softplus_beta, b_x)
+            b_S *= tl.exp(b_g)                                  # S <- exp(g) S
             p_g += H
         # both reductions read the state entering the token, so they do not wait on each other or on the
         # update: o = scale S_new^T q = scale (S^T q + (k . q) v') with v' = beta (v - S^T k)
@@ -267,14 +290,18 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
 
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
-            inplace_final_state=False, g=None, state_indices=None):
+            inplace_final_state=False, g=None, state_indices=None, raw_gate=None, beta_logits_scale=None,
+            qk_l2norm=False):
     """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
     ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv]; Hk divides Hv. With
     needs_backward, saved = (e, per-segment states, final state) for the backward; without it (inference,
     decoding) nothing is saved or written beyond o and the final state. inplace_final_state writes the final
     state over initial_state (fp32, contiguous: checked by the api). state_indices [N] (inference): initial_state
     is a pool of states and sequence n's is slot state_indices[n] (api.fused_recurrent_delta_rule's
-    ssm_state_indices); with inplace_final_state the final states go back into the slots."""
+    ssm_state_indices); with inplace_final_state the final states go back into the slots. Inference only:
+    raw_gate = (A_log, dt_bias, softplus_beta, softplus_threshold): g holds the raw projection and the gate is made in
+    the kernel; beta_logits_scale: beta holds logits, beta = beta_logits_scale sigmoid(beta); qk_l2norm: q, k
+    normalized in the kernel."""
     HK, K = k.shape[2], k.shape[3]
     H, V = v.shape[2], v.shape[3]
     assert H % HK == 0, f"the value heads ({H}) must be a multiple of the key heads ({HK})"
@@ -298,11 +325,14 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     grid = (N * H, cdiv(V, BV))
     launch(
         fused_recurrent_fwd_kernel, grid,
-        q, k, v, beta, g, o, e, h, initial_state, ht, state_indices,
+        q, k, v, beta, g, *(raw_gate[:2] if raw_gate else (None, None)), o, e, h, initial_state, ht, state_indices,
         0 if initial_state is None else initial_state.shape[0], info.cu_seqlens, segment_offsets, scale,
+        1.0 if beta_logits_scale is None else float(beta_logits_scale),
+        *((float(raw_gate[2]), float(raw_gate[3])) if raw_gate else (1.0, 20.0)),
         H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
         USE_INDICES=state_indices is not None, FINAL_IN_POOL=state_indices is not None and inplace_final_state,
+        GATE_IN_KERNEL=raw_gate is not None, BETA_SIGMOID=beta_logits_scale is not None, QK_L2NORM=qk_l2norm,
         num_warps=num_warps,
     )
     saved = (e, h, ht) if needs_backward else ()
