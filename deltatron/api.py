@@ -187,6 +187,7 @@ def fused_recurrent_delta_rule(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     inplace_final_state: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The recurrence token by token: the decoding kernel (few tokens per call) and a GPU reference.
@@ -200,16 +201,22 @@ def fused_recurrent_delta_rule(
             (its outputs are zeros, no slot is read or written). With inplace_final_state the final states go back
             into those slots and the pool is returned; else final_state is [N, H, K, V] (zeros for padding).
             Inference only; the slots are read from the device once per call (not while a CUDA graph is being
-            captured) to check them against S."""
+            captured) to check them against S.
+            Speculative decoding (vLLM's layout): ssm_state_indices [N, W], a slot per token. Sequence n starts from
+            slot [n, num_accepted_tokens[n] - 1] (num_accepted_tokens [N] in [1, W], the tokens the last step
+            accepted; column 0 without it) and, with inplace_final_state, the state after its token j is written
+            into slot [n, j] (-1: not written). Without inplace_final_state nothing is committed (a verify step)."""
     pool = {}
     if ssm_state_indices is not None:
         done = _state_pool("fused_recurrent_delta_rule", fused_recurrent_delta_rule, q, k, v, beta, dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, **kwargs), initial_state, ssm_state_indices, output_final_state,
-            inplace_final_state)
+            inplace_final_state, num_accepted_tokens=num_accepted_tokens)
         if done is not None:
             return done
-        pool = {"state_indices": ssm_state_indices}
+        pool = {"state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens}
+    elif num_accepted_tokens is not None:
+        raise ValueError("fused_recurrent_delta_rule: num_accepted_tokens needs ssm_state_indices [N, W]")
     elif inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
     return _run("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state or inplace_final_state,
@@ -299,13 +306,15 @@ def fused_sigmoid_gating_delta_rule_update(
     return o
 
 
-def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_first=False) -> int:
+def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_first=False,
+                num_accepted_tokens=None) -> int:
     """Checks a call on a state pool (validation.check_state_pool), inference only; returns N, the sequences."""
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"{fn_name}: q [B, T, H, K] and v [B, T, Hv, V] tensors are needed with a state pool")
     N = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     K, V = q.shape[-1], v.shape[-1]
-    check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device)
+    check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device,
+                     num_accepted_tokens)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                        for x in (q, k, v, beta, g, pool)):
         raise ValueError(f"{fn_name}: a state pool is for inference: call it under torch.no_grad()")
@@ -313,19 +322,29 @@ def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_fi
 
 
 def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output_final_state, inplace, g=None,
-                kernel_slots=True):
+                kernel_slots=True, num_accepted_tokens=None):
     """Checks a call on states held in a pool by slot (ssm_state_indices). Returns None where the Triton kernel reads
     and writes the slots itself (kernel_slots: the fused_recurrent kernel; the caller goes on with state_indices);
     elsewhere (the PyTorch backend, which defines the semantics, the chunk form, state_v_first pools,
     torch.compile) returns fn's (o, final_state) on the slots gathered into dense states, with the results written
-    back into the slots (inplace) or returned per sequence, padding entries zeroed."""
+    back into the slots (inplace) or returned per sequence, padding entries zeroed. Slots per token ([N, W]): the
+    sequence starts from column num_accepted_tokens - 1 (or 0) and, inplace, the state after its token j goes to
+    slot [n, j] (the states after each token made one token at a time)."""
     cu, v_first = options.get("cu_seqlens"), options.get("state_v_first", False)
-    N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first)
+    N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first, num_accepted_tokens)
     if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
         return None
     gate = {} if g is None else {"g": g}
-    live = state_indices >= 0
-    h0 = pool.index_select(0, state_indices.clamp(min=0)) * live.view(-1, 1, 1, 1)
+    first = state_indices
+    if state_indices.dim() == 2:
+        column = (num_accepted_tokens - 1 if num_accepted_tokens is not None else
+                  torch.zeros_like(state_indices[:, 0]))
+        first = state_indices.gather(1, column.long()[:, None]).squeeze(1)
+    live = first >= 0
+    h0 = pool.index_select(0, first.clamp(min=0)) * live.view(-1, 1, 1, 1)
+    if state_indices.dim() == 2 and inplace:
+        o = _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live)
+        return o, pool
     o, final_state = fn(q, k, v, beta=beta, initial_state=h0, output_final_state=True, **gate, **options)
     if cu is None:
         o = o * live.view(-1, 1, 1, 1).to(o.dtype)
@@ -337,6 +356,30 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
         pool.index_copy_(0, state_indices.index_select(0, rows).long(), final_state.index_select(0, rows))
         return o, pool
     return o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None
+
+
+def _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live) -> torch.Tensor:
+    """o of fn run one token at a time from the states h0, each live sequence's state after its token j written into
+    slot state_indices[n, j] (where j < W and the slot is not -1); padding sequences output zeros."""
+    cu = options.get("cu_seqlens")
+    options = {name: x for name, x in options.items() if name not in ("cu_seqlens", "cu_seqlens_cpu")}
+    spans = ([(n, 0, v.shape[1]) for n in range(v.shape[0])] if cu is None else
+             [(0, int(a), int(b)) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    o = torch.zeros(v.shape, dtype=q.dtype, device=v.device)
+    slots = state_indices.tolist()
+    for n, (row, start, end) in enumerate(spans):
+        if not bool(live[n]):
+            continue
+        state = h0[n:n + 1]
+        for t in range(start, end):
+            step = [x[row:row + 1, t:t + 1] for x in (q, k, v, beta)]
+            gate = {} if g is None else {"g": g[row:row + 1, t:t + 1]}
+            o[row:row + 1, t:t + 1], state = fn(*step[:3], beta=step[3], initial_state=state, output_final_state=True,
+                                                **gate, **options)
+            j = t - start
+            if j < len(slots[n]) and slots[n][j] >= 0:
+                pool[slots[n][j]] = state[0]
+    return o
 
 
 def _check_inplace(q, k, v, beta, initial_state) -> None:
@@ -384,7 +427,7 @@ def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_k
 
 def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first, inplace_final_state=False, chunk_size=None,
-               state_indices=None):
+               state_indices=None, num_accepted_tokens=None):
     reject_unknown_kwargs(fn, kwargs)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"{fn}: state_v_first must be a bool, got {state_v_first!r}")
@@ -413,7 +456,8 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     else:
         in_place = inplace_final_state and not state_v_first and form == "fused_recurrent"
         o, final_state = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
-                                     cu_seqlens, cu_seqlens_cpu, chunk_size, in_place, state_indices)
+                                     cu_seqlens, cu_seqlens_cpu, chunk_size, in_place, state_indices,
+                                     num_accepted_tokens)
         if in_place:  # the kernel wrote the caller's state
             return o, final_state
     if final_state is not None and state_v_first:
@@ -424,7 +468,8 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
 
 
 def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                cu_seqlens_cpu, chunk_size=None, inplace_final_state=False, state_indices=None):
+                cu_seqlens_cpu, chunk_size=None, inplace_final_state=False, state_indices=None,
+                num_accepted_tokens=None):
     """(o, final_state [N, Hv, K, V]) of the gated rule on validated inputs (g and beta as the recurrence takes
     them), on the call's backend; inplace_final_state: the final state is written into h0 (by the Triton
     fused_recurrent kernel itself) and h0 returned."""
@@ -442,7 +487,7 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
         h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
     options = {"inplace_final_state": inplace_final_state} if form == "fused_recurrent" else {"chunk_size": chunk_size}
     if state_indices is not None:
-        options["state_indices"] = state_indices
+        options.update(state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
     return tuple(run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
                           use_qk_l2norm_in_kernel, info, options, g=g)[:2])
 
@@ -515,11 +560,12 @@ def fused_recurrent_gated_delta_rule(
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule token by token (decoding), forward and backward; fla's fused_recurrent_gated_delta_rule.
-    Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state and ssm_state_indices as
-    fused_recurrent_delta_rule's (the new states written into initial_state, or into its slots, in its layout)."""
+    Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state, ssm_state_indices and
+    num_accepted_tokens as fused_recurrent_delta_rule's (the new states written into initial_state, or into its slots, in its layout)."""
     gate = (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     pool = {}
     if ssm_state_indices is not None:
@@ -528,10 +574,12 @@ def fused_recurrent_gated_delta_rule(
             cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
-            inplace_final_state, g=g)
+            inplace_final_state, g=g, num_accepted_tokens=num_accepted_tokens)
         if done is not None:
             return done
-        pool = {"state_indices": ssm_state_indices}
+        pool = {"state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens}
+    elif num_accepted_tokens is not None:
+        raise ValueError("fused_recurrent_gated_delta_rule: num_accepted_tokens needs ssm_state_indices [N, W]")
     return _run_gated("fused_recurrent", "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate,
                       state_v_first, inplace_final_state=inplace_final_state, **pool)

@@ -161,19 +161,30 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
     return cu_seqlens_cpu
 
 
-def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: int, V: int, device) -> None:
-    """ssm_state_indices [N] (an integer slot of the pool per sequence; -1 marks a padding entry) into
-    initial_state, the pool [S, Hv, K, V] (fp32, contiguous). The slot values are read, which syncs with the device,
-    unless a CUDA graph is being captured or torch.compile traces the call."""
+def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: int, V: int, device,
+                     num_accepted_tokens=None) -> None:
+    """ssm_state_indices [N] (an integer slot of the pool per sequence; -1 marks a padding entry), or [N, W] (a slot
+    per token, speculative decoding), into initial_state, the pool [S, Hv, K, V] (fp32, contiguous);
+    num_accepted_tokens [N] in [1, W] with [N, W] slots. Values are read, which syncs with the device, unless a CUDA
+    graph is being captured or torch.compile traces the call."""
     if pool is None:
         raise ValueError(f"{fn}: ssm_state_indices needs initial_state: the pool [S, Hv, K, V] its slots index")
     if not isinstance(state_indices, torch.Tensor):
         raise TypeError(f"{fn}: ssm_state_indices must be a torch.Tensor of integers, got {type(state_indices).__name__}")
     if state_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: ssm_state_indices must be int32 or int64, got {state_indices.dtype}")
-    if tuple(state_indices.shape) != (num_seqs,):
-        raise ValueError(f"{fn}: ssm_state_indices must have shape [N] = [{num_seqs}] (one slot per sequence), "
-                         f"got {_shape(state_indices)}")
+    if state_indices.dim() not in (1, 2) or state_indices.shape[0] != num_seqs:
+        raise ValueError(f"{fn}: ssm_state_indices must have shape [N] = [{num_seqs}] (one slot per sequence) or "
+                         f"[N, W] (one per token), got {_shape(state_indices)}")
+    if num_accepted_tokens is not None:
+        if state_indices.dim() != 2:
+            raise ValueError(f"{fn}: num_accepted_tokens needs ssm_state_indices [N, W], a slot per token")
+        if not isinstance(num_accepted_tokens, torch.Tensor) or num_accepted_tokens.dtype not in (torch.int32,
+                                                                                               torch.int64):
+            raise TypeError(f"{fn}: num_accepted_tokens must be an int32 or int64 tensor")
+        if tuple(num_accepted_tokens.shape) != (num_seqs,) or num_accepted_tokens.device != device:
+            raise ValueError(f"{fn}: num_accepted_tokens must have shape [N] = [{num_seqs}] on q's device, got "
+                             f"{_shape(num_accepted_tokens)} on {num_accepted_tokens.device}")
     if state_indices.device != device or pool.device != device:
         raise ValueError(f"{fn}: ssm_state_indices and initial_state must be on q's device {device}")
     if pool.dim() != 4 or tuple(pool.shape[1:]) != (Hv, K, V) or pool.shape[0] == 0:
@@ -188,3 +199,8 @@ def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: in
         if low < -1 or high >= pool.shape[0]:
             raise ValueError(f"{fn}: ssm_state_indices must lie in [-1, S) = [-1, {pool.shape[0]}), "
                              f"got values from {low} to {high}")
+        if num_accepted_tokens is not None:
+            low, high, W = int(num_accepted_tokens.min()), int(num_accepted_tokens.max()), state_indices.shape[1]
+            if low < 1 or high > W:
+                raise ValueError(f"{fn}: num_accepted_tokens must lie in [1, W] = [1, {W}], got values from {low} "
+                                 f"to {high}")

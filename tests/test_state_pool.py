@@ -188,3 +188,41 @@ def test_fused_sigmoid_gating_decode_step(backend, softplus, l2norm):
         assert rel_rms(pool_dev[slots[n]], ht_ref[n]) <= BOUNDS[torch.float32], n
     untouched = [s for s in range(S) if s not in slots]
     assert torch.equal(pool_dev[untouched].cpu(), before[untouched])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_speculative_verify_and_commit(backend, gated):
+    # vLLM's layout: a slot per token ([N, W]); each sequence starts from the state its last step accepted (column
+    # num_accepted_tokens - 1) and, committed (inplace_final_state), the state after its token j lands in slot
+    # [n, j]; a verify step without inplace_final_state writes nothing
+    Hk, Hv, K, V, W = 1, 2, 16, 16, 3
+    lengths, accepted = [3, 2, 3], [2, 1, 3]
+    slots = [[0, 1, 2], [3, 4, -1], [-1, 6, 7]]  # the third sequence's first slot is padding, not its start
+    device = _device(backend)
+    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=5)
+    pool = torch.randn(9, Hv, K, V, generator=torch.Generator().manual_seed(6)).to(device)
+    before = pool.clone()
+    idx = torch.tensor(slots, dtype=torch.int32, device=device)
+    acc = torch.tensor(accepted, dtype=torch.int32, device=device)
+    fn = deltatron.fused_recurrent_gated_delta_rule if gated else deltatron.fused_recurrent_delta_rule
+    gate = dict(g=g) if gated else {}
+    with torch.no_grad():
+        o_verify, _ = fn(q, k, v, beta=beta, **gate, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+                         num_accepted_tokens=acc)
+        assert torch.equal(pool, before)
+        o, ht = fn(q, k, v, beta=beta, **gate, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+                   num_accepted_tokens=acc, inplace_final_state=True)
+    assert ht is pool and torch.equal(o, o_verify)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    written = set()
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = before[slots[n][accepted[n] - 1]]
+        for j, t in enumerate(range(start, end)):  # the state after each prefix of the sequence's tokens
+            x = [y[:, start:t + 1] for y in (q, k, v, beta, g if gated else torch.zeros_like(g))]
+            o_ref, s_ref = _reference(*x, h0[None], torch.tensor([0, t + 1 - start]), K ** -0.5)
+            assert rel_rms(o[:, t], o_ref[:, -1]) <= BOUNDS[torch.float32], (n, j)
+            if slots[n][j] >= 0:
+                assert rel_rms(pool[slots[n][j]], s_ref[0]) <= BOUNDS[torch.float32], (n, j)
+                written.add(slots[n][j])
+    untouched = [s for s in range(9) if s not in written]
+    assert torch.equal(pool[untouched], before[untouched])

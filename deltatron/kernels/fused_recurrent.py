@@ -42,20 +42,24 @@ QK_NORM_EPS = tl.constexpr(L2NORM_EPS)  # the in-kernel L2 norm's, kernels/l2nor
 
 
 @triton.jit
-def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht, state_indices, num_slots,
-                               cu_seqlens, segment_offsets, scale, beta_scale, softplus_beta, softplus_threshold,
+def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht, state_indices, num_accepted,
+                               num_slots, indices_stride, cu_seqlens, segment_offsets, scale, beta_scale, softplus_beta, softplus_threshold,
                                H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
                                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                                SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr, USE_INDICES: tl.constexpr,
-                               FINAL_IN_POOL: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+                               FINAL_IN_POOL: tl.constexpr, TOKEN_STATES: tl.constexpr, SPEC: tl.constexpr,
+                               GATE_IN_KERNEL: tl.constexpr,
                                BETA_SIGMOID: tl.constexpr, QK_L2NORM: tl.constexpr):
     """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
     log decays, S <- exp(g_t) S before each token's write. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
     the decayed state) and the state entering every SEG-token segment into h [segments, H, K, V]
     (segment_offsets: first global segment of each sequence). USE_INDICES: h0 is a pool of num_slots states and
     sequence n starts from slot state_indices[n]; a slot outside [0, num_slots) (-1: padding) reads and writes no
-    state and outputs zeros; FINAL_IN_POOL: the final state goes back into the slot (ht is the pool).
+    state and outputs zeros; FINAL_IN_POOL: the final state goes back into the slot (ht is the pool). Speculative
+    decoding: state_indices is [N, indices_stride], a slot per token; SPEC: the sequence starts from its column
+    num_accepted[n] - 1 (else 0); TOKEN_STATES: the state after its token j goes into slot state_indices[n, j]
+    (a slot outside the pool: not written).
     Inference only (a serving engine's fused decode step): GATE_IN_KERNEL: g holds the raw projection a and
     g = -exp(A_log) softplus(a + dt_bias) per token (softplus with softplus_beta and softplus_threshold, as
     torch's); BETA_SIGMOID: beta holds logits, beta = beta_scale sigmoid(beta); QK_L2NORM: q and k L2-normalized
@@ -66,7 +70,10 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
     i_n, i_h = i_nh // H, i_nh % H
     i_s = i_nh  # the state's row in h0 (and in ht with FINAL_IN_POOL)
     if USE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
+        first_col = 0
+        if SPEC:
+            first_col = tl.load(num_accepted + i_n).to(tl.int64) - 1
+        slot = tl.load(state_indices + i_n * indices_stride + first_col).to(tl.int64)
         live = (slot >= 0) & (slot < num_slots)
         i_s = tl.where(live, slot, 0) * H + i_h
     # int64 token offsets: tokens * H * K may pass 2^31
@@ -134,6 +141,12 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
         if USE_INDICES:
             b_o *= tl.where(live, 1.0, 0.0)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
+        if TOKEN_STATES:  # the state after this token into its own slot
+            j = t - bos
+            slot_t = tl.load(state_indices + i_n * indices_stride + j, mask=j < indices_stride, other=-1).to(tl.int64)
+            ok = live & (slot_t >= 0) & (slot_t < num_slots)
+            p_St, m_St = state_offsets(tl.where(ok, slot_t, 0) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+            tl.store(h0 + p_St, b_S, mask=m_St & (tl.arange(0, BK)[:, None] < tl.where(ok, BK, 0)))
         if SAVE_FOR_BACKWARD:
             tl.store(p_e, b_e, mask=m_v)
             p_e += H * V
@@ -291,14 +304,16 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
             inplace_final_state=False, g=None, state_indices=None, raw_gate=None, beta_logits_scale=None,
-            qk_l2norm=False):
+            qk_l2norm=False, num_accepted_tokens=None):
     """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
     ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv]; Hk divides Hv. With
     needs_backward, saved = (e, per-segment states, final state) for the backward; without it (inference,
     decoding) nothing is saved or written beyond o and the final state. inplace_final_state writes the final
     state over initial_state (fp32, contiguous: checked by the api). state_indices [N] (inference): initial_state
     is a pool of states and sequence n's is slot state_indices[n] (api.fused_recurrent_delta_rule's
-    ssm_state_indices); with inplace_final_state the final states go back into the slots. Inference only:
+    ssm_state_indices); with inplace_final_state the final states go back into the slots. state_indices [N, W]
+    (speculative decoding): a slot per token, the sequence starting from column num_accepted_tokens[n] - 1 (or 0),
+    and with inplace_final_state each token's state written into its slot. Inference only:
     raw_gate = (A_log, dt_bias, softplus_beta, softplus_threshold): g holds the raw projection and the gate is made in
     the kernel; beta_logits_scale: beta holds logits, beta = beta_logits_scale sigmoid(beta); qk_l2norm: q, k
     normalized in the kernel."""
@@ -307,6 +322,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     assert H % HK == 0, f"the value heads ({H}) must be a multiple of the key heads ({HK})"
     N = info.num_seqs
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    token_states = state_indices is not None and state_indices.dim() == 2 and inplace_final_state
     if inplace_final_state:
         ht = initial_state
     elif output_final_state or needs_backward:  # the backward starts from the final state
@@ -326,12 +342,17 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     launch(
         fused_recurrent_fwd_kernel, grid,
         q, k, v, beta, g, *(raw_gate[:2] if raw_gate else (None, None)), o, e, h, initial_state, ht, state_indices,
-        0 if initial_state is None else initial_state.shape[0], info.cu_seqlens, segment_offsets, scale,
+        num_accepted_tokens, 0 if initial_state is None else initial_state.shape[0],
+        1 if state_indices is None or state_indices.dim() == 1 else state_indices.shape[1], info.cu_seqlens,
+        segment_offsets, scale,
         1.0 if beta_logits_scale is None else float(beta_logits_scale),
         *((float(raw_gate[2]), float(raw_gate[3])) if raw_gate else (1.0, 20.0)),
         H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=ht is not None, SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
-        USE_INDICES=state_indices is not None, FINAL_IN_POOL=state_indices is not None and inplace_final_state,
+        STORE_FINAL_STATE=ht is not None and not token_states,  # (else every token's state went to its slot)
+        SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
+        USE_INDICES=state_indices is not None, SPEC=num_accepted_tokens is not None,
+        FINAL_IN_POOL=state_indices is not None and state_indices.dim() == 1 and inplace_final_state,
+        TOKEN_STATES=token_states,
         GATE_IN_KERNEL=raw_gate is not None, BETA_SIGMOID=beta_logits_scale is not None, QK_L2NORM=qk_l2norm,
         num_warps=num_warps,
     )
