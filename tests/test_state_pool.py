@@ -195,7 +195,7 @@ def test_speculative_verify_and_commit(backend, gated):
     # vLLM's layout: a slot per token ([N, W]); each sequence starts from the state its last step accepted (column
     # num_accepted_tokens - 1) and, committed (inplace_final_state), the state after its token j lands in slot
     # [n, j]; a verify step without inplace_final_state writes nothing
-    Hk, Hv, K, V, W = 1, 2, 16, 16, 3
+    Hk, Hv, K, V = 1, 2, 16, 16
     lengths, accepted = [3, 2, 3], [2, 1, 3]
     slots = [[0, 1, 2], [3, 4, -1], [-1, 6, 7]]  # the third sequence's first slot is padding, not its start
     device = _device(backend)
