@@ -56,6 +56,9 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, None if pooled else initial_state, cu_seqlens,
                                          cu_seqlens_cpu, options.get("chunk_size"), grouped=grouped)
     if torch.compiler.is_compiling():
+        if options.get("output_chunk_states"):
+            raise RuntimeError(f"{form}_delta_rule: output_chunk_states is not supported under torch.compile yet; "
+                               f"call it outside the compiled region")
         # one opaque custom op (deltatron/library.py): no graph break; it runs this function at run time
         return library.run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state,
                                     use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **options)
@@ -63,6 +66,11 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     if backend == "torch":
         inplace = options.pop("inplace_final_state", False)
         options.pop("save_states", None)  # the reference's autograd keeps what it keeps
+        if options.pop("output_chunk_states", False):
+            o, final_state = _run("chunk", q, k, v, beta, scale, initial_state, output_final_state,
+                                  use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, {}, **options)
+            return o, final_state, _chunk_states_torch(q, k, v, None, beta, scale, initial_state, cu_seqlens,
+                                                       options["chunk_size"], use_qk_l2norm_in_kernel)
         if grouped:  # the gated references take grouped heads; with g = 0 they are the delta rule
             o, final_state = _run_gated_torch(form, q, k, v, v.new_zeros(v.shape[:3]), beta, scale, initial_state,
                                               output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, options)
@@ -112,6 +120,7 @@ def chunk_delta_rule(
     save_states: bool = False,
     inplace_final_state: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
+    output_chunk_states: bool = False,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Delta rule by the chunkwise WY algorithm: the default for training and prefill.
@@ -134,11 +143,15 @@ def chunk_delta_rule(
         inplace_final_state, ssm_state_indices: a prefill into a serving engine's state pool, as
             fused_recurrent_delta_rule's (inference only). The chunk form gathers the slots into dense states and
             writes the final states back (copies of N states).
+        output_chunk_states: also return the state entering every chunk, [NT, H, K, V] fp32 (chunks of
+            chunk_size tokens along each sequence, sequence after sequence; an empty sequence has none), for prefix
+            caching: chunk c + 1's entry is the state after chunk c. Not under torch.compile yet.
     Returns:
-        (o [B, T, H, V] in the input dtype, final_state or None)."""
+        (o [B, T, H, V] in the input dtype, final_state or None), and chunk_states with output_chunk_states."""
     warn_if_head_first("chunk_delta_rule", q)
     if not isinstance(save_states, bool):
         raise TypeError(f"chunk_delta_rule: save_states must be a bool, got {save_states!r}")
+    states = _chunk_states_option("chunk_delta_rule", output_chunk_states, ssm_state_indices)
     if ssm_state_indices is not None:
         return _state_pool("chunk_delta_rule", chunk_delta_rule, q, k, v, beta, dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
@@ -146,11 +159,11 @@ def chunk_delta_rule(
             output_final_state, inplace_final_state, kernel_slots=False)
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
-        o, final_state = _run("chunk", q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
-                              cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size)
-        return o, initial_state.copy_(final_state)
+        o, final_state, *extras = _run("chunk", q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
+                                       cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size, **states)
+        return (o, initial_state.copy_(final_state), *extras)
     return _run("chunk", q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size, save_states=save_states)
+                cu_seqlens, cu_seqlens_cpu, kwargs, chunk_size=chunk_size, save_states=save_states, **states)
 
 
 def fused_chunk_delta_rule(
@@ -358,6 +371,36 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     return o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None
 
 
+def _chunk_states_option(fn_name, output_chunk_states, state_indices) -> dict:
+    """The chunk form's options for output_chunk_states (checked)."""
+    if not isinstance(output_chunk_states, bool):
+        raise TypeError(f"{fn_name}: output_chunk_states must be a bool, got {output_chunk_states!r}")
+    if output_chunk_states and state_indices is not None:
+        raise ValueError(f"{fn_name}: output_chunk_states does not combine with ssm_state_indices yet")
+    return {"output_chunk_states": True} if output_chunk_states else {}
+
+
+def _chunk_states_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel):
+    """The state entering every chunk [NT, Hv, K, V] (fp32; float64 for float64 inputs) by the gated recurrence (g
+    None: the delta rule), chunk by chunk along each sequence: output_chunk_states on the PyTorch backend."""
+    dt = compute_dtype(q.dtype)
+    qc, kc = prepare_qk(q, k, use_qk_l2norm_in_kernel)
+    B, T, Hv = v.shape[:3]
+    g = v.new_zeros(v.shape[:3]) if g is None else g
+    spans = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
+             [(0, int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
+    states = []
+    with torch.no_grad():
+        for n, (row, start, end) in enumerate(spans):
+            S = (initial_state[n].to(dt) if initial_state is not None else
+                 v.new_zeros(Hv, q.shape[-1], v.shape[-1], dtype=dt))
+            for c0 in range(start, end, chunk_size):
+                states.append(S)
+                x = [t[row:row + 1, c0:min(c0 + chunk_size, end)].to(dt) for t in (qc, kc, v, g, beta)]
+                S = recurrent_gated_delta_rule(*x, scale, S[None], True)[1][0]
+    return torch.stack(states) if states else v.new_zeros(0, Hv, q.shape[-1], v.shape[-1], dtype=dt)
+
+
 def _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live) -> torch.Tensor:
     """o of fn run one token at a time from the states h0, each live sequence's state after its token j written into
     slot state_indices[n, j] (where j < W and the slot is not -1); padding sequences output zeros."""
@@ -427,7 +470,7 @@ def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_k
 
 def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first, inplace_final_state=False, chunk_size=None,
-               state_indices=None, num_accepted_tokens=None):
+               state_indices=None, num_accepted_tokens=None, output_chunk_states=False):
     reject_unknown_kwargs(fn, kwargs)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"{fn}: state_v_first must be a bool, got {state_v_first!r}")
@@ -448,36 +491,43 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         output_final_state = True
+    extras = ()
     if torch.compiler.is_compiling():
+        if output_chunk_states:
+            raise RuntimeError(f"{fn}: output_chunk_states is not supported under torch.compile yet; call it "
+                               f"outside the compiled region")
         # the same custom op as the ungated rule's, carrying g (deltatron/library.py): no graph break
         o, final_state = library.run_compiled(form, q, k, v, beta, scale, h0, output_final_state,
                                               use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, g=g,
                                               **({} if chunk_size is None else {"chunk_size": chunk_size}))
     else:
         in_place = inplace_final_state and not state_v_first and form == "fused_recurrent"
-        o, final_state = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel,
-                                     cu_seqlens, cu_seqlens_cpu, chunk_size, in_place, state_indices,
-                                     num_accepted_tokens)
+        o, final_state, *extras = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state,
+                                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
+                                              in_place, state_indices, num_accepted_tokens, output_chunk_states)
         if in_place:  # the kernel wrote the caller's state
             return o, final_state
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2).contiguous()
     if inplace_final_state:
         final_state = initial_state.copy_(final_state)
-    return o, final_state
+    return (o, final_state, *extras)
 
 
 def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                 cu_seqlens_cpu, chunk_size=None, inplace_final_state=False, state_indices=None,
-                num_accepted_tokens=None):
+                num_accepted_tokens=None, output_chunk_states=False):
     """(o, final_state [N, Hv, K, V]) of the gated rule on validated inputs (g and beta as the recurrence takes
     them), on the call's backend; inplace_final_state: the final state is written into h0 (by the Triton
-    fused_recurrent kernel itself) and h0 returned."""
+    fused_recurrent kernel itself) and h0 returned; output_chunk_states (chunk): the state entering every chunk
+    after them."""
     if backends.select_backend(q) == "torch":
         o, final_state = _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state,
                                           use_qk_l2norm_in_kernel, cu_seqlens,
                                           {} if chunk_size is None else {"chunk_size": chunk_size})
-        return o, h0.copy_(final_state) if inplace_final_state else final_state
+        extras = (_chunk_states_torch(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel),
+                  ) if output_chunk_states else ()
+        return (o, h0.copy_(final_state) if inplace_final_state else final_state, *extras)
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
@@ -485,11 +535,12 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
     q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
     if h0 is not None:
         h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
-    options = {"inplace_final_state": inplace_final_state} if form == "fused_recurrent" else {"chunk_size": chunk_size}
+    options = ({"inplace_final_state": inplace_final_state} if form == "fused_recurrent" else
+               {"chunk_size": chunk_size, **({"output_chunk_states": True} if output_chunk_states else {})})
     if state_indices is not None:
         options.update(state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
     return tuple(run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
-                          use_qk_l2norm_in_kernel, info, options, g=g)[:2])
+                          use_qk_l2norm_in_kernel, info, options, g=g))
 
 
 def chunk_gated_delta_rule(
@@ -513,6 +564,7 @@ def chunk_gated_delta_rule(
     state_v_first: bool = False,
     inplace_final_state: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
+    output_chunk_states: bool = False,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet) by the chunkwise form, with grouped value heads (DESIGN.md §11):
@@ -525,8 +577,9 @@ def chunk_gated_delta_rule(
             A_log and dt_bias [Hv], with gradients to all three.
         use_beta_sigmoid_in_kernel: beta holds logits (beta = sigmoid(beta)); allow_neg_eigval: beta in (0, 2)
             (beta times 2).
-        inplace_final_state, ssm_state_indices: as chunk_delta_rule's (a prefill into a state pool, in its
-            layout)."""
+        inplace_final_state, ssm_state_indices, output_chunk_states: as chunk_delta_rule's (a prefill into a state
+            pool, in its layout; the chunk states in the kernels' [NT, Hv, K, V] layout)."""
+    states = _chunk_states_option("chunk_gated_delta_rule", output_chunk_states, ssm_state_indices)
     if ssm_state_indices is not None:
         return _state_pool("chunk_gated_delta_rule", chunk_gated_delta_rule, q, k, v, beta, dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
@@ -537,7 +590,7 @@ def chunk_gated_delta_rule(
     return _run_gated("chunk", "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
                       (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-                      state_v_first, inplace_final_state=inplace_final_state, chunk_size=chunk_size)
+                      state_v_first, inplace_final_state=inplace_final_state, chunk_size=chunk_size, **states)
 
 
 def fused_recurrent_gated_delta_rule(

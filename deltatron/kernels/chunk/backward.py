@@ -40,13 +40,13 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False,
-             plan: ChunkPlan = None, g=None):
+             plan: ChunkPlan = None, g=None, output_chunk_states=False):
     """(dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None, and dg fp32 where g is given) by deltatron.autograd's
     contract; saved = (T~,) or, where the plan kept states, (T~, W, S^T, V'^T); plan: the call's, as its forward ran
     it."""
     if plan is None:  # called on its own (tests): the plan the forward would have made
         from .forward import plan_call
-        plan = plan_call(q, k, v, info, True, chunk_size, save_states, g)
+        plan = plan_call(q, k, v, info, True, chunk_size, save_states, g, output_chunk_states)
     tinv, *kept = saved
     has_h0 = initial_state is not None
     if kept:

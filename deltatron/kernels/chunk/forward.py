@@ -24,12 +24,13 @@ from .schedule.seq_split import partition_states, split_plan_for
 
 
 def plan_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, needs_backward: bool,
-              chunk_size: int = 64, save_states: bool = False, g: Optional[torch.Tensor] = None) -> ChunkPlan:
+              chunk_size: int = 64, save_states: bool = False, g: Optional[torch.Tensor] = None,
+              output_chunk_states: bool = False) -> ChunkPlan:
     """The plan of a call on these (contiguous) tensors, under the calling context's overrides; g: the gated rule's
     log decays."""
     aligned = q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
     return call_plan(q.dtype, v.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
-                     needs_backward, save_states, aligned, q.device, g is not None, k.shape[2])
+                     needs_backward, save_states, aligned, q.device, g is not None, k.shape[2], output_chunk_states)
 
 
 def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None,
@@ -58,11 +59,12 @@ def walk_final_states(plan: ChunkPlan, q, k, w, u, initial_state, info) -> torch
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
             initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
             needs_backward: bool = True, chunk_size: int = 64, save_states: bool = False,
-            plan: Optional[ChunkPlan] = None, g: Optional[torch.Tensor] = None):
-    """(o, final_state, saved, extras = ()) by deltatron.autograd's contract; plan: the call's (made here if None);
-    g: the gated rule's log decays [.., TT, H] (the backward sums them again rather than keep γ)."""
+            plan: Optional[ChunkPlan] = None, g: Optional[torch.Tensor] = None, output_chunk_states: bool = False):
+    """(o, final_state, saved, extras) by deltatron.autograd's contract; plan: the call's (made here if None);
+    g: the gated rule's log decays [.., TT, H] (the backward sums them again rather than keep γ). extras: () or, with
+    output_chunk_states, (the state entering every chunk [NT, H, K, V] fp32,), from the walk that stores them."""
     if plan is None:
-        plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g)
+        plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g, output_chunk_states)
     gam = None if g is None else chunk_gamma(g, info, chunk_size)
     if plan.residual:  # the walks' W and U slots take Tb and V
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
@@ -83,9 +85,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
         return o, final_state, (tinv, w, *states), ()
     if plan.walk == "portable":
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size,
-                                          cfg=plan.walk_launch, gam=gam)
+                                          cfg=plan.walk_launch, gam=gam, states_dtype=torch.float32 if
+                                          plan.problem.chunk_states else None)
         del w, u  # not needed by the output: its peak is h, v_new and o
         o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam)
+        if plan.problem.chunk_states:
+            return o, final_state, (tinv,) if needs_backward else (), (h,)
     else:
         o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info, gam=gam)
     if split is not None and final_state is not None:  # each sequence's last partition's

@@ -119,6 +119,7 @@ class Problem:
     tma_aligned: bool = True  # q, k, v contiguous and 16-byte aligned, as TMA descriptors take them
     gated: bool = False
     key_heads: int = 0  # heads of q and k (0: as many as v's); fewer: grouped value heads
+    chunk_states: bool = False  # the caller asked for the state entering every chunk (output_chunk_states)
 
     @property
     def grouped(self) -> bool:
@@ -344,18 +345,18 @@ _MAX_CALL_PLANS = 4096
 
 def call_plan(dtype: torch.dtype, heads: int, K: int, V: int, num_seqs: int, total_tokens: int, chunk_size: int,
               training: bool, save_states: bool, tma_aligned: bool, device: torch.device, gated: bool = False,
-              key_heads: int = 0) -> ChunkPlan:
+              key_heads: int = 0, chunk_states: bool = False) -> ChunkPlan:
     """make_plan for a call on `device` under the calling context's overrides, from the call's facts (a dict lookup
     where the same call was planned before: building a Problem costs the host more than the lookup)."""
     forced = _OVERRIDES.get()
     key = (dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned, device, forced,
-           gated, key_heads)
+           gated, key_heads, chunk_states)
     plan = _CALL_PLANS.get(key)
     if plan is None:
         if len(_CALL_PLANS) >= _MAX_CALL_PLANS:
             _CALL_PLANS.clear()
         problem = Problem(dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned,
-                          gated, 0 if key_heads == heads else key_heads)
+                          gated, 0 if key_heads == heads else key_heads, chunk_states)
         plan = _CALL_PLANS[key] = _make_plan(problem, device_capabilities(device), forced)
     return plan
 
@@ -372,10 +373,11 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     nh = f"sequences x heads {p.states}"
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
-                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.gated and not p.grouped)
+                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.gated and not p.grouped and not p.chunk_states)
     if not hopper_fits:
         hopper = False
         why = ("the Hopper walk takes neither the gate nor grouped value heads" if p.gated or p.grouped else
+               "the states entering each chunk come from the portable walk" if p.chunk_states else
                "the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v")
         if o.hopper_walk:
             raise ValueError(f"overrides(hopper_walk=True): {why}")
@@ -387,11 +389,15 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     if hopper:
         walk, launch = "hopper", hopper_launch(p.states, caps.num_sms)
     else:
-        fits = p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64
+        fits = p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64 and not p.chunk_states
         fused, fwhy = _forced("fused_output", o.fused_output, fits,
                               "the output fused into the walk (16-bit, K <= 128, V-block >= 64)" if fits else
+                              "the walk stores the state entering each chunk (output_chunk_states), the output apart"
+                              if p.chunk_states else
                               f"the output as a stage of its own: the fused walk needs 16-bit, K <= 128 and a V-block "
                               f">= 64 (here {fused_launch.block_v}), as every V-block program recomputes Q K^T")
+        if fused and p.chunk_states:
+            raise ValueError("overrides(fused_output=True): output_chunk_states needs the walk that stores the states")
         walk = "portable_fused" if fused else "portable"
         why = f"{why}; {fwhy}"
         launch = fused_launch if fused else walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)

@@ -49,7 +49,9 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scale, cu_seqlens, chunk_indices, 
                       mask=m_rows[:, None] & m_k[None, :], other=0.0)
         b_kt = tl.load(k + (start + rows[None, :]) * (HK * K) + i_hk * K + ck[:, None],
                        mask=m_k[:, None] & m_rows[None, :], other=0.0)
-        b_s = tl.load(h_c + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & (cv[None, :] < V), other=0.0)
+        # (h may be fp32, output_chunk_states: rounded here as the walk rounds it into an input-dtype h)
+        b_s = tl.load(h_c + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & (cv[None, :] < V),
+                      other=0.0).to(b_q.dtype)
         b_qs += mm(b_q, b_s, PRECISION)
         b_qk += mm(b_q, b_kt, PRECISION)
 

@@ -147,12 +147,13 @@ def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info,
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
               output_final_state: bool, info: SeqInfo, chunk_size: int, cfg: Optional[Launch] = None,
-              gam: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(h [NT, H, K, V]: the state entering each chunk, in the input dtype; v_new = U - W S in the input dtype;
-    final_state [N, H, K, V] fp32 or None). A sequence of length 0 passes its initial state (or zeros) through.
-    gam: the gated rule's γ."""
+              gam: Optional[torch.Tensor] = None, states_dtype: Optional[torch.dtype] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(h [NT, H, K, V]: the state entering each chunk, in the input dtype (or states_dtype: fp32 for
+    output_chunk_states); v_new = U - W S in the input dtype; final_state [N, H, K, V] fp32 or None). A sequence of
+    length 0 passes its initial state (or zeros) through. gam: the gated rule's γ."""
     H, K, V = w.shape[2], k.shape[3], u.shape[3]
-    h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V)
+    h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V, dtype=states_dtype or k.dtype)
     v_new = torch.empty_like(u)
     final_state = _walk(None, k, w, u, None, None, initial_state, output_final_state, info, chunk_size, h, v_new,
                         None, cfg, gam)
