@@ -2,8 +2,8 @@
 
 Layout: q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] (N = B, or the number of
 sequences in cu_seqlens, where B must be 1). Grouped value heads (chunk, fused_recurrent and the gated ops): v, beta,
-g and the states have Hv, a multiple of q's and k's H, and value head h reads q, k head h // (Hv / H). Every entry point returns (o, final_state); o has the input
-dtype, final_state is fp32 (None unless output_final_state)."""
+g and the states have Hv, a multiple of q's and k's H, and value head h reads q, k head h // (Hv / H). Every entry
+point returns (o, final_state); o has the input dtype, final_state is fp32 (None unless output_final_state)."""
 from __future__ import annotations
 
 import functools
@@ -156,7 +156,7 @@ def chunk_delta_rule(
         return _state_pool("chunk_delta_rule", chunk_delta_rule, q, k, v, beta, dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, **kwargs), initial_state, ssm_state_indices,
-            output_final_state, inplace_final_state, kernel_slots=False)
+            output_final_state, inplace_final_state, kernel_slots=False)[0]
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         o, final_state, *extras = _run("chunk", q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
@@ -219,18 +219,13 @@ def fused_recurrent_delta_rule(
             slot [n, num_accepted_tokens[n] - 1] (num_accepted_tokens [N] in [1, W], the tokens the last step
             accepted; column 0 without it) and, with inplace_final_state, the state after its token j is written
             into slot [n, j] (-1: not written). Without inplace_final_state nothing is committed (a verify step)."""
-    pool = {}
-    if ssm_state_indices is not None:
-        done = _state_pool("fused_recurrent_delta_rule", fused_recurrent_delta_rule, q, k, v, beta, dict(
-            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, **kwargs), initial_state, ssm_state_indices, output_final_state,
-            inplace_final_state, num_accepted_tokens=num_accepted_tokens)
-        if done is not None:
-            return done
-        pool = {"state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens}
-    elif num_accepted_tokens is not None:
-        raise ValueError("fused_recurrent_delta_rule: num_accepted_tokens needs ssm_state_indices [N, W]")
-    elif inplace_final_state:
+    done, pool = _state_pool("fused_recurrent_delta_rule", fused_recurrent_delta_rule, q, k, v, beta, dict(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, **kwargs), initial_state, ssm_state_indices, output_final_state,
+        inplace_final_state, num_accepted_tokens=num_accepted_tokens)
+    if done is not None:
+        return done
+    if inplace_final_state and not pool:
         _check_inplace(q, k, v, beta, initial_state)
     return _run("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state or inplace_final_state,
                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
@@ -336,17 +331,21 @@ def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_fi
 
 def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output_final_state, inplace, g=None,
                 kernel_slots=True, num_accepted_tokens=None):
-    """Checks a call on states held in a pool by slot (ssm_state_indices). Returns None where the Triton kernel reads
-    and writes the slots itself (kernel_slots: the fused_recurrent kernel; the caller goes on with state_indices);
-    elsewhere (the PyTorch backend, which defines the semantics, the chunk form, state_v_first pools,
-    torch.compile) returns fn's (o, final_state) on the slots gathered into dense states, with the results written
-    back into the slots (inplace) or returned per sequence, padding entries zeroed. Slots per token ([N, W]): the
-    sequence starts from column num_accepted_tokens - 1 (or 0) and, inplace, the state after its token j goes to
-    slot [n, j] (the states after each token made one token at a time)."""
+    """A call on states held in a pool by slot (ssm_state_indices), as (result, kernel options). Without slots:
+    (None, {}). Where the Triton kernel reads and writes the slots itself (kernel_slots: the fused_recurrent kernel):
+    (None, the options that pass the slots to it). Elsewhere (the PyTorch backend, which defines the semantics, the
+    chunk form, state_v_first pools, torch.compile): (fn's (o, final_state) on the slots gathered into dense states,
+    with the results written back into the slots (inplace) or returned per sequence, padding entries zeroed, {}).
+    Slots per token ([N, W]): the sequence starts from column num_accepted_tokens - 1 (or 0) and, inplace, the state
+    after its token j goes to slot [n, j] (the states after each token made one token at a time)."""
+    if state_indices is None:
+        if num_accepted_tokens is not None:
+            raise ValueError(f"{fn_name}: num_accepted_tokens needs ssm_state_indices [N, W]")
+        return None, {}
     cu, v_first = options.get("cu_seqlens"), options.get("state_v_first", False)
     N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first, num_accepted_tokens)
     if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
-        return None
+        return None, {"state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens}
     gate = {} if g is None else {"g": g}
     first = state_indices
     if state_indices.dim() == 2:
@@ -356,8 +355,7 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     live = first >= 0
     h0 = pool.index_select(0, first.clamp(min=0)) * live.view(-1, 1, 1, 1)
     if state_indices.dim() == 2 and inplace:
-        o = _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live)
-        return o, pool
+        return (_token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live), pool), {}
     o, final_state = fn(q, k, v, beta=beta, initial_state=h0, output_final_state=True, **gate, **options)
     if cu is None:
         o = o * live.view(-1, 1, 1, 1).to(o.dtype)
@@ -367,8 +365,8 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     if inplace:
         rows = live.nonzero().squeeze(1)
         pool.index_copy_(0, state_indices.index_select(0, rows).long(), final_state.index_select(0, rows))
-        return o, pool
-    return o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None
+        return (o, pool), {}
+    return (o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None), {}
 
 
 def _chunk_states_option(fn_name, output_chunk_states, state_indices) -> dict:
@@ -586,7 +584,7 @@ def chunk_gated_delta_rule(
             cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
-            inplace_final_state, g=g, kernel_slots=False)
+            inplace_final_state, g=g, kernel_slots=False)[0]
     return _run_gated("chunk", "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
                       (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
@@ -618,21 +616,17 @@ def fused_recurrent_gated_delta_rule(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule token by token (decoding), forward and backward; fla's fused_recurrent_gated_delta_rule.
     Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state, ssm_state_indices and
-    num_accepted_tokens as fused_recurrent_delta_rule's (the new states written into initial_state, or into its slots, in its layout)."""
+    num_accepted_tokens as fused_recurrent_delta_rule's (the new states written into initial_state, or into its
+    slots, in its layout)."""
     gate = (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    pool = {}
-    if ssm_state_indices is not None:
-        done = _state_pool("fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule, q, k, v, beta, dict(
-            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
-            inplace_final_state, g=g, num_accepted_tokens=num_accepted_tokens)
-        if done is not None:
-            return done
-        pool = {"state_indices": ssm_state_indices, "num_accepted_tokens": num_accepted_tokens}
-    elif num_accepted_tokens is not None:
-        raise ValueError("fused_recurrent_gated_delta_rule: num_accepted_tokens needs ssm_state_indices [N, W]")
+    done, pool = _state_pool("fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule, q, k, v, beta, dict(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
+        inplace_final_state, g=g, num_accepted_tokens=num_accepted_tokens)
+    if done is not None:
+        return done
     return _run_gated("fused_recurrent", "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate,
                       state_v_first, inplace_final_state=inplace_final_state, **pool)

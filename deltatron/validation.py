@@ -170,7 +170,8 @@ def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: in
     if pool is None:
         raise ValueError(f"{fn}: ssm_state_indices needs initial_state: the pool [S, Hv, K, V] its slots index")
     if not isinstance(state_indices, torch.Tensor):
-        raise TypeError(f"{fn}: ssm_state_indices must be a torch.Tensor of integers, got {type(state_indices).__name__}")
+        raise TypeError(f"{fn}: ssm_state_indices must be a torch.Tensor of integers, got "
+                        f"{type(state_indices).__name__}")
     if state_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: ssm_state_indices must be int32 or int64, got {state_indices.dtype}")
     if state_indices.dim() not in (1, 2) or state_indices.shape[0] != num_seqs:

@@ -240,3 +240,57 @@ def check_gated_form(form, B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft"
     assert got.keys() == want.keys()
     assert_within_bounds(got, want, dtype)
     return got
+
+
+def check_varlen_prefill_then_steps(layer, hidden_size: int) -> None:
+    """A token-mixer layer with a cache (deltatron.layers' DeltaNet and GatedDeltaNet): a packed prefill of four
+    sequences, single-token steps, then a two-token continuation (the chunk path from the cached state) equal the
+    layer on each whole sequence without a cache."""
+    from deltatron.layers import DeltaNetCache
+
+    lengths, steps = [3, 1, 6, 2], 5
+    xs = [torch.randn(1, n + steps, hidden_size) for n in lengths]
+    cache = DeltaNetCache()
+    prompt = torch.cat([x[:, :n] for x, n in zip(xs, lengths)], dim=1)
+    y_prompt = layer(prompt, cu_seqlens=random_cu_seqlens(lengths), cache=cache)
+    ys = [layer(torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lengths)]), cache=cache)
+          for t in range(steps - 2)]
+    ys.append(layer(torch.cat([x[:, -2:] for x in xs]), cache=cache))
+    cont = torch.cat(ys, dim=1)  # [N, steps, D]
+    bounds = random_cu_seqlens(lengths).tolist()
+    for i, (x, n) in enumerate(zip(xs, lengths)):
+        full = layer(x)
+        assert rel_rms(y_prompt[:, bounds[i]:bounds[i + 1]], full[:, :n]) <= 1e-5
+        assert rel_rms(cont[i], full[0, n:]) <= 1e-5
+
+
+def check_hidden_states_errors(layer, name: str) -> None:
+    """The errors a token-mixer layer of hidden_size 16 raises on hidden_states that are not [B, T, 16] tensors."""
+    import re
+
+    from deltatron.layers import DeltaNetCache
+
+    wrong_width = f"{name}: hidden_states must be [B, T, hidden_size=16], got [2, 10, 8]"
+    with pytest.raises(ValueError, match=re.escape(wrong_width)):
+        layer(torch.randn(2, 10, 8))
+    with pytest.raises(ValueError, match=re.escape("must be [B, T, hidden_size=16], got [10, 16]")):
+        layer(torch.randn(10, 16))  # no batch dimension
+    with pytest.raises(ValueError, match=re.escape("got [1, 2, 10, 16]")):
+        layer(torch.randn(1, 2, 10, 16), cache=DeltaNetCache())
+    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
+        layer([[0.0] * 16])
+
+
+def plain_causal_conv(x, conv):
+    """A layer's short causal depthwise convolution with SiLU, token by token, written out: x [T, C] (functional,
+    so that autograd runs through it)."""
+    W = conv.kernel_size
+    out = []
+    for t in range(x.shape[0]):
+        acc = conv.bias if conv.bias is not None else torch.zeros_like(x[0])
+        for i in range(W):
+            if t - (W - 1) + i >= 0:
+                acc = acc + conv.weight[:, i] * x[t - (W - 1) + i]
+        out.append(torch.nn.functional.silu(acc))
+    return torch.stack(out)
+

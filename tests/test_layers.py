@@ -1,14 +1,13 @@
 """The DeltaNet layer against a plain PyTorch reimplementation (token-by-token recurrence on the
 projections), varlen against per-sequence runs, cache-based decoding against the full forward."""
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from deltatron.layers import DeltaNet, DeltaNetCache, GatedRMSNorm, ShortConvolution
 
-from .helpers import random_cu_seqlens, rel_rms
+from .helpers import (check_hidden_states_errors, check_varlen_prefill_then_steps, plain_causal_conv,
+                      random_cu_seqlens, rel_rms)
 
 
 @pytest.fixture(autouse=True)
@@ -27,26 +26,13 @@ def _layer(seed=0, dtype=torch.float32, **kwargs):
     return layer
 
 
-def _plain_conv(x, conv):
-    """Causal depthwise convolution token by token: x [T, C]."""
-    W = conv.kernel_size
-    out = []
-    for t in range(x.shape[0]):
-        acc = conv.bias.clone() if conv.bias is not None else torch.zeros_like(x[0])
-        for i in range(W):
-            if t - (W - 1) + i >= 0:
-                acc = acc + conv.weight[:, i] * x[t - (W - 1) + i]
-        out.append(F.silu(acc))
-    return torch.stack(out)
-
-
 def _plain_layer(layer, x):
     """The layer on one sequence x [T, D], written out: projections, conv, SiLU, L2 norm, the recurrence
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T, o_t = K^-1/2 S_t^T q_t, gated RMSNorm, output."""
     H, K, V = layer.num_heads, layer.head_k_dim, layer.head_v_dim
     q, k, v = x @ layer.q_proj.weight.T, x @ layer.k_proj.weight.T, x @ layer.v_proj.weight.T
     if layer.use_short_conv:
-        q, k, v = _plain_conv(q, layer.q_conv1d), _plain_conv(k, layer.k_conv1d), _plain_conv(v, layer.v_conv1d)
+        q, k, v = plain_causal_conv(q, layer.q_conv1d), plain_causal_conv(k, layer.k_conv1d), plain_causal_conv(v, layer.v_conv1d)
     else:
         q, k, v = F.silu(q), F.silu(k), F.silu(v)
     q, k, v = q.view(-1, H, K), k.view(-1, H, K), v.view(-1, H, V)
@@ -129,21 +115,7 @@ def test_cache_decoding_equals_full_forward():
 
 def test_varlen_prefill_then_steps_and_chunks():
     layer = _layer(conv_bias=True)
-    lengths, steps = [3, 1, 6, 2], 5
-    xs = [torch.randn(1, n + steps, 24) for n in lengths]
-    cache = DeltaNetCache()
-    prompt = torch.cat([x[:, :n] for x, n in zip(xs, lengths)], dim=1)
-    y_prompt = layer(prompt, cu_seqlens=random_cu_seqlens(lengths), cache=cache)
-    ys = [layer(torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lengths)]), cache=cache)
-          for t in range(steps - 2)]
-    # the last two tokens of every sequence as one continuation call (chunk path from the cached state)
-    ys.append(layer(torch.cat([x[:, -2:] for x in xs]), cache=cache))
-    cont = torch.cat(ys, dim=1)  # [N, steps, D]
-    bounds = random_cu_seqlens(lengths).tolist()
-    for i, (x, n) in enumerate(zip(xs, lengths)):
-        full = layer(x)
-        assert rel_rms(y_prompt[:, bounds[i]:bounds[i + 1]], full[:, :n]) <= 1e-5
-        assert rel_rms(cont[i], full[0, n:]) <= 1e-5
+    check_varlen_prefill_then_steps(layer, 24)
 
 
 def test_short_convolution_matches_conv1d_and_carries_state():
@@ -179,15 +151,7 @@ def test_errors():
     with pytest.raises(TypeError, match="save_states must be a bool"):
         DeltaNet(hidden_size=16, num_heads=2, save_states=1)
     layer = DeltaNet(hidden_size=16, num_heads=2)
-    wrong_width = "DeltaNet: hidden_states must be [B, T, hidden_size=16], got [2, 10, 8]"
-    with pytest.raises(ValueError, match=re.escape(wrong_width)):
-        layer(torch.randn(2, 10, 8))
-    with pytest.raises(ValueError, match=re.escape("must be [B, T, hidden_size=16], got [10, 16]")):
-        layer(torch.randn(10, 16))  # no batch dimension
-    with pytest.raises(ValueError, match=re.escape("got [1, 2, 10, 16]")):
-        layer(torch.randn(1, 2, 10, 16), cache=DeltaNetCache())
-    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
-        layer([[0.0] * 16])
+    check_hidden_states_errors(layer, "DeltaNet")
     conv = ShortConvolution(4)
     with pytest.raises(ValueError, match="conv state"):
         conv(torch.randn(2, 3, 4), state=torch.zeros(2, 4, 4))

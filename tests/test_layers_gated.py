@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from deltatron.layers import DeltaNetCache, GatedDeltaNet
 
-from .helpers import random_cu_seqlens, rel_rms
+from .helpers import (check_hidden_states_errors, check_varlen_prefill_then_steps, plain_causal_conv,
+                      random_cu_seqlens, rel_rms)
 
 D = 24  # hidden_size of the test layers
 
@@ -34,19 +35,6 @@ def _layer(seed=0, **kwargs):
     return layer
 
 
-def _plain_conv(x, conv):
-    """Causal depthwise convolution token by token with SiLU: x [T, C]."""
-    W = conv.kernel_size
-    out = []
-    for t in range(x.shape[0]):
-        acc = conv.bias if conv.bias is not None else torch.zeros_like(x[0])
-        for i in range(W):
-            if t - (W - 1) + i >= 0:
-                acc = acc + conv.weight[:, i] * x[t - (W - 1) + i]
-        out.append(F.silu(acc))
-    return torch.stack(out)
-
-
 def _plain_layer(layer, x):
     """The layer on one sequence x [T, D], written out: projections, conv over [q | k | v], L2 norm of q and k,
     beta = sigmoid(b) (x 2), g = -exp(A_log) softplus(a + dt_bias), per value head h (key head h // (Hv / Hk)):
@@ -59,7 +47,7 @@ def _plain_layer(layer, x):
     q, k, v, z = x @ W[:kd].T, x @ W[kd:2 * kd].T, x @ W[2 * kd:2 * kd + vd].T, x @ W[2 * kd + vd:].T
     Wba = layer.in_proj_ba.weight
     b, a = x @ Wba[:Hv].T, x @ Wba[Hv:].T
-    qkv = _plain_conv(torch.cat([q, k, v], dim=-1), layer.conv1d)
+    qkv = plain_causal_conv(torch.cat([q, k, v], dim=-1), layer.conv1d)
     q, k, v = qkv[:, :kd].view(T, Hk, K), qkv[:, kd:2 * kd].view(T, Hk, K), qkv[:, 2 * kd:].view(T, Hv, V)
     q = q / (q.square().sum(-1, keepdim=True) + 1e-6).sqrt()
     k = k / (k.square().sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -199,21 +187,7 @@ def test_cache_decoding_equals_full_forward(mode):
 
 def test_varlen_prefill_then_steps_and_chunks():
     layer = _layer(conv_bias=True, allow_neg_eigval=True)
-    lengths, steps = [3, 1, 6, 2], 5
-    xs = [torch.randn(1, n + steps, D) for n in lengths]
-    cache = DeltaNetCache()
-    prompt = torch.cat([x[:, :n] for x, n in zip(xs, lengths)], dim=1)
-    y_prompt = layer(prompt, cu_seqlens=random_cu_seqlens(lengths), cache=cache)
-    ys = [layer(torch.cat([x[:, n + t:n + t + 1] for x, n in zip(xs, lengths)]), cache=cache)
-          for t in range(steps - 2)]
-    # the last two tokens of every sequence as one continuation call (chunk path from the cached state)
-    ys.append(layer(torch.cat([x[:, -2:] for x in xs]), cache=cache))
-    cont = torch.cat(ys, dim=1)  # [N, steps, D]
-    bounds = random_cu_seqlens(lengths).tolist()
-    for i, (x, n) in enumerate(zip(xs, lengths)):
-        full = layer(x)
-        assert rel_rms(y_prompt[:, bounds[i]:bounds[i + 1]], full[:, :n]) <= 1e-5
-        assert rel_rms(cont[i], full[0, n:]) <= 1e-5
+    check_varlen_prefill_then_steps(layer, D)
 
 
 def test_errors():
@@ -228,13 +202,5 @@ def test_errors():
     layer = GatedDeltaNet(hidden_size=16, num_k_heads=2, num_v_heads=4, head_k_dim=4, head_v_dim=4)
     with pytest.raises(ValueError, match="layer_idx"):
         layer(torch.randn(1, 3, 16), cache=DeltaNetCache())
-    wrong_width = "GatedDeltaNet: hidden_states must be [B, T, hidden_size=16], got [2, 10, 8]"
-    with pytest.raises(ValueError, match=re.escape(wrong_width)):
-        layer(torch.randn(2, 10, 8))
-    with pytest.raises(ValueError, match=re.escape("must be [B, T, hidden_size=16], got [10, 16]")):
-        layer(torch.randn(10, 16))  # no batch dimension
-    with pytest.raises(ValueError, match=re.escape("got [1, 2, 10, 16]")):
-        layer(torch.randn(1, 2, 10, 16), cache=DeltaNetCache())
-    with pytest.raises(TypeError, match="hidden_states must be a torch.Tensor"):
-        layer([[0.0] * 16])
+    check_hidden_states_errors(layer, "GatedDeltaNet")
     assert "num_k_heads=2, num_v_heads=4" in repr(layer)

@@ -43,7 +43,8 @@ QK_NORM_EPS = tl.constexpr(L2NORM_EPS)  # the in-kernel L2 norm's, kernels/l2nor
 
 @triton.jit
 def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht, state_indices, num_accepted,
-                               num_slots, indices_stride, cu_seqlens, segment_offsets, scale, beta_scale, softplus_beta, softplus_threshold,
+                               num_slots, indices_stride, cu_seqlens, segment_offsets, scale, beta_scale,
+                               softplus_beta, softplus_threshold,
                                H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
                                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,

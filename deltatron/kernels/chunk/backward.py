@@ -8,8 +8,8 @@
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
 The gated rule (g given) sums g into γ again and every stage takes it; portable.gate sums dg from the stages'
 shares. With grouped value heads
-dQ and dK come out per value head and are summed over each group here. Where the plan segments the backward, the reverse pass and the gradient stage run segment by segment
-(schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the
+dQ and dK come out per value head and are summed over each group here. Where the plan segments the backward, the
+reverse pass and the gradient stage run segment by segment (schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the
 set alive at the widest stage. Deterministic: no atomics."""
 from __future__ import annotations
 

@@ -78,8 +78,8 @@ def gate_grad_kernel(dgam, dg_rows, dg_chunks, dg, cu_seqlens, chunk_indices, TT
 def gate_grad(dgam: torch.Tensor, shares, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     """dg [.., TT, H] fp32: the gradient of g, from the per-row dγ (portable.wy_bwd's share, dgam) and grads.dqkw's
     K-tile shares (dg_rows [NK, 2, TT, H]: dγ and x_i = exp(γ_C - γ_i) k_i^T dS_next v'_i; dg_chunks [NK, NT, H, NS]:
-    exp(γ_C) <S, dS_next> in NS parts), by DESIGN.md §11: the reverse sum of dγ along the chunk (γ_i sums g_j for j <= i), the
-    state's share for every token, and x_i for the tokens after i."""
+    exp(γ_C) <S, dS_next> in NS parts), by DESIGN.md §11: the reverse sum of dγ along the chunk (γ_i sums g_j for
+    j <= i), the state's share for every token, and x_i for the tokens after i."""
     dg_rows, dg_chunks = shares
     dg = torch.empty_like(dgam)
     chunks = info.chunks(chunk_size)

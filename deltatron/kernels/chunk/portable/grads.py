@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm, state_offsets,
-                     store_rows)
+from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
+                     state_offsets, store_rows)
 from .gate import decay_matrix, load_gamma
 
 

@@ -1,8 +1,8 @@
 """A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2).
 
 Gated (USE_G, DESIGN.md §11): A_ij = beta_i exp(γ_i - γ_j) k_i^T k_j. Grouped value heads: A is per value head (beta
-and γ are), from the keys of its key head. A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds A[i, :] at the row of token i. The forward
-does not launch this stage: wy.wy_fwd builds A on chip through kkt_tile and never stores it (the tests launch it
+and γ are), from the keys of its key head. A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds
+A[i, :] at the row of token i. The forward does not launch this stage: wy.wy_fwd builds A on chip through kkt_tile and never stores it (the tests launch it
 apart to check each stage: tests/kernels/chunk/portable/stages.py)."""
 from __future__ import annotations
 

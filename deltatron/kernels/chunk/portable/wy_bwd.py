@@ -141,7 +141,8 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
     the output and the state update (k's dtype, as grads.dqkw stores it; added in fp32). out: (dk, dv,
     dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
-    views of the batch's), else new tensors. gam: the gated rule's γ. With grouped value heads (beta's heads more than k's) dk is per value head, in dk_direct's dtype."""
+    views of the batch's), else new tensors. gam: the gated rule's γ. With grouped value heads (beta's heads more
+    than k's) dk is per value head, in dk_direct's dtype."""
     HK, H, K, V = k.shape[-2], beta.shape[-1], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
     if out is None:

@@ -11,7 +11,8 @@ import triton.language as tl
 from deltatron.kernels.chunk.portable.kkt import kkt_tile
 from deltatron.kernels.chunk.portable.solve_tril import tril_inverse
 from deltatron.kernels.launch import launch
-from deltatron.kernels.utils import PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, head_tile, store_rows, tril_precision
+from deltatron.kernels.utils import (PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, head_tile, store_rows,
+                                    tril_precision)
 
 
 @triton.jit
