@@ -1,11 +1,8 @@
 """The gated rule's log decays inside a chunk (DESIGN.md §11): γ, the cumulative sum of g from the chunk's start, the
 decay factors the stages take from it under their USE_G constexpr, and the gradient of g back through the sum.
 
-The stages' shares of that gradient are reduced along rows only (a column sum is taken as the row sum of the
-transpose), and the sums across tiles happen here, in one warp: on the H200 with triton 3.6, dg summed inside
-wy_bwd, with a column reduction across warps, was not bitwise the same from run to run while every other gradient
-was. Triton's cross-warp reductions store each warp's partial from every lane, and lanes can hold partials that
-differ in their last bits (triton-lang/triton issues 7264, 11614).
+The stages write their shares of that gradient per row and per K-tile, and the sums across tiles happen here in a
+fixed order, so that dg is bitwise the same from run to run, as every other gradient is.
 
 Every factor is exp of a sum of g over a span of tokens, formed as a difference of γ before exponentiating, so no
 exponent is positive: exp(γ_i) (the span (0, i]), E_ij = exp(γ_i - γ_j) for j <= i, exp(γ_C - γ_i) and exp(γ_C). A

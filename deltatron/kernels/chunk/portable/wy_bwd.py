@@ -84,7 +84,6 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
     if USE_G:
         b_gam, _ = load_gamma(gam, start, n, i_h, H, C)
         b_wbeta = b_beta * tl.exp(b_gam)
-        b_kk = tl.zeros([C, C], dtype=tl.float32)
     b_tt = load_tinv_t(tinv, start, n, i_h, H, C)
     dt = k.dtype.element_ty
     b_tt_in = b_tt.to(dt)  # (fp32 inputs: unchanged)
@@ -96,8 +95,6 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
         b_kb = (b_k.to(tl.float32) * b_wbeta[:, None]).to(dt)
         b_dt += mm(b_dw, tl.trans(b_kb), PRECISION)
-        if USE_G:  # K K^T, for A's share of the decays' gradient
-            b_kk += mm(b_k, tl.trans(b_k), PRECISION)
     for i_v in range(tl.cdiv(V, BV)):
         b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV)
         b_du = load_rows(du, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
@@ -108,14 +105,17 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
     b_da = wy_da(b_tt, b_dt, C, PRECISION)
     if USE_G:
         b_da *= decay_matrix(b_gam, b_gam)  # the gradient of the ungated entries beta_i k_i^T k_j
-        # A through E: dγ_i += sum_j (dA ⊙ A)_ij - sum_l (dA ⊙ A)_li, strictly lower (b_da is)
-        b_daa = b_da * b_beta[:, None] * b_kk
-        b_dgam = tl.sum(b_daa, axis=1) - tl.sum(tl.trans(b_daa), axis=1)  # column sums as row sums: see gate.py
+        b_kk = tl.zeros([C, C], dtype=tl.float32)  # K K^T, for A's share of the decays' gradient
+        b_dgam = tl.zeros([C], dtype=tl.float32)
     b_dat = tl.trans(b_beta[:, None] * b_da)  # dA^T (beta K) = (beta dA)^T K: beta scales dA once, not each K tile
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK).to(tl.float32)
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
         if USE_G:
+            # K K^T from the fp32 copy of the tile (exact under tf32 for 16-bit keys). On the H200 (triton 3.6) the
+            # product of the pipelined 16-bit tile with its own transpose, in the first K loop, differed from run
+            # to run, and so did dg, by up to 0.2; from this copy it is bitwise repeatable
+            b_kk += mm(b_k, tl.trans(b_k), PRECISION)
             # W through exp(γ): dγ_i += beta_i exp(γ_i) k_i^T (T~^T dW)_i, and T~^T dW's row i takes exp(γ_i) in dK
             b_tdw = mm(b_tt_in, b_dw, PRECISION)
             b_dgam += b_wbeta * tl.sum(b_tdw * b_k, axis=1)
@@ -129,6 +129,9 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
         b_dbeta += b_dbeta_k
     tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
     if USE_G:
+        # A through E: dγ_i += sum_j (dA ⊙ A)_ij - sum_l (dA ⊙ A)_li, strictly lower (b_da is)
+        b_daa = b_da * b_beta[:, None] * b_kk
+        b_dgam += tl.sum(b_daa, axis=1) - tl.sum(tl.trans(b_daa), axis=1)  # column sums as row sums: see gate.py
         tl.store(dgam + rows * H + i_h, b_dgam, mask=valid)
 
 
