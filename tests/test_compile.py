@@ -22,7 +22,8 @@ def fresh_dynamo(monkeypatch):
 
 def _grads(outputs, inputs, seed=0):
     g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outputs)
+    weights = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device) for o in outputs]
+    loss = sum((o.double() * w).sum() for o, w in zip(outputs, weights))
     return torch.autograd.grad(loss, inputs)
 
 
