@@ -16,7 +16,8 @@ from . import backends, library
 from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
-from .validation import check_inputs, check_state_pool, reject_unknown_kwargs, warn_if_head_first
+from .validation import check_inputs, check_state_pool, check_token_buffer, offsets_tensor, reject_unknown_kwargs, warn_if_head_first
+from .varlen import VarlenMetadata
 
 _TORCH_IMPLS = {
     "chunk": chunk_delta_rule_reference,
@@ -55,6 +56,7 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     pooled = options.get("state_indices") is not None  # initial_state is a pool, checked by _state_pool
     scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, None if pooled else initial_state, cu_seqlens,
                                          cu_seqlens_cpu, options.get("chunk_size"), grouped=grouped)
+    prepared = _check_prepared(f"{form}_delta_rule", form, cu_seqlens, options.get("output_chunk_states"))
     if torch.compiler.is_compiling():
         if options.get("output_chunk_states"):
             raise RuntimeError(f"{form}_delta_rule: output_chunk_states is not supported under torch.compile yet; "
@@ -64,6 +66,7 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
                                     use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **options)
     backend = backends.select_backend(q)
     if backend == "torch":
+        cu_seqlens = offsets_tensor(cu_seqlens)
         inplace = options.pop("inplace_final_state", False)
         options.pop("save_states", None)  # the reference's autograd keeps what it keeps
         if options.pop("output_chunk_states", False):
@@ -82,7 +85,7 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
             )
         if inplace:
             final_state = initial_state.copy_(final_state)
-        return (o, final_state, *extras)
+        return _torch_rows((o, final_state, *extras), q.shape[1])
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
@@ -90,8 +93,37 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
     q, k, v, beta = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return run_form(backends.triton_form(form), q, k, v, beta, initial_state, scale, output_final_state,
-                    use_qk_l2norm_in_kernel, info, options)
+    result = run_form(backends.triton_form(form), q, k, v, beta, initial_state, scale, output_final_state,
+                      use_qk_l2norm_in_kernel, info, options)
+    return _zero_rows_past_sequences(result, info) if prepared else result
+
+
+def _check_prepared(fn, form, cu_seqlens, output_chunk_states=False) -> bool:
+    """Whether cu_seqlens is prepare_varlen's metadata, which the chunk and fused_recurrent forms take (the others
+    refuse it, as output_chunk_states does: its per-chunk states would follow the capacity's spare chunks)."""
+    if not isinstance(cu_seqlens, VarlenMetadata):
+        return False
+    if form not in ("chunk", "fused_recurrent"):
+        raise ValueError(f"{fn}: prepare_varlen's metadata is taken by the chunk and fused_recurrent forms; pass "
+                         f"cu_seqlens as a tensor here")
+    if output_chunk_states:
+        raise ValueError(f"{fn}: output_chunk_states does not combine with prepare_varlen's metadata")
+    return True
+
+
+def _zero_rows_past_sequences(result, info):
+    """result with o's rows past the last sequence's end (prepared metadata's spare capacity: no kernel writes them)
+    set to zero, on the device, without reading the offsets back."""
+    o, *rest = result
+    live = torch.arange(o.shape[1], device=o.device) < info.cu_seqlens[-1]
+    return (torch.where(live.view(1, -1, 1, 1), o, 0), *rest)
+
+
+def _torch_rows(result, T: int):
+    """result with o zero-padded to T rows: the references return the rows the sequences cover, which prepared
+    metadata's spare capacity leaves short of the tensors' T."""
+    o, *rest = result
+    return (F.pad(o, (0, 0, 0, 0, 0, T - o.shape[1])) if o.shape[1] < T else o, *rest)
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,6 +305,10 @@ def fused_sigmoid_gating_delta_rule_update(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    disable_state_update: bool = False,
+    intermediate_states_buffer: Optional[torch.Tensor] = None,
+    intermediate_state_indices: Optional[torch.Tensor] = None,
+    cache_steps: Optional[int] = None,
 ) -> torch.Tensor:
     """A serving engine's gated decode step from the raw projections, vLLM's and SGLang's
     fused_sigmoid_gating_delta_rule_update: g = -exp(A_log) softplus(a + dt_bias) (softplus(x) = log(1 + exp(sx)) / s
@@ -281,8 +317,16 @@ def fused_sigmoid_gating_delta_rule_update(
     initial_state_source [S, Hv, K, V] (-1: a padding entry). Returns o [B, T, Hv, V]. On the Triton backend all of
     it is one kernel launch; inference only.
 
-    q, k [B, T, Hk, K]; v [B, T, Hv, V]; a, b [B, T, Hv]; A_log, dt_bias [Hv]; cu_seqlens as fused_recurrent's."""
+    q, k [B, T, Hk, K]; v [B, T, Hv, V]; a, b [B, T, Hv]; A_log, dt_bias [Hv]; cu_seqlens as fused_recurrent's.
+
+    Speculative verify (SGLang's): intermediate_states_buffer [R, steps, Hv, K, V] (fp32, contiguous, the pool's
+    layout) receives the state after token j of sequence n at [intermediate_state_indices[n], j], for j < steps
+    (cache_steps, if given, must be steps; an index of -1, or a padding sequence, writes nothing), and
+    disable_state_update=True leaves the pool's slots as they were: the tokens are verified without committing, and the engine later copies the state
+    after the last accepted token from the buffer."""
     fn = "fused_sigmoid_gating_delta_rule_update"
+    if not isinstance(disable_state_update, bool):
+        raise TypeError(f"{fn}: disable_state_update must be a bool, got {disable_state_update!r}")
     for name, x in (("a", a), ("b", b), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -294,24 +338,37 @@ def fused_sigmoid_gating_delta_rule_update(
     for name, x in (("softplus_beta", softplus_beta), ("softplus_threshold", softplus_threshold)):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
             raise ValueError(f"{fn}: {name} must be a positive number, got {x!r}")
+    N = (v.shape[0] if cu_seqlens is None else cu_seqlens.num_seqs if isinstance(cu_seqlens, VarlenMetadata) else
+         cu_seqlens.shape[0] - 1)
+    token_buffer = check_token_buffer(fn, intermediate_states_buffer, intermediate_state_indices, cache_steps, N,
+                                      tuple(initial_state_source.shape[1:]) if isinstance(
+                                          initial_state_source, torch.Tensor) else None, q.device)
     if backends.select_backend(q) == "torch" or torch.compiler.is_compiling():
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=softplus_beta,
                                               threshold=softplus_threshold)
-        return fused_recurrent_gated_delta_rule(
-            q, k, v, g, b.float().sigmoid(), scale=scale, initial_state=initial_state_source,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            inplace_final_state=True, ssm_state_indices=initial_state_indices)[0]
+        args = (q, k, v, g, b.float().sigmoid())
+        options = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                       cu_seqlens_cpu=cu_seqlens_cpu)
+        if token_buffer is None:
+            return fused_recurrent_gated_delta_rule(*args, initial_state=initial_state_source,
+                                                    inplace_final_state=not disable_state_update,
+                                                    ssm_state_indices=initial_state_indices, **options)[0]
+        return _verify_torch(args, options, initial_state_source, initial_state_indices, token_buffer,
+                             disable_state_update)
     scale, cu_seqlens_cpu = check_inputs(q, k, v, b, scale, None, cu_seqlens, cu_seqlens_cpu, g=a, grouped=True)
+    prepared = _check_prepared(fn, "fused_recurrent", cu_seqlens)
     _check_pool(fn, q, k, v, b, a, initial_state_source, initial_state_indices, cu_seqlens)
     backends.check_triton_inputs(q, v)
     _, seq_info = _triton_dispatch()
     info = seq_info(q.shape[0], q.shape[1], q.device, cu_seqlens, cu_seqlens_cpu)
     q, k, v, a, b = (x.contiguous() for x in (q, k, v, a, b))
+    commit = not disable_state_update
     o, _, _, _ = backends.triton_form("fused_recurrent").forward(
-        q, k, v, b, scale, initial_state_source, True, info, needs_backward=False, inplace_final_state=True, g=a,
+        q, k, v, b, scale, initial_state_source, commit, info, needs_backward=False, inplace_final_state=commit, g=a,
         state_indices=initial_state_indices, raw_gate=(A_log, dt_bias, softplus_beta, softplus_threshold),
+        token_buffer=token_buffer,
         beta_logits_scale=1.0, qk_l2norm=use_qk_l2norm_in_kernel)
-    return o
+    return _zero_rows_past_sequences((o,), info)[0] if prepared else o
 
 
 def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_first=False,
@@ -319,7 +376,8 @@ def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_fi
     """Checks a call on a state pool (validation.check_state_pool), inference only; returns N, the sequences."""
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"{fn_name}: q [B, T, H, K] and v [B, T, Hv, V] tensors are needed with a state pool")
-    N = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = (v.shape[0] if cu_seqlens is None else cu_seqlens.num_seqs if isinstance(cu_seqlens, VarlenMetadata) else
+         cu_seqlens.shape[0] - 1)
     K, V = q.shape[-1], v.shape[-1]
     check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device,
                      num_accepted_tokens)
@@ -346,7 +404,12 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first, num_accepted_tokens)
     if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
         return None, {"state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens}
+    if pool.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{fn_name}: this form gathers and scatters the pool's slots around the call, which reads "
+                           f"the live slots back from the device and cannot be captured in a CUDA graph; capture "
+                           f"fused_recurrent (decode) on a pool, or pass this form dense states [N, ...]")
     gate = {} if g is None else {"g": g}
+    cu = offsets_tensor(cu)
     first = state_indices
     if state_indices.dim() == 2:
         column = (num_accepted_tokens - 1 if num_accepted_tokens is not None else
@@ -360,8 +423,9 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     if cu is None:
         o = o * live.view(-1, 1, 1, 1).to(o.dtype)
     else:  # each token's sequence, from the offsets
-        seq = torch.repeat_interleave(torch.arange(N, device=o.device), cu[1:] - cu[:-1], output_size=o.shape[1])
-        o = o * live[seq].view(1, -1, 1, 1).to(o.dtype)
+        # each row's sequence (N past the last one: prepared metadata's spare rows, zeroed with the padding)
+        seq = torch.searchsorted(cu[1:].long(), torch.arange(o.shape[1], device=o.device), right=True)
+        o = o * torch.cat([live, live.new_zeros(1)])[seq].view(1, -1, 1, 1).to(o.dtype)
     if inplace:
         rows = live.nonzero().squeeze(1)
         pool.index_copy_(0, state_indices.index_select(0, rows).long(), final_state.index_select(0, rows))
@@ -402,12 +466,24 @@ def _chunk_states_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, chun
 def _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live) -> torch.Tensor:
     """o of fn run one token at a time from the states h0, each live sequence's state after its token j written into
     slot state_indices[n, j] (where j < W and the slot is not -1); padding sequences output zeros."""
-    cu = options.get("cu_seqlens")
+    slots = state_indices.tolist()
+
+    def store(n, j, state):
+        if j < len(slots[n]) and slots[n][j] >= 0:
+            pool[slots[n][j]] = state
+
+    return _token_by_token(fn, q, k, v, beta, g, h0, options, live, store)
+
+
+def _token_by_token(fn, q, k, v, beta, g, h0, options, live, store) -> torch.Tensor:
+    """o of fn run one token at a time from the states h0 (the PyTorch backend's definition of the per-token state
+    outputs), store(n, j, state) called with each live sequence's state after its token j; padding sequences (not
+    live) output zeros."""
+    cu = offsets_tensor(options.get("cu_seqlens"))
     options = {name: x for name, x in options.items() if name not in ("cu_seqlens", "cu_seqlens_cpu")}
     spans = ([(n, 0, v.shape[1]) for n in range(v.shape[0])] if cu is None else
              [(0, int(a), int(b)) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
     o = torch.zeros(v.shape, dtype=q.dtype, device=v.device)
-    slots = state_indices.tolist()
     for n, (row, start, end) in enumerate(spans):
         if not bool(live[n]):
             continue
@@ -417,9 +493,28 @@ def _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indic
             gate = {} if g is None else {"g": g[row:row + 1, t:t + 1]}
             o[row:row + 1, t:t + 1], state = fn(*step[:3], beta=step[3], initial_state=state, output_final_state=True,
                                                 **gate, **options)
-            j = t - start
-            if j < len(slots[n]) and slots[n][j] >= 0:
-                pool[slots[n][j]] = state[0]
+            store(n, t - start, state[0])
+    return o
+
+
+def _verify_torch(args, options, pool, slots, token_buffer, disable_state_update) -> torch.Tensor:
+    """fused_sigmoid_gating_delta_rule_update's speculative verify on the PyTorch backend: o, every token's state into
+    its buffer row and step, and (unless disable_state_update) each live sequence's last state into its slot."""
+    q, k, v, g, beta = args
+    buffer, rows = token_buffer
+    live = slots >= 0
+    h0 = pool.index_select(0, slots.clamp(min=0)) * live.view(-1, 1, 1, 1)
+    row_of, last = rows.tolist(), {}
+
+    def store(n, j, state):
+        last[n] = state
+        if 0 <= row_of[n] < buffer.shape[0] and j < buffer.shape[1]:
+            buffer[row_of[n], j] = state
+
+    o = _token_by_token(fused_recurrent_gated_delta_rule, q, k, v, beta, g, h0, options, live, store)
+    if not disable_state_update:
+        for n, state in last.items():
+            pool[int(slots[n])] = state
     return o
 
 
@@ -489,6 +584,7 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         output_final_state = True
+    _check_prepared(fn, form, cu_seqlens, output_chunk_states)
     extras = ()
     if torch.compiler.is_compiling():
         if output_chunk_states:
@@ -520,12 +616,13 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
     fused_recurrent kernel itself) and h0 returned; output_chunk_states (chunk): the state entering every chunk
     after them."""
     if backends.select_backend(q) == "torch":
+        cu_seqlens = offsets_tensor(cu_seqlens)
         o, final_state = _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state,
                                           use_qk_l2norm_in_kernel, cu_seqlens,
                                           {} if chunk_size is None else {"chunk_size": chunk_size})
         extras = (_chunk_states_torch(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel),
                   ) if output_chunk_states else ()
-        return (o, h0.copy_(final_state) if inplace_final_state else final_state, *extras)
+        return _torch_rows((o, h0.copy_(final_state) if inplace_final_state else final_state, *extras), q.shape[1])
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
@@ -537,8 +634,9 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
                {"chunk_size": chunk_size, **({"output_chunk_states": True} if output_chunk_states else {})})
     if state_indices is not None:
         options.update(state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)
-    return tuple(run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
-                          use_qk_l2norm_in_kernel, info, options, g=g))
+    result = run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
+                      use_qk_l2norm_in_kernel, info, options, g=g)
+    return tuple(_zero_rows_past_sequences(result, info) if info.prepared else result)
 
 
 def chunk_gated_delta_rule(

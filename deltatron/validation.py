@@ -8,6 +8,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .varlen import VarlenMetadata
+
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # float64 runs on the PyTorch backend only (oracles, gradcheck).
 TORCH_ONLY_DTYPES = (torch.float64,)
@@ -108,6 +110,9 @@ def check_inputs(
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
+    elif isinstance(cu_seqlens, VarlenMetadata):
+        cu_seqlens_cpu = _check_metadata(cu_seqlens, cu_seqlens_cpu, q, (k, v, beta, g, initial_state))
+        num_seqs = cu_seqlens.num_seqs
     else:
         cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
         num_seqs = cu_seqlens.shape[0] - 1
@@ -127,6 +132,31 @@ def check_inputs(
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     return scale, cu_seqlens_cpu
+
+
+def _check_metadata(meta, cu_seqlens_cpu, q, others) -> torch.Tensor:
+    """Checks a call on prepared varlen metadata (the lengths were checked by its update()); returns its host
+    offsets."""
+    if cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu must be None when cu_seqlens is prepare_varlen's metadata (it holds both)")
+    B, T = q.shape[:2]
+    if B != 1 or T != meta.total_tokens:
+        raise ValueError(f"with prepare_varlen's metadata q must be [1, max_tokens, H, K] = [1, {meta.total_tokens}, "
+                         f"H, K], got {_shape(q)}")
+    if meta.cu_seqlens.device != q.device:
+        raise ValueError(f"the varlen metadata is on {meta.cu_seqlens.device} but q is on {q.device}")
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, *others)):
+        raise ValueError("prepare_varlen's metadata is for inference (CUDA-graph capture): call under torch.no_grad(), "
+                         "or pass cu_seqlens as a tensor for training")
+    if torch.compiler.is_compiling():
+        raise RuntimeError("prepare_varlen's metadata is not supported under torch.compile; pass cu_seqlens as a "
+                           "tensor there")
+    return meta.cu_seqlens_cpu
+
+
+def offsets_tensor(cu_seqlens):
+    """The device offsets of cu_seqlens, a tensor or prepare_varlen's metadata (its capacity-padded cu_seqlens)."""
+    return cu_seqlens.cu_seqlens if isinstance(cu_seqlens, VarlenMetadata) else cu_seqlens
 
 
 def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor:
@@ -159,6 +189,39 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
     if cu_seqlens_cpu[-1] != T:
         raise ValueError(f"cu_seqlens must end at T = {T} (the packed length), got {int(cu_seqlens_cpu[-1])}")
     return cu_seqlens_cpu
+
+
+def check_token_buffer(fn: str, buffer, rows, steps, num_seqs: int, state_shape, device):
+    """intermediate_states_buffer [R, steps, Hv, K, V] (fp32, contiguous, the pool's state layout state_shape) and
+    intermediate_state_indices [N] (a buffer row per sequence, -1: none), given together; cache_steps None or the
+    buffer's steps. Returns (buffer, rows), or None without a buffer. The rows' values are read (a sync) unless a
+    CUDA graph is being captured."""
+    if buffer is None and rows is None:
+        if steps is not None:
+            raise ValueError(f"{fn}: cache_steps is read only with intermediate_states_buffer")
+        return None
+    if buffer is None or rows is None:
+        raise ValueError(f"{fn}: intermediate_states_buffer and intermediate_state_indices go together")
+    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 5 or tuple(buffer.shape[2:]) != tuple(state_shape or ()):
+        raise ValueError(f"{fn}: intermediate_states_buffer must be [R, steps, Hv, K, V] with the pool's state shape "
+                         f"{list(state_shape or ())}, got {_shape(buffer)}")
+    if buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.device != device:
+        raise ValueError(f"{fn}: intermediate_states_buffer must be contiguous float32 on q's device {device}, got "
+                         f"{buffer.dtype} on {buffer.device}{'' if buffer.is_contiguous() else ', non-contiguous'}")
+    if steps is not None and steps != buffer.shape[1]:
+        raise ValueError(f"{fn}: cache_steps ({steps}) must be the buffer's steps, intermediate_states_buffer.shape[1] "
+                         f"= {buffer.shape[1]}")
+    if (not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.int32, torch.int64)
+            or tuple(rows.shape) != (num_seqs,) or rows.device != device):
+        raise ValueError(f"{fn}: intermediate_state_indices must be an int32 or int64 [N] = [{num_seqs}] tensor on "
+                         f"q's device, got {_shape(rows) if isinstance(rows, torch.Tensor) else type(rows).__name__}")
+    capturing = rows.is_cuda and torch.cuda.is_current_stream_capturing()
+    if num_seqs and not capturing and not torch.compiler.is_compiling():
+        low, high = int(rows.min()), int(rows.max())
+        if low < -1 or high >= buffer.shape[0]:
+            raise ValueError(f"{fn}: intermediate_state_indices must lie in [-1, R) = [-1, {buffer.shape[0]}), got "
+                             f"values from {low} to {high}")
+    return buffer, rows
 
 
 def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: int, V: int, device,

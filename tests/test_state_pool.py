@@ -226,3 +226,69 @@ def test_speculative_verify_and_commit(backend, gated):
                 written.add(slots[n][j])
     untouched = [s for s in range(9) if s not in written]
     assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("commit", [False, True])
+def test_sglang_verify_into_intermediate_buffer(backend, commit):
+    # SGLang's verify: every token's state into the sequence's buffer row at its step (steps past the buffer's and
+    # rows of -1 write nothing); disable_state_update leaves the pool as it was, else each live slot takes the state
+    # after the sequence's last token; against the float64 recurrence of each prefix
+    Hk, Hv, K, V, S, R, steps = 1, 2, 16, 16, 6, 4, 3
+    lengths, slots, rows = [3, 4, 2, 1], [4, 0, -1, 2], [2, 0, 1, -1]
+    device = _device(backend)
+    (q, k, v, _, _), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    T = sum(lengths)
+    a, b = torch.randn(1, T, Hv, generator=gen).to(device), torch.randn(1, T, Hv, generator=gen).to(device)
+    A_log, dt_bias = torch.rand(Hv, generator=gen).to(device), torch.randn(Hv, generator=gen).to(device)
+    pool = torch.randn(S, Hv, K, V, generator=gen).to(device)
+    buffer = torch.randn(R, steps, Hv, K, V, generator=gen).to(device)
+    pool_before, buffer_before = pool.clone(), buffer.clone()
+    with torch.no_grad():
+        o = deltatron.fused_sigmoid_gating_delta_rule_update(
+            A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, torch.tensor(slots, dtype=torch.int32, device=device),
+            cu_seqlens=cu, disable_state_update=not commit, intermediate_states_buffer=buffer,
+            intermediate_state_indices=torch.tensor(rows, device=device), cache_steps=steps)
+    g = -A_log.double().exp() * torch.nn.functional.softplus(a.double() + dt_bias.double())
+    written, committed = set(), set()
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if slots[n] < 0:
+            assert not o[:, start:end].any()
+            continue
+        for j, t in enumerate(range(start, end)):
+            x = [y[:, start:t + 1] for y in (q, k, v, b.sigmoid(), g)]
+            o_ref, s_ref = _reference(*x, pool_before[slots[n]][None], torch.tensor([0, t + 1 - start]), K ** -0.5)
+            assert rel_rms(o[:, t], o_ref[:, -1]) <= BOUNDS[torch.float32], (n, j)
+            if rows[n] >= 0 and j < steps:
+                assert rel_rms(buffer[rows[n], j], s_ref[0]) <= BOUNDS[torch.float32], (n, j)
+                written.add((rows[n], j))
+        if commit:
+            assert rel_rms(pool[slots[n]], s_ref[0]) <= BOUNDS[torch.float32], n
+            committed.add(slots[n])
+    for r in range(R):
+        for j in range(steps):
+            if (r, j) not in written:
+                assert torch.equal(buffer[r, j], buffer_before[r, j]), (r, j)
+    untouched = [s for s in range(S) if s not in committed]
+    assert torch.equal(pool[untouched], pool_before[untouched])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(intermediate_state_indices=None), "go together"),
+    (dict(intermediate_states_buffer=torch.zeros(2, 3, 2, 16, 8)), r"\[R, steps, Hv, K, V\]"),
+    (dict(cache_steps=4), "cache_steps"),
+    (dict(intermediate_state_indices=torch.tensor([0, 2])), r"lie in \[-1, R\) = \[-1, 2\)"),
+    (dict(intermediate_state_indices=torch.tensor([0])), r"\[N\] = \[2\]"),
+    (dict(disable_state_update=1), "disable_state_update must be a bool"),
+])
+def test_verify_errors(change, match):
+    Hk, Hv, K, V = 1, 2, 16, 16
+    (q, k, v, b, a), cu = _inputs([2, 1], Hk, Hv, K, V, "cpu", seed=0)
+    args = dict(intermediate_states_buffer=torch.zeros(2, 3, Hv, K, V), intermediate_state_indices=torch.tensor([0, 1]),
+                cache_steps=3, disable_state_update=True)
+    args.update(change)
+    error = TypeError if "bool" in match else ValueError
+    with pytest.raises(error, match=match), torch.no_grad():
+        deltatron.fused_sigmoid_gating_delta_rule_update(
+            torch.zeros(Hv), a, torch.zeros(Hv), 1.0, 20.0, q, k, v, b, torch.zeros(3, Hv, K, V),
+            torch.tensor([0, 1]), cu_seqlens=cu, **args)

@@ -43,14 +43,14 @@ QK_NORM_EPS = tl.constexpr(L2NORM_EPS)  # the in-kernel L2 norm's, kernels/l2nor
 
 @triton.jit
 def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht, state_indices, num_accepted,
-                               num_slots, indices_stride, cu_seqlens, segment_offsets, scale, beta_scale,
-                               softplus_beta, softplus_threshold,
+                               num_slots, indices_stride, token_buffer, token_rows, token_steps, num_buffer_rows,
+                               cu_seqlens, segment_offsets, scale, beta_scale, softplus_beta, softplus_threshold,
                                H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
                                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                                SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr, USE_INDICES: tl.constexpr,
                                FINAL_IN_POOL: tl.constexpr, TOKEN_STATES: tl.constexpr, SPEC: tl.constexpr,
-                               GATE_IN_KERNEL: tl.constexpr,
+                               TOKEN_BUFFER: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                                BETA_SIGMOID: tl.constexpr, QK_L2NORM: tl.constexpr):
     """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
     log decays, S <- exp(g_t) S before each token's write. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
@@ -60,13 +60,16 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
     state and outputs zeros; FINAL_IN_POOL: the final state goes back into the slot (ht is the pool). Speculative
     decoding: state_indices is [N, indices_stride], a slot per token; SPEC: the sequence starts from its column
     num_accepted[n] - 1 (else 0); TOKEN_STATES: the state after its token j goes into slot state_indices[n, j]
-    (a slot outside the pool: not written).
+    (a slot outside the pool: not written). TOKEN_BUFFER (SGLang's verify layout): the state after token j of
+    sequence n goes into token_buffer [num_buffer_rows, token_steps, H, K, V] at [token_rows[n], j], for j <
+    token_steps (a row outside the buffer, -1, or a padding sequence: not written).
     Inference only (a serving engine's fused decode step): GATE_IN_KERNEL: g holds the raw projection a and
     g = -exp(A_log) softplus(a + dt_bias) per token (softplus with softplus_beta and softplus_threshold, as
     torch's); BETA_SIGMOID: beta holds logits, beta = beta_scale sigmoid(beta); QK_L2NORM: q and k L2-normalized
     per token (kernels/l2norm.py's formula)."""
     tl.static_assert(not (SAVE_FOR_BACKWARD and (GATE_IN_KERNEL or BETA_SIGMOID or QK_L2NORM)),
                      "the in-kernel gate, beta and norm are for inference")
+    tl.static_assert(USE_INDICES or not TOKEN_BUFFER, "the token buffer goes with a pool's slots")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_s = i_nh  # the state's row in h0 (and in ht with FINAL_IN_POOL)
@@ -105,6 +108,8 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
         p_e = e + first * V + o_v
         first_segment = tl.load(segment_offsets + i_n)
     p_beta = beta + first
+    if TOKEN_BUFFER:
+        b_row = tl.load(token_rows + i_n).to(tl.int64)
     if USE_G:
         p_g = g + first
         if GATE_IN_KERNEL:
@@ -148,6 +153,12 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
             ok = live & (slot_t >= 0) & (slot_t < num_slots)
             p_St, m_St = state_offsets(tl.where(ok, slot_t, 0) * H + i_h, 0, i_v * BV, K, V, BK, BV)
             tl.store(h0 + p_St, b_S, mask=m_St & (tl.arange(0, BK)[:, None] < tl.where(ok, BK, 0)))
+        if TOKEN_BUFFER:  # the state after this token into the sequence's buffer row, at step j
+            j = t - bos
+            ok = live & (b_row >= 0) & (b_row < num_buffer_rows) & (j < token_steps)
+            p_St, m_St = state_offsets((tl.where(ok, b_row * token_steps + j, 0)) * H + i_h, 0, i_v * BV, K, V,
+                                       BK, BV)
+            tl.store(token_buffer + p_St, b_S, mask=m_St & (tl.arange(0, BK)[:, None] < tl.where(ok, BK, 0)))
         if SAVE_FOR_BACKWARD:
             tl.store(p_e, b_e, mask=m_v)
             p_e += H * V
@@ -305,7 +316,7 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
             inplace_final_state=False, g=None, state_indices=None, raw_gate=None, beta_logits_scale=None,
-            qk_l2norm=False, num_accepted_tokens=None):
+            qk_l2norm=False, num_accepted_tokens=None, token_buffer=None):
     """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
     ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv]; Hk divides Hv. With
     needs_backward, saved = (e, per-segment states, final state) for the backward; without it (inference,
@@ -317,7 +328,8 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     and with inplace_final_state each token's state written into its slot. Inference only:
     raw_gate = (A_log, dt_bias, softplus_beta, softplus_threshold): g holds the raw projection and the gate is made in
     the kernel; beta_logits_scale: beta holds logits, beta = beta_logits_scale sigmoid(beta); qk_l2norm: q, k
-    normalized in the kernel."""
+    normalized in the kernel; token_buffer = (buffer [R, steps, Hv, K, V] fp32, rows [N]): the state after token j
+    of sequence n written into buffer[rows[n], j] (j < steps; rows[n] = -1: none)."""
     HK, K = k.shape[2], k.shape[3]
     H, V = v.shape[2], v.shape[3]
     assert H % HK == 0, f"the value heads ({H}) must be a multiple of the key heads ({HK})"
@@ -344,7 +356,9 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
         fused_recurrent_fwd_kernel, grid,
         q, k, v, beta, g, *(raw_gate[:2] if raw_gate else (None, None)), o, e, h, initial_state, ht, state_indices,
         num_accepted_tokens, 0 if initial_state is None else initial_state.shape[0],
-        1 if state_indices is None or state_indices.dim() == 1 else state_indices.shape[1], info.cu_seqlens,
+        1 if state_indices is None or state_indices.dim() == 1 else state_indices.shape[1],
+        *(token_buffer if token_buffer else (None, None)),
+        *((token_buffer[0].shape[1], token_buffer[0].shape[0]) if token_buffer else (1, 0)), info.cu_seqlens,
         segment_offsets, scale,
         1.0 if beta_logits_scale is None else float(beta_logits_scale),
         *((float(raw_gate[2]), float(raw_gate[3])) if raw_gate else (1.0, 20.0)),
@@ -353,7 +367,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
         SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
         USE_INDICES=state_indices is not None, SPEC=num_accepted_tokens is not None,
         FINAL_IN_POOL=state_indices is not None and state_indices.dim() == 1 and inplace_final_state,
-        TOKEN_STATES=token_states,
+        TOKEN_STATES=token_states, TOKEN_BUFFER=token_buffer is not None,
         GATE_IN_KERNEL=raw_gate is not None, BETA_SIGMOID=beta_logits_scale is not None, QK_L2NORM=qk_l2norm,
         num_warps=num_warps,
     )

@@ -1,19 +1,17 @@
-"""Helpers shared by the Triton kernels: sequence/chunk bookkeeping for packed (varlen) batches, the
-interpreter-safe matrix product, dot precisions, V-blocks and pipelining depths.
-
-Every Triton kernel of deltatron sees the batch as packed sequences (DESIGN.md §5): a fixed-length [B, T, H, ...]
-tensor is, in memory, the same as [1, B*T, H, ...] with cu_seqlens = [0, T, 2T, ..., B*T]. So one code path
-serves fixed-length and variable-length batches, and chunks never cross a sequence boundary."""
+"""Helpers shared by the Triton kernels: a call's packed-sequence view (seq_info; the bookkeeping itself is
+deltatron/varlen.py), chunk spans, the interpreter-safe matrix product, dot precisions, V-blocks and pipelining
+depths. One code path serves fixed-length and variable-length batches, and chunks never cross a sequence boundary."""
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ..varlen import ChunkIndex, SeqInfo, VarlenMetadata, packed_info  # noqa: F401 (the kernels' imports)
 
 # Under TRITON_INTERPRET=1 tl.dot on bf16 operands multiplies the raw uint16 bits (DESIGN.md §10):
 # the interpreter path widens 16-bit operands to fp32 first, which is exact.
@@ -224,61 +222,6 @@ PIPELINE_STAGES = 2
 WY_PIPELINE_STAGES = 3
 
 
-@dataclass
-class SeqInfo:
-    """The packed-sequence view of a batch, built once per call on the host without a device sync.
-
-    cu_seqlens: int32 [N+1] on the device; cu_seqlens_cpu: int64 [N+1] on the CPU; total_tokens = B*T."""
-
-    cu_seqlens: torch.Tensor
-    cu_seqlens_cpu: torch.Tensor
-    num_seqs: int
-    total_tokens: int
-    _chunks: Dict[int, "ChunkIndex"] = field(default_factory=dict, repr=False)
-
-    def chunks(self, chunk_size: int) -> "ChunkIndex":
-        if chunk_size not in self._chunks:
-            self._chunks[chunk_size] = _chunk_index(self.cu_seqlens_cpu, chunk_size, self.cu_seqlens.device)
-        return self._chunks[chunk_size]
-
-
-@dataclass
-class ChunkIndex:
-    """Chunks of the packed batch. chunk_indices: int32 [NT, 2] = (sequence, chunk within sequence) of
-    every chunk, in order; chunk_offsets: int32 [N+1], first global chunk of each sequence (per-chunk
-    tensors such as states are indexed by it); num_chunks = NT."""
-
-    chunk_indices: torch.Tensor
-    chunk_offsets: torch.Tensor
-    num_chunks: int
-
-
-def _chunk_index(cu_seqlens_cpu: torch.Tensor, chunk_size: int, device: torch.device) -> ChunkIndex:
-    lens = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
-    per_seq = (lens + chunk_size - 1) // chunk_size
-    offsets = torch.cat([per_seq.new_zeros(1), per_seq.cumsum(0)])
-    total = int(offsets[-1])
-    # sequence of each chunk: how many sequences begin at or before it (an empty sequence begins where the
-    # next one does). Not torch.repeat_interleave: on the CPU it hands every sequence to the thread pool
-    # (parallel_for with grain 1), which costs milliseconds a call on a busy host
-    begins = torch.zeros(total + 1, dtype=torch.int64)
-    begins.index_add_(0, offsets[1:-1], torch.ones_like(offsets[1:-1]))
-    seq = begins[:total].cumsum(0)
-    local = torch.arange(total) - offsets[:-1][seq]
-    indices = torch.stack([seq, local], dim=1).to(torch.int32)
-    return ChunkIndex(
-        indices.to(device, non_blocking=True), offsets.to(torch.int32).to(device, non_blocking=True), total
-    )
-
-
-def packed_info(bounds: Sequence[int], total_tokens: int, device: torch.device) -> SeqInfo:
-    """SeqInfo of the packed sequences [bounds[i], bounds[i + 1]) of a batch of total_tokens rows (the tensors'
-    extent: the sequences need not cover it), from bounds on the host (the sequence split's and the segmented
-    backward's batches of partitions and segments)."""
-    cpu = torch.tensor(bounds, dtype=torch.int64)
-    return SeqInfo(cpu.to(torch.int32).to(device, non_blocking=True), cpu, len(bounds) - 1, total_tokens)
-
-
 @functools.lru_cache(maxsize=64)
 def _fixed_length_info(B: int, T: int, device: torch.device) -> SeqInfo:
     if T:
@@ -288,10 +231,11 @@ def _fixed_length_info(B: int, T: int, device: torch.device) -> SeqInfo:
     return SeqInfo(cpu.to(torch.int32).to(device), cpu, B, B * T)
 
 
-def seq_info(B: int, T: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
-             cu_seqlens_cpu: Optional[torch.Tensor]) -> SeqInfo:
-    """SeqInfo of a [B, T] batch; with cu_seqlens (B == 1) the packed sequences it describes.
-    cu_seqlens_cpu must be given with cu_seqlens (the public API makes it when the caller did not)."""
+def seq_info(B: int, T: int, device: torch.device, cu_seqlens, cu_seqlens_cpu: Optional[torch.Tensor]) -> SeqInfo:
+    """SeqInfo of a [B, T] batch; with cu_seqlens (B == 1) the packed sequences it describes: a tensor, with
+    cu_seqlens_cpu (the public API makes it when the caller did not), or a VarlenMetadata (itself)."""
+    if isinstance(cu_seqlens, VarlenMetadata):
+        return cu_seqlens
     if cu_seqlens is None:
         return _fixed_length_info(B, T, device)
     return SeqInfo(cu_seqlens.to(torch.int32), cu_seqlens_cpu.to(torch.int64), len(cu_seqlens_cpu) - 1, T)

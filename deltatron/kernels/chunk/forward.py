@@ -30,7 +30,8 @@ def plan_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, 
     log decays."""
     aligned = q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
     return call_plan(q.dtype, v.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
-                     needs_backward, save_states, aligned, q.device, g is not None, k.shape[2], output_chunk_states)
+                     needs_backward, save_states, aligned, q.device, g is not None, k.shape[2], output_chunk_states,
+                     info.prepared)
 
 
 def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None,

@@ -120,6 +120,7 @@ class Problem:
     gated: bool = False
     key_heads: int = 0  # heads of q and k (0: as many as v's); fewer: grouped value heads
     chunk_states: bool = False  # the caller asked for the state entering every chunk (output_chunk_states)
+    prepared: bool = False  # prepare_varlen's metadata: a CUDA graph may replay the call on other lengths
 
     @property
     def grouped(self) -> bool:
@@ -345,18 +346,18 @@ _MAX_CALL_PLANS = 4096
 
 def call_plan(dtype: torch.dtype, heads: int, K: int, V: int, num_seqs: int, total_tokens: int, chunk_size: int,
               training: bool, save_states: bool, tma_aligned: bool, device: torch.device, gated: bool = False,
-              key_heads: int = 0, chunk_states: bool = False) -> ChunkPlan:
+              key_heads: int = 0, chunk_states: bool = False, prepared: bool = False) -> ChunkPlan:
     """make_plan for a call on `device` under the calling context's overrides, from the call's facts (a dict lookup
     where the same call was planned before: building a Problem costs the host more than the lookup)."""
     forced = _OVERRIDES.get()
     key = (dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned, device, forced,
-           gated, key_heads, chunk_states)
+           gated, key_heads, chunk_states, prepared)
     plan = _CALL_PLANS.get(key)
     if plan is None:
         if len(_CALL_PLANS) >= _MAX_CALL_PLANS:
             _CALL_PLANS.clear()
         problem = Problem(dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned,
-                          gated, 0 if key_heads == heads else key_heads, chunk_states)
+                          gated, 0 if key_heads == heads else key_heads, chunk_states, prepared)
         plan = _CALL_PLANS[key] = _make_plan(problem, device_capabilities(device), forced)
     return plan
 
@@ -408,6 +409,11 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
         partitions, why = o.split_partitions, f"forced by overrides(split_partitions={o.split_partitions})"
         if partitions < 1:
             raise ValueError(f"overrides(split_partitions=...) must be >= 1, got {partitions}")
+        if partitions > 1 and p.prepared:
+            raise ValueError("overrides(split_partitions>1): prepared varlen metadata takes no sequence split (its "
+                             "partitions are cut from the lengths on the host)")
+    elif walk == "hopper" and p.prepared:
+        partitions, why = 1, "prepared varlen metadata: the partitions are cut from the lengths on the host"
     elif walk == "hopper":
         partitions = split_partitions(p.num_seqs, p.heads, p.total_tokens, caps.num_sms)
         why = (f"{nh} on long sequences leave SMs idle; pass 1 fits one wave" if partitions > 1 else

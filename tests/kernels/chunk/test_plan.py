@@ -350,3 +350,16 @@ def test_gated_and_grouped_calls_take_the_portable_kernels(gated, key_heads):
         with pytest.raises(ValueError):
             plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(**forced))
 
+
+
+def test_prepared_varlen_metadata_takes_no_split():
+    # prepare_varlen's metadata: a graph may replay the call on other lengths, and the split's partitions are cut from
+    # the lengths on the host, so the Hopper walk runs unsplit where it would split, and a forced split is refused
+    problem = plan.Problem(bf16, 16, 128, 128, 1, 32768, training=False, prepared=True)
+    caps = plan.named_capabilities("sm90")
+    assert plan_for_shape(1, 32768, 16, 128, 128, bf16, training=False).split_partitions == 3
+    prepared = plan.make_plan(problem, caps)
+    assert (prepared.walk, prepared.split_partitions) == ("hopper", 1)
+    assert "prepared varlen metadata" in dict(prepared.reasons)["split"]
+    with plan.overrides(split_partitions=2), pytest.raises(ValueError, match="prepared varlen metadata"):
+        plan.make_plan(problem, caps)

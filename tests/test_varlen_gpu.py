@@ -1,0 +1,95 @@
+"""prepare_varlen's metadata under CUDA-graph capture (marked gpu): a varlen chunk prefill of the gated rule (dense
+states) and a decode step on a state pool (fused_recurrent, in place; and the fused gating entry) captured once,
+then replayed on new lengths (update()) and new inputs copied into the captured tensors, each replay equal to the
+eager call on plain cu_seqlens tensors (the prefill within bf16's bound: its eager call is planned for its own
+lengths)."""
+import pytest
+import torch
+
+import deltatron
+
+from .helpers import BOUNDS, rel_rms
+
+pytestmark = pytest.mark.gpu
+
+Hk, Hv, K, V = 2, 4, 64, 64
+
+
+def _fill(gen, q, k, v, g, beta):
+    """New random inputs written into the captured tensors."""
+    for x in (q, v):
+        x.copy_(torch.randn(x.shape, generator=gen))
+    k.copy_(torch.nn.functional.normalize(torch.randn(k.shape, generator=gen), dim=-1))
+    g.copy_(-torch.nn.functional.softplus(torch.randn(g.shape, generator=gen)))
+    beta.copy_(torch.rand(beta.shape, generator=gen))
+
+
+def _captured(fn):
+    """(graph, its outputs) of fn after one eager call on a side stream (Triton compiles outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@torch.no_grad()
+def test_varlen_prefill_replays_on_new_lengths():
+    max_sequences, max_tokens = 4, 300
+    meta = deltatron.prepare_varlen([0, 100, 100, 180], max_sequences, max_tokens)
+    q, k = (torch.empty(1, max_tokens, Hk, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, max_tokens, Hv, V, device="cuda", dtype=torch.bfloat16)
+    g, beta = (torch.empty(1, max_tokens, Hv, device="cuda") for _ in range(2))
+    h0 = torch.empty(max_sequences, Hv, K, V, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    _fill(gen, q, k, v, g, beta)
+    h0.copy_(torch.randn(h0.shape, generator=gen))
+    graph, (o, ht) = _captured(lambda: deltatron.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=meta))
+    for cu in ([0, 300], [0, 7, 7, 150, 299], [0, 64, 128, 192]):
+        meta.update(cu)
+        _fill(gen, q, k, v, g, beta)
+        graph.replay()
+        T, N = cu[-1], len(cu) - 1
+        want_o, want_ht = deltatron.chunk_gated_delta_rule(
+            q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], initial_state=h0[:N], output_final_state=True,
+            cu_seqlens=torch.tensor(cu, device="cuda", dtype=torch.int32), cu_seqlens_cpu=torch.tensor(cu))
+        # the same kernels on another plan (capacity-sized launches): within bf16's bound
+        bound = BOUNDS[torch.bfloat16]
+        assert rel_rms(o[:, :T], want_o) <= bound and rel_rms(ht[:N], want_ht) <= bound
+        assert not o[:, T:].any() and torch.equal(ht[N:], h0[N:])
+
+
+@torch.no_grad()
+def test_pool_decode_replays_with_new_slots():
+    B, S = 8, 12
+    q, k = (torch.empty(B, 1, Hk, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(B, 1, Hv, V, device="cuda", dtype=torch.bfloat16)
+    g, beta = (torch.empty(B, 1, Hv, device="cuda") for _ in range(2))
+    A_log, dt_bias = torch.randn(Hv, device="cuda"), torch.randn(Hv, device="cuda")
+    pool = torch.randn(S, Hv, K, V, device="cuda")
+    slots = torch.arange(B, device="cuda", dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    _fill(gen, q, k, v, g, beta)
+    steps = {
+        "fused_recurrent": lambda: deltatron.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=pool, inplace_final_state=True, ssm_state_indices=slots)[0],
+        "fused_gating": lambda: deltatron.fused_sigmoid_gating_delta_rule_update(
+            A_log, g, dt_bias, 1.0, 20.0, q, k, v, beta, pool, slots, use_qk_l2norm_in_kernel=True),
+    }
+    for name, step in steps.items():
+        graph, o = _captured(step)
+        for new_slots in ([11, -1, 3, 4, 0, 9, -1, 2], [0, 1, 2, 3, 4, 5, 6, 7]):
+            slots.copy_(torch.tensor(new_slots))
+            _fill(gen, q, k, v, g, beta)
+            before = pool.clone()
+            graph.replay()
+            replayed, after = o.clone(), pool.clone()
+            pool.copy_(before)
+            want = step()
+            assert torch.equal(replayed, want), name
+            assert torch.equal(after, pool), name
