@@ -128,7 +128,8 @@ def skip_reason(impl: str, cfg: Config) -> Optional[str]:
     if impl == "fla.fused_recurrent":
         return "fla's fused_recurrent runs the decode rows only"
     if cfg.Hk != cfg.H and impl not in GATED:
-        return "grouped value heads (Hk < H): the delta-rule ops take one head count for q, k and v"
+        return ("grouped value heads (Hk < H): timed on the gated rows only (fla's and FlashQLA's ungated delta rule "
+                "take one head count for q, k and v)")
     if impl == "deltatron.fused_recurrent" and cfg.T > RECURRENT_MAX_T:
         return f"the token-serial form runs T <= {RECURRENT_MAX_T} only"
     if impl.startswith("flash_qla.") and not cfg.K == cfg.V == 128:
