@@ -6,4 +6,5 @@ from .varlen import VarlenMetadata, prepare_varlen
 __version__ = "0.1.0"
 
 __all__ = ["chunk_delta_rule", "fused_chunk_delta_rule", "fused_recurrent_delta_rule", "parallel_delta_rule",
-           "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_sigmoid_gating_delta_rule_update", "prepare_varlen", "VarlenMetadata"]
+           "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "fused_sigmoid_gating_delta_rule_update",
+           "prepare_varlen", "VarlenMetadata"]

@@ -16,7 +16,8 @@ from . import backends, library
 from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
-from .validation import check_inputs, check_state_pool, check_token_buffer, offsets_tensor, reject_unknown_kwargs, warn_if_head_first
+from .validation import (check_inputs, check_state_pool, check_token_buffer, offsets_tensor, reject_unknown_kwargs,
+                         warn_if_head_first)
 from .varlen import VarlenMetadata
 
 _TORCH_IMPLS = {
@@ -322,8 +323,8 @@ def fused_sigmoid_gating_delta_rule_update(
     Speculative verify (SGLang's): intermediate_states_buffer [R, steps, Hv, K, V] (fp32, contiguous, the pool's
     layout) receives the state after token j of sequence n at [intermediate_state_indices[n], j], for j < steps
     (cache_steps, if given, must be steps; an index of -1, or a padding sequence, writes nothing), and
-    disable_state_update=True leaves the pool's slots as they were: the tokens are verified without committing, and the engine later copies the state
-    after the last accepted token from the buffer."""
+    disable_state_update=True leaves the pool's slots as they were: the tokens are verified without committing, and
+    the engine later copies the state after the last accepted token from the buffer."""
     fn = "fused_sigmoid_gating_delta_rule_update"
     if not isinstance(disable_state_update, bool):
         raise TypeError(f"{fn}: disable_state_update must be a bool, got {disable_state_update!r}")

@@ -215,13 +215,20 @@ def check_token_buffer(fn: str, buffer, rows, steps, num_seqs: int, state_shape,
             or tuple(rows.shape) != (num_seqs,) or rows.device != device):
         raise ValueError(f"{fn}: intermediate_state_indices must be an int32 or int64 [N] = [{num_seqs}] tensor on "
                          f"q's device, got {_shape(rows) if isinstance(rows, torch.Tensor) else type(rows).__name__}")
-    capturing = rows.is_cuda and torch.cuda.is_current_stream_capturing()
-    if num_seqs and not capturing and not torch.compiler.is_compiling():
-        low, high = int(rows.min()), int(rows.max())
-        if low < -1 or high >= buffer.shape[0]:
-            raise ValueError(f"{fn}: intermediate_state_indices must lie in [-1, R) = [-1, {buffer.shape[0]}), got "
-                             f"values from {low} to {high}")
+    _check_index_range(fn, "intermediate_state_indices", rows, buffer.shape[0], "R")
     return buffer, rows
+
+
+def _check_index_range(fn: str, name: str, indices: torch.Tensor, size: int, letter: str) -> bool:
+    """Raises unless every index lies in [-1, size); reading them syncs with the device, so nothing is read (and False
+    returned) while a CUDA graph is being captured or torch.compile traces the call, or when there are none."""
+    capturing = indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not indices.numel() or capturing or torch.compiler.is_compiling():
+        return False
+    low, high = int(indices.min()), int(indices.max())
+    if low < -1 or high >= size:
+        raise ValueError(f"{fn}: {name} must lie in [-1, {letter}) = [-1, {size}), got values from {low} to {high}")
+    return True
 
 
 def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: int, V: int, device,
@@ -257,14 +264,9 @@ def check_state_pool(fn: str, pool, state_indices, num_seqs: int, Hv: int, K: in
     if pool.dtype != torch.float32 or not pool.is_contiguous():
         raise ValueError(f"{fn}: the state pool must be contiguous float32, got {pool.dtype}"
                          f"{'' if pool.is_contiguous() else ', non-contiguous'}")
-    capturing = state_indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if num_seqs and not capturing and not torch.compiler.is_compiling():
-        low, high = int(state_indices.min()), int(state_indices.max())
-        if low < -1 or high >= pool.shape[0]:
-            raise ValueError(f"{fn}: ssm_state_indices must lie in [-1, S) = [-1, {pool.shape[0]}), "
-                             f"got values from {low} to {high}")
-        if num_accepted_tokens is not None:
-            low, high, W = int(num_accepted_tokens.min()), int(num_accepted_tokens.max()), state_indices.shape[1]
-            if low < 1 or high > W:
-                raise ValueError(f"{fn}: num_accepted_tokens must lie in [1, W] = [1, {W}], got values from {low} "
-                                 f"to {high}")
+    read = _check_index_range(fn, "ssm_state_indices", state_indices, pool.shape[0], "S")
+    if read and num_accepted_tokens is not None:
+        low, high, W = int(num_accepted_tokens.min()), int(num_accepted_tokens.max()), state_indices.shape[1]
+        if low < 1 or high > W:
+            raise ValueError(f"{fn}: num_accepted_tokens must lie in [1, W] = [1, {W}], got values from {low} to "
+                             f"{high}")

@@ -8,22 +8,7 @@ import torch
 import deltatron
 from deltatron.varlen import SeqInfo, chunk_table
 
-from .helpers import DEVICE, INTERPRET
-from .test_state_pool import _inputs
-
-BACKENDS = ["torch", "triton"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "triton" and DEVICE == "cpu" and not INTERPRET:
-        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
-    monkeypatch.setenv("DELTATRON_BACKEND", request.param)
-    return request.param
-
-
-def _device(backend):
-    return DEVICE if backend == "triton" else "cpu"
+from .test_state_pool import _device, _inputs, backend  # noqa: F401 (backend: the fixture, both backends)
 
 
 CALLS = {
