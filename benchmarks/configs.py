@@ -5,8 +5,9 @@ work() (docs/performance.md derives them; work() says what the gate and grouped 
 
 Two families of rows: the delta rule (deltatron's forms, fla's chunk_delta_rule, FlashQLA with g = 0) and the
 gated delta rule (GATED: deltatron's, fla's and FlashQLA's chunk_gated_delta_rule with a real gate, called as
-Qwen3-Next calls it). A configuration's H is its value heads (v, beta, g, the state), Hk its query/key heads:
-Hk < H is grouped value heads (GVA), which only the gated ops take."""
+Qwen3-Next calls it, and deltatron's and fla's gated decode step, fused_recurrent_gated_delta_rule). A
+configuration's H is its value heads (v, beta, g, the state), Hk its query/key heads: Hk < H is grouped value heads
+(GVA), which only the gated rows time."""
 from __future__ import annotations
 
 import math
@@ -40,12 +41,18 @@ IMPLS = (
     "flash_qla.gated",        # K = V = 128 only
     "fla.fused_recurrent",    # decode rows only
     "deltatron.fused_recurrent",
+    "fla.fused_recurrent_gated",        # decode rows only: the gated decode step, the state in place (GATED)
+    "deltatron.fused_recurrent_gated",  # decode rows only
     "deltatron.fused_chunk",
 )
 OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
 # The gated delta rule, with the inputs of make_inputs(gated=True), the gradients of GATED_GRAD_INPUTS and the
 # ratios against the gated competitors (report.baseline_impl).
-GATED = ("deltatron.chunk_gated", "fla.chunk_gated", "flash_qla.gated")
+GATED_CHUNK = ("deltatron.chunk_gated", "fla.chunk_gated", "flash_qla.gated")
+GATED_DECODE = ("fla.fused_recurrent_gated", "deltatron.fused_recurrent_gated")
+GATED = GATED_CHUNK + GATED_DECODE
+# The token-serial decode forms: the only ones the decode rows time, and they time nothing else (but ours, ungated)
+DECODE_IMPLS = ("fla.fused_recurrent", "deltatron.fused_recurrent") + GATED_DECODE
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,11 @@ def qwen3next(B: int, T: int) -> Config:
     return grouped(B, T, 16, 32, 128, name=f"qwen3next-b{B}-t{T}")
 
 
+def qwen3next_decode(B: int) -> Config:
+    """One decode step of Qwen3-Next's layer for B sequences, each from its fp32 state [32, 128, 128]."""
+    return Config(f"qwen3next-decode-b{B}", B, 1, 32, 128, 128, decode=True, Hk=16)
+
+
 CONFIGS = (
     dense(8, 2048, 16, 128),
     dense(4, 4096, 16, 128),
@@ -104,6 +116,7 @@ CONFIGS = (
     qwen3next(8, 4096),
     qwen3next(1, 32768),
     decode(64, 16, 128),
+    *(qwen3next_decode(B) for B in (1, 8, 64, 256)),
 )
 SMOKE_CONFIGS = (dense(2, 40, 1, 16), varlen(40, 3, 1, 16, seed=0), decode(2, 1, 16), grouped(2, 40, 1, 2, 16))
 
@@ -121,12 +134,10 @@ def by_name(names: Sequence[str], smoke: bool = False) -> List[Config]:
 def skip_reason(impl: str, cfg: Config) -> Optional[str]:
     """Why the run does not time this (implementation, configuration) pair, or None where it does. Skipped pairs
     are not rows at all; the report's legend states these rules."""
-    if cfg.decode:
-        if impl not in ("deltatron.fused_recurrent", "fla.fused_recurrent"):
-            return "decode rows time the token-serial fused_recurrent forms only"
-        return None
-    if impl == "fla.fused_recurrent":
-        return "fla's fused_recurrent runs the decode rows only"
+    if cfg.decode and impl not in DECODE_IMPLS:
+        return "decode rows time the token-serial fused_recurrent forms only"
+    if not cfg.decode and impl in DECODE_IMPLS and impl != "deltatron.fused_recurrent":
+        return f"{impl} times the decode rows only"
     if cfg.Hk != cfg.H and impl not in GATED:
         return ("grouped value heads (Hk < H): timed on the gated rows only (fla's and FlashQLA's ungated delta rule "
                 "take one head count for q, k and v)")
@@ -171,8 +182,9 @@ def work(cfg: Config, gated: bool = False) -> Dict[str, float]:
     n = cfg.B * cfg.T * cfg.H          # value token-heads
     nk = cfg.B * cfg.T * cfg.Hk        # query/key token-heads
     C, K, V = CHUNK, cfg.K, cfg.V
-    if cfg.decode:                     # read and write the fp32 state; S^T k, k v'^T, S^T q
-        return dict(flops_fwd=n * 6 * K * V, bytes_fwd=n * (8 * K * V + 2 * (2 * K + 2 * V)))
+    if cfg.decode:  # read and write the fp32 state; S^T k, k v'^T, S^T q; q, k per key head, v, o (and g) per value
+        return dict(flops_fwd=n * 6 * K * V,
+                    bytes_fwd=n * (8 * K * V + 2 * 2 * V + (4 if gated else 0)) + nk * 2 * 2 * K)
     fwd = 2 * (3 * C * K + 2 * C * V + 3 * K * V)
     bwd = 2 * (7 * C * K + 4 * C * V + 6 * K * V + 2 * C * C)
     gate_fwd, gate_fwdbwd = (4, 12) if gated else (0, 0)
@@ -216,6 +228,8 @@ def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = Fals
              v=randn(B, T, H, V).to(bf16), beta=randn(B, T, H).sigmoid().to(bf16))
     if cfg.decode:
         x["h"] = randn(B, H, K, V)
+        if gated:
+            x["g"] = gate(B, T, H, gen, device)
         return x
     x["do"] = randn(B, T, H, V).to(bf16)
     x["g"] = gate(B, T, H, gen, device) if gated else torch.zeros(B, T, H, device=device)

@@ -149,10 +149,28 @@ def _flash_qla_gated() -> Callable:
     return call
 
 
+def _ours_gated_decode() -> Callable:
+    def call(x):
+        return api.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h"],
+                                                    inplace_final_state=True, **GATED_OPTIONS)[0]
+    return call
+
+
+def _fla_gated_decode() -> Callable:
+    fn = importlib.import_module("fla.ops.gated_delta_rule").fused_recurrent_gated_delta_rule
+
+    def call(x):  # fla's returns the new state rather than writing it in place
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h"], output_final_state=True,
+                  **GATED_OPTIONS)[0]
+    return call
+
+
 def resolve(impl: str, smoke: bool) -> Callable:
     package, form = impl.split(".")
     if impl == "deltatron.chunk_gated":
         return _ours_gated()
+    if impl == "deltatron.fused_recurrent_gated":
+        return _ours_gated_decode()
     if package == "deltatron":
         return _ours(form)
     if importlib.util.find_spec(package) is None:
@@ -161,6 +179,8 @@ def resolve(impl: str, smoke: bool) -> Callable:
         raise Unavailable("needs CUDA: not run in smoke mode")
     if impl == "fla.chunk_gated":
         return _fla_gated()
+    if impl == "fla.fused_recurrent_gated":
+        return _fla_gated_decode()
     if impl == "flash_qla.gated":
         return _flash_qla_gated()
     return _flash_qla() if package == "flash_qla" else _fla(form)

@@ -18,7 +18,9 @@ def baseline_impl(competitor: str, row: dict) -> str:
     competitor's gated op with the same gate, a delta-rule row's fla's chunk or fused_recurrent, FlashQLA's with
     g = 0)."""
     if row["impl"] in GATED:
-        return "fla.chunk_gated" if competitor == "fla" else "flash_qla.gated"
+        if competitor == "fla":
+            return "fla.fused_recurrent_gated" if row.get("decode") else "fla.chunk_gated"
+        return "flash_qla.gated"
     if competitor == "fla":
         return "fla.fused_recurrent" if row.get("decode") else "fla.chunk"
     return "flash_qla.g0"
@@ -98,7 +100,7 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
     tflops = " / ".join(f"{m['peak_tflops']:.0f}" for m in runs)
     tbps = " / ".join(dict.fromkeys(f"{m['peak_tbps']:.2f}" for m in runs))
     text = (f"bf16. f = forward (no_grad), fb = forward+backward. vs X = X's time / this row's time (> 1: faster "
-            f"than X; fla's decode baseline is its fused_recurrent). Floor = max(FLOPs / {tflops} "
+            f"than X; fla's decode baseline is its fused_recurrent, gated or not). Floor = max(FLOPs / {tflops} "
             f"TFLOP/s, bytes / {tbps} TB/s) ({peaks}; counts in docs/performance.md); % floor = "
             "floor / time. Peak mem: one forward+backward's (decode: one step's) allocation above its inputs. "
             f"fused_recurrent runs T <= {RECURRENT_MAX_T} only; FlashQLA K = V = 128 only.")
@@ -106,8 +108,8 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
         text += (" Gated rows (" + ", ".join(GATED) + "): the gated delta rule with Qwen3-Next's gate "
                  "g = -exp(A_log) softplus(a + dt_bias) (A_log = log(uniform(0, 16)), dt_bias = 1) computed "
                  "outside the op, q and k L2-normalized in it, gradients to q, k, v, g and beta; their vs fla and "
-                 "vs FlashQLA compare with fla.chunk_gated and flash_qla.gated, and their floor counts the fp32 "
-                 "gate's bytes.")
+                 "vs FlashQLA compare with fla.chunk_gated (decode: fla.fused_recurrent_gated) and flash_qla.gated, "
+                 "and their floor counts the fp32 gate's bytes.")
     if any("Hk" in r for r in rows):
         text += (" Configurations with fewer query/key heads (Hk) than value heads (H; qwen3next-*: 16 and 32) "
                  "have rows of the gated ops only: fla's and FlashQLA's ungated delta rule take one head count for q, k "

@@ -316,14 +316,17 @@ def test_grouped_configurations_time_only_the_gated_ops():
     for name in ("qwen3next-b8-t4096", "qwen3next-b1-t32768"):
         cfg, = configs.by_name([name])
         assert (cfg.Hk, cfg.H, cfg.K, cfg.V) == (16, 32, 128, 128)
-        assert [i for i in configs.IMPLS if configs.applies(i, cfg)] == list(configs.GATED)
+        assert [i for i in configs.IMPLS if configs.applies(i, cfg)] == list(configs.GATED_CHUNK)
         assert "grouped value heads" in configs.skip_reason("deltatron.chunk", cfg)
     for cfg in configs.CONFIGS:
-        if cfg.decode:
-            assert not any(configs.applies(i, cfg) for i in configs.GATED)
+        if cfg.decode:  # the gated decode step's rows, on grouped heads too
+            assert not any(configs.applies(i, cfg) for i in configs.GATED_CHUNK)
+            assert all(configs.applies(i, cfg) for i in configs.GATED_DECODE)
         else:
             assert configs.applies("deltatron.chunk_gated", cfg) and configs.applies("fla.chunk_gated", cfg)
             assert configs.applies("flash_qla.gated", cfg) == (cfg.K == cfg.V == 128)
+            assert configs.skip_reason("fla.fused_recurrent_gated", cfg) == (
+                "fla.fused_recurrent_gated times the decode rows only")
     assert configs.skip_reason("flash_qla.gated", configs.dense(1, 64, 1, 64)) == (
         "FlashQLA's kernels take K = V = 128 only")
     with pytest.raises(ValueError, match="multiple of Hk"):
@@ -334,8 +337,8 @@ def test_gated_impls_follow_the_head_to_head_rows():
     """A run cut short by its budget keeps the comparisons: the gated head-to-head rows come right after the
     delta rule's, before the slow token-serial and fused_chunk forms."""
     order = list(configs.IMPLS)
-    assert order[order.index("flash_qla.g0") + 1:][:3] == list(configs.GATED)
-    assert all(order.index(g) < order.index(slow) for g in configs.GATED
+    assert order[order.index("flash_qla.g0") + 1:][:3] == list(configs.GATED_CHUNK)
+    assert all(order.index(g) < order.index(slow) for g in configs.GATED_CHUNK
                for slow in ("fla.fused_recurrent", "deltatron.fused_recurrent", "deltatron.fused_chunk"))
 
 
@@ -383,7 +386,7 @@ def test_gated_competitors_get_the_same_inputs(monkeypatch):
     monkeypatch.setattr(harness.api, "chunk_gated_delta_rule", recorder("deltatron"))
     for cfg in (GVA_SMOKE, configs.varlen(40, 3, 2, 16, seed=0)):
         x = configs.make_inputs(cfg, torch.device("cpu"), seed=0, gated=True)
-        for impl in configs.GATED:
+        for impl in configs.GATED_CHUNK:
             harness.resolve(impl, smoke=False)(x)
         for key, call in seen.items():
             assert all(call[n] is x[n] for n in ("q", "k", "v", "g", "beta")), key
