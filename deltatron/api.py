@@ -445,7 +445,7 @@ def _context_parallel(fn, op, q, k, v, beta, g, scale, initial_state, output_fin
 
     context_parallel.check_group(fn, cp_group, refused)
     _, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
-                                     g=g, grouped=True)
+                                     g=g, grouped=True, shards=context_parallel.dist.get_world_size(cp_group))
     return context_parallel.sharded_chunk(op, v, q.shape[-1], initial_state, output_final_state, cu_seqlens_cpu,
                                           cp_group)
 

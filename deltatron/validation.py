@@ -55,12 +55,13 @@ def _shape(x: torch.Tensor) -> str:
 
 def check_inputs(
     q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: Optional[int] = None,
-    g=None, grouped: bool = False,
+    g=None, grouped: bool = False, shards: int = 1,
 ) -> Tuple[float, Optional[torch.Tensor]]:
     """Validates the core arguments. Returns (scale as a float, cu_seqlens_cpu as int64 CPU tensor or
     None). Reading cu_seqlens from the device when cu_seqlens_cpu is not given is the one host-device
     sync of a varlen call; pass cu_seqlens_cpu to avoid it. grouped: v, beta (and g, the log decays of the
-    gated rule) may have Hv = m * H value heads, H being q's and k's (DESIGN.md §11); states are [N, Hv, K, V]."""
+    gated rule) may have Hv = m * H value heads, H being q's and k's (DESIGN.md §11); states are [N, Hv, K, V].
+    shards: the number of context-parallel ranks holding T tokens each; cu_seqlens then spans all their tokens."""
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if g is not None else ()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -109,7 +110,7 @@ def check_inputs(
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
     else:
-        cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+        cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, shards)
         num_seqs = cu_seqlens.shape[0] - 1
 
     if initial_state is not None:
@@ -129,7 +130,7 @@ def check_inputs(
     return scale, cu_seqlens_cpu
 
 
-def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor:
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, shards: int = 1) -> torch.Tensor:
     for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
         if x is None:
             continue
@@ -156,8 +157,11 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens_cpu[0])}")
     if bool((cu_seqlens_cpu[1:] < cu_seqlens_cpu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens_cpu.tolist()}")
-    if cu_seqlens_cpu[-1] != T:
-        raise ValueError(f"cu_seqlens must end at T = {T} (the packed length), got {int(cu_seqlens_cpu[-1])}")
+    if cu_seqlens_cpu[-1] != T * shards:
+        packed = (f"T = {T} (the packed length)" if shards == 1 else
+                  f"{shards} * T = {shards * T} (the stream's length: each of the {shards} context-parallel ranks "
+                  f"holds T = {T} tokens)")
+        raise ValueError(f"cu_seqlens must end at {packed}, got {int(cu_seqlens_cpu[-1])}")
     return cu_seqlens_cpu
 
 
