@@ -104,6 +104,9 @@ def finish(o: torch.Tensor, gathered: Optional[torch.Tensor], K: int, initial_st
     """(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None) from the local pass's o and the maps of all ranks:
     the carried tokens' outputs gain (scale q_t^T M_t) S_in, S_in the state entering this rank; a sequence's final
     state is the fold's last state (an empty sequence keeps its initial state)."""
+    if gathered is not None and not layout.carried and not output_final_state:
+        # no result here reads the maps, yet this rank's backward must join the all-gather's mirror
+        return _Tie.apply(o, gathered), None
     V = o.shape[-1] - (K if layout.carried else 0)
     P = fold(gathered, V) if gathered is not None else None
     if layout.carried:
@@ -141,9 +144,51 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
+class _Tie(torch.autograd.Function):
+    """x itself, with a zero gradient to other: a rank whose results do not read the gathered maps still runs the
+    all-gather's backward, the collective that every other rank's backward joins."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        ctx.other = (other.shape, other.dtype, other.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.other
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
 # torch >= 2.13 names the tensor forms *_single (the *_tensor names are deprecated there)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def preceding_tokens(x: torch.Tensor, count: int, cu_seqlens: Optional[torch.Tensor], group
+                     ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(the shard's cu_seqlens, None at fixed length; states [N, count, C]) for x [B, T, C], this rank's shard of the
+    stream: per sequence, the count tokens before the shard that belong to it (zeros before its start; all zeros for
+    a sequence not carried into the shard). A short convolution of count + 1 taps over the shard from these states
+    equals the unsharded one (deltatron/layers/conv.py). One all-gather of every rank's last count tokens, so a short
+    shard reads tokens from several ranks before it; its backward is a reduce-scatter."""
+    B, T, C = x.shape
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layout = shard_layout(rank, world, B, T, None if cu_seqlens is None else cu_seqlens.cpu(), False)
+    cu = None if layout.local_cu is None else torch.tensor(layout.local_cu, device=x.device)
+    if count == 0:
+        return cu, x.new_zeros(layout.num_seqs, 0, C)
+    tail = torch.cat([x.new_zeros(B, max(count - T, 0), C), x[:, max(T - count, 0):]], dim=1)  # [B, count, C]
+    gathered = _AllGather.apply(tail, group).transpose(0, 1)  # [B, world, count, C]
+    # stream position p lies on rank p // T, at row count - ((p // T + 1) T - p) of that rank's tail
+    p = torch.arange(rank * T - count, rank * T, device=x.device)
+    owner = p.clamp(min=0).div(T, rounding_mode="floor")
+    start = 0 if cu is None else int(cu_seqlens[layout.carried_seq]) if layout.carried else rank * T
+    row = (count - (owner + 1) * T + p).clamp(min=0)  # below 0 only for p < 0, masked out
+    before = gathered[:, owner, row] * (p >= start)[None, :, None].to(x.dtype)
+    if cu is None:
+        return cu, before
+    return cu, x.new_zeros(layout.num_seqs, count, C).index_copy(
+        0, torch.tensor([layout.carried_seq], device=x.device), before)
 
 
 def check_group(fn: str, cp_group, refused: dict) -> None:

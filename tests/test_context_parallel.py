@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deltatron
+import deltatron.layers
 from deltatron import context_parallel
 from deltatron.reference import recurrent_gated_delta_rule
 from tests.helpers import BOUNDS, make_gated_inputs, rel_rms
@@ -40,11 +41,12 @@ def make_stream(rule, world, lengths, initial_state, dtype=torch.float32, device
     return inp, cu, (do, dht)
 
 
-def call(rule, inp, **options):
+def call(rule, inp, output_final_state=True, **options):
     """(o, final_state) of the rule's chunk op on the inputs (q, k, v, [g,] beta, [initial_state])."""
     args = [inp[n] for n in (("q", "k", "v", "g", "beta") if rule == "gated" else ("q", "k", "v", "beta"))]
     fn = deltatron.chunk_gated_delta_rule if rule == "gated" else deltatron.chunk_delta_rule
-    return fn(*args, initial_state=inp.get("initial_state"), output_final_state=True, chunk_size=16, **options)
+    return fn(*args, initial_state=inp.get("initial_state"), output_final_state=output_final_state, chunk_size=16,
+              **options)
 
 
 def shard(x, rank, world):
@@ -58,11 +60,14 @@ def rank_inputs(inp, rank, world):
 
 
 def results(inp, o, final, weights, world):
-    """(o, final_state, gradients of every input) with the loss sum(o do) + sum(final dht) / world per rank: the
-    ranks' losses add up to the unsharded loss. o and do are the whole stream's or one rank's shard."""
+    """(o, final_state, gradients of every input) with the loss sum(o do) + sum(final dht) / world per rank (without
+    its second term where final is None): the ranks' losses add up to the unsharded loss. o and do are the whole
+    stream's or one rank's shard."""
     do, dht = weights
-    grads = torch.autograd.grad((o * do).sum() + (final * dht).sum() / world, list(inp.values()))
-    return o.detach(), final.detach(), dict(zip(inp, grads))
+    loss = (o * do).sum() + (0 if final is None else (final * dht).sum() / world)
+    # a rank where no sequence starts, without final states, has no share of dh0: zeros
+    grads = torch.autograd.grad(loss, list(inp.values()), allow_unused=True, materialize_grads=True)
+    return o.detach(), None if final is None else final.detach(), dict(zip(inp, grads))
 
 
 def check(name, got, want, bound):
@@ -177,17 +182,19 @@ def _gloo_worker(rank, world, store, cases):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        for rule, lengths, initial_state, backend in cases:
+        for rule, lengths, initial_state, backend, final in cases:
             inp, cu, (do, dht) = make_stream(rule, world, lengths, initial_state)
             os.environ["DELTATRON_BACKEND"] = "torch"
-            want = unsharded(rule, inp, cu, (do, dht))
+            want = results(inp, *call(rule, inp, final, cu_seqlens=cu), (do, dht), 1)
             os.environ["DELTATRON_BACKEND"] = backend
             mine = rank_inputs(inp, rank, world)
-            got = results(inp, *call(rule, mine, cu_seqlens=cu, cp_group=dist.group.WORLD),
+            got = results(inp, *call(rule, mine, final, cu_seqlens=cu, cp_group=dist.group.WORLD),
                           (shard(do, rank, world), dht), world)
-            name = f"rank {rank}/{world}, {rule}, stream {lengths}, initial state {initial_state}, {backend}"
+            name = (f"rank {rank}/{world}, {rule}, stream {lengths}, initial state {initial_state}, {backend}, final "
+                    f"state {final}")
             check(f"{name}: o", got[0], shard(want[0], rank, world), FP32_BOUND)
-            check(f"{name}: final state", got[1], want[1], FP32_BOUND)
+            if final:
+                check(f"{name}: final state", got[1], want[1], FP32_BOUND)
             for n, grad in got[2].items():
                 if n == "initial_state":  # this rank's share
                     dist.all_reduce(grad)
@@ -204,10 +211,52 @@ def _gloo_worker(rank, world, store, cases):
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_process_group(world, tmp_path):
     """world processes over gloo, both rules, every stream, with and without initial states, forward and backward on
-    the PyTorch backend, and a sequence across the ranks on the Triton backend (interpreter)."""
-    cases = [(rule, lengths, h0, "torch") for rule in RULES for lengths in STREAMS[world] for h0 in (True, False)]
-    cases.append(("gated", STREAMS[world][1], True, "triton"))  # the sharded call on the Triton kernels
+    the PyTorch backend; without final states (ranks whose results read no gathered map); and a sequence across the
+    ranks on the Triton backend (interpreter)."""
+    cases = [(rule, lengths, h0, "torch", True) for rule in RULES for lengths in STREAMS[world] for h0 in (True, False)]
+    cases += [(rule, STREAMS[world][2], True, "torch", False) for rule in RULES]
+    cases.append(("gated", STREAMS[world][1], True, "triton", True))  # the sharded call on the Triton kernels
     mp.spawn(_gloo_worker, args=(world, str(tmp_path / "store"), cases), nprocs=world)
+
+
+LAYERS = {"DeltaNet": dict(hidden_size=32, num_heads=2, mode="chunk"),
+          "GatedDeltaNet": dict(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)}
+# (tokens per rank, sequence lengths or None): short shards of 2 tokens (a convolution of 4 taps reads 3 tokens from
+# the ranks before), and a packed stream with a sequence across all ranks and an empty one
+LAYER_STREAMS = ((2, None), (8, (3, 20, 0, 9)))
+
+
+def _gloo_layer_worker(rank, world, store):
+    """One rank of a gloo group: each layer on its shard (cp_group) against the unsharded layer: the output, dx, and
+    every parameter's gradient summed over the ranks."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        for name, config in LAYERS.items():
+            for T, lengths in LAYER_STREAMS:
+                torch.manual_seed(0)
+                layer = getattr(deltatron.layers, name)(**config)
+                x = torch.randn(1 if lengths else 2, world * T, 32, requires_grad=True)
+                weight = torch.randn(x.shape)
+                cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+                params = list(layer.parameters())
+                want = torch.autograd.grad((layer(x, cu_seqlens=cu) * weight).sum(), [x, *params])
+                y = layer(shard(x, rank, world), cu_seqlens=cu, cp_group=dist.group.WORLD)
+                check(f"rank {rank}, {name}, {T} tokens a rank, {lengths}: y", y,
+                      shard(layer(x, cu_seqlens=cu), rank, world), FP32_BOUND)
+                got = torch.autograd.grad((y * shard(weight, rank, world)).sum(), [x, *params])
+                check(f"rank {rank}, {name}: dx", shard(got[0], rank, world), shard(want[0], rank, world), FP32_BOUND)
+                for (pname, _), g, w in zip(layer.named_parameters(), got[1:], want[1:]):
+                    dist.all_reduce(g)
+                    check(f"rank {rank}, {name}, {T} tokens a rank, {lengths}: d{pname}", g, w, FP32_BOUND)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_layers(tmp_path):
+    """DeltaNet and GatedDeltaNet over 4 gloo processes equal the unsharded layers (their convolutions exchange the
+    tokens before each shard), forward and backward."""
+    mp.spawn(_gloo_layer_worker, args=(4, str(tmp_path / "store")), nprocs=4)
 
 
 @pytest.fixture
@@ -226,6 +275,16 @@ def test_refusals(one_rank_group):
                    dict(inplace_final_state=True)):
         with pytest.raises(ValueError, match=f"{next(iter(option))} cannot be combined with cp_group"):
             call("gated", make_stream("gated", 1, None, True, T=8)[0], cp_group=one_rank_group, **option)
+
+
+def test_layer_refusals(one_rank_group):
+    """A layer's cp_group needs mode "chunk" and no cache."""
+    x = torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match="cp_group needs mode 'chunk' and no cache"):
+        deltatron.layers.DeltaNet(**{**LAYERS["DeltaNet"], "mode": "fused_recurrent"})(x, cp_group=one_rank_group)
+    with pytest.raises(ValueError, match="cp_group needs mode 'chunk' and no cache.*and a cache"):
+        deltatron.layers.GatedDeltaNet(**LAYERS["GatedDeltaNet"], layer_idx=0)(
+            x, cache=deltatron.layers.DeltaNetCache(), cp_group=one_rank_group)
 
 
 def test_needs_initialized_distributed():
