@@ -3,6 +3,8 @@ op's outputs, final states and gradients. The shard's map [S_loc | M] against th
 one after another in one process (the per-rank pieces, on the PyTorch backend and the Triton kernels); and process
 groups of 2 and 4 ranks over gloo."""
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -257,6 +259,19 @@ def test_gloo_layers(tmp_path):
     """DeltaNet and GatedDeltaNet over 4 gloo processes equal the unsharded layers (their convolutions exchange the
     tokens before each shard), forward and backward."""
     mp.spawn(_gloo_layer_worker, args=(4, str(tmp_path / "store")), nprocs=4)
+
+
+def test_training_example():
+    """examples/train_context_parallel.py under torchrun with 2 processes: its gradient check passes (the sharded
+    model's summed gradients equal the unsharded model's) and it trains."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(root, "examples", "train_context_parallel.py"), "--steps", "2", "--eval-every", "1",
+         "--seq-len", "16", "--num-kv", "2", "--batch-size", "4", "--check"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "largest relative RMS difference" in run.stdout and "step 2: loss" in run.stdout, run.stdout
 
 
 @pytest.fixture
