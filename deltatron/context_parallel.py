@@ -21,6 +21,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .validation import check_cu_seqlens
+
 # op(v, initial_state, cu_seqlens, cu_seqlens_cpu) -> (o, final_state): the rule's chunk op on the rank's shard with
 # everything else bound (q, k, gates, scale, options); cu_seqlens None for a fixed-length batch.
 ShardOp = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
@@ -173,7 +175,8 @@ def preceding_tokens(x: torch.Tensor, count: int, cu_seqlens: Optional[torch.Ten
     shard reads tokens from several ranks before it; its backward is a reduce-scatter."""
     B, T, C = x.shape
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layout = shard_layout(rank, world, B, T, None if cu_seqlens is None else cu_seqlens.cpu(), False)
+    cu_cpu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, None, B, T, world)
+    layout = shard_layout(rank, world, B, T, cu_cpu, False)
     cu = None if layout.local_cu is None else torch.tensor(layout.local_cu, device=x.device)
     if count == 0:
         return cu, x.new_zeros(layout.num_seqs, 0, C)
@@ -182,7 +185,7 @@ def preceding_tokens(x: torch.Tensor, count: int, cu_seqlens: Optional[torch.Ten
     # stream position p lies on rank p // T, at row count - ((p // T + 1) T - p) of that rank's tail
     p = torch.arange(rank * T - count, rank * T, device=x.device)
     owner = p.clamp(min=0).div(T, rounding_mode="floor")
-    start = 0 if cu is None else int(cu_seqlens[layout.carried_seq]) if layout.carried else rank * T
+    start = 0 if cu is None else int(cu_cpu[layout.carried_seq]) if layout.carried else rank * T
     row = (count - (owner + 1) * T + p).clamp(min=0)  # below 0 only for p < 0, masked out
     before = gathered[:, owner, row] * (p >= start)[None, :, None].to(x.dtype)
     if cu is None:

@@ -110,7 +110,7 @@ def check_inputs(
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens")
     else:
-        cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, shards)
+        cu_seqlens_cpu = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, shards)
         num_seqs = cu_seqlens.shape[0] - 1
 
     if initial_state is not None:
@@ -130,7 +130,9 @@ def check_inputs(
     return scale, cu_seqlens_cpu
 
 
-def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, shards: int = 1) -> torch.Tensor:
+def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, shards: int = 1) -> torch.Tensor:
+    """cu_seqlens as an int64 CPU tensor (cu_seqlens_cpu when given, checked to match) after checking it offsets
+    packed sequences of B = 1 rows of T tokens; with context parallelism, of shards ranks holding T tokens each."""
     for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
         if x is None:
             continue

@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from .. import context_parallel
+
 
 def run_mixer(layer, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache, cp_group=None
               ) -> torch.Tensor:
@@ -20,10 +22,12 @@ def run_mixer(layer, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Ten
     if hidden_states.dim() != 3 or hidden_states.shape[-1] != layer.hidden_size:
         got = "[" + ", ".join(str(s) for s in hidden_states.shape) + "]"
         raise ValueError(f"{name}: hidden_states must be {expected}, got {got}")
-    if cp_group is not None and (cache is not None or layer.mode != "chunk"):
-        raise ValueError(f"{name}: cp_group needs mode 'chunk' and no cache (context parallelism is for training and "
-                         f"prefill of a sharded stream), got mode {layer.mode!r}"
-                         f"{' and a cache' if cache is not None else ''}")
+    if cp_group is not None:
+        if cache is not None or layer.mode != "chunk":
+            raise ValueError(f"{name}: cp_group needs mode 'chunk' and no cache (context parallelism is for training "
+                             f"and prefill of a sharded stream), got mode {layer.mode!r}"
+                             f"{' and a cache' if cache is not None else ''}")
+        context_parallel.check_group(name, cp_group, {})
     if cache is None:
         return layer._forward(hidden_states, cu_seqlens, None, cp_group)
     if layer.layer_idx is None:
