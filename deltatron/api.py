@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import backends, library
+from . import backends, context_parallel, library
 from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
@@ -441,8 +441,6 @@ def _context_parallel(fn, op, q, k, v, beta, g, scale, initial_state, output_fin
                       cu_seqlens_cpu, chunk_size, cp_group, refused):
     """(o, final_state) of a chunk op whose token stream is sharded over cp_group (deltatron/context_parallel.py);
     op(v, initial_state, cu_seqlens, cu_seqlens_cpu) is the rule's op on this rank's shard."""
-    from . import context_parallel  # torch.distributed is imported only by context-parallel calls
-
     context_parallel.check_group(fn, cp_group, refused)
     _, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
                                      g=g, grouped=True, shards=context_parallel.dist.get_world_size(cp_group))

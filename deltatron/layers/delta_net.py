@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import chunk_delta_rule, fused_recurrent_delta_rule
+from ..context_parallel import preceding_tokens
 from ..validation import LayoutWarning
 from .cache import DeltaNetCache, LayerState
-from ..context_parallel import preceding_tokens
 from .conv import ShortConvolution
 from .mixer import run_mixer
 from .norm import GatedRMSNorm

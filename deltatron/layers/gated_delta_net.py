@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ..api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from .cache import DeltaNetCache, LayerState
 from ..context_parallel import preceding_tokens
+from .cache import DeltaNetCache, LayerState
 from .conv import ShortConvolution
 from .mixer import run_mixer
 from .norm import GatedRMSNorm
