@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import backends, library
+from . import backends, context_parallel, library
 from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
@@ -154,6 +154,7 @@ def chunk_delta_rule(
     inplace_final_state: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
     output_chunk_states: bool = False,
+    cp_group=None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Delta rule by the chunkwise WY algorithm: the default for training and prefill.
@@ -179,9 +180,22 @@ def chunk_delta_rule(
         output_chunk_states: also return the state entering every chunk, [NT, H, K, V] fp32 (chunks of
             chunk_size tokens along each sequence, sequence after sequence; an empty sequence has none), for prefix
             caching: chunk c + 1's entry is the state after chunk c. Not under torch.compile yet.
+        cp_group: context parallelism (DESIGN.md §13): a torch.distributed ProcessGroup over which the token stream
+            is sharded; each rank passes its contiguous shard (ranks in group order; with cu_seqlens, T tokens on
+            every rank and cu_seqlens the whole stream's offsets). o is the rank's shard; initial_state [N, ...]
+            (the same on every rank) applies and the final states [N, ...] come back on every rank. The gradients
+            are those of the sum of the ranks' losses (a rank's initial_state gradient is its share).
     Returns:
         (o [B, T, H, V] in the input dtype, final_state or None), and chunk_states with output_chunk_states."""
     warn_if_head_first("chunk_delta_rule", q)
+    if cp_group is not None:
+        return _context_parallel(
+            "chunk_delta_rule", lambda v_, h0, cu, cu_cpu: chunk_delta_rule(
+                q, k, v_, beta, scale, h0, True, use_qk_l2norm_in_kernel, cu, cu_cpu, chunk_size, save_states,
+                **kwargs), q, k, v, beta, None, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+            chunk_size, cp_group, dict(inplace_final_state=inplace_final_state,
+                                       ssm_state_indices=ssm_state_indices is not None,
+                                       output_chunk_states=output_chunk_states))
     if not isinstance(save_states, bool):
         raise TypeError(f"chunk_delta_rule: save_states must be a bool, got {save_states!r}")
     states = _chunk_states_option("chunk_delta_rule", output_chunk_states, ssm_state_indices)
@@ -519,6 +533,20 @@ def _verify_torch(args, options, pool, slots, token_buffer, disable_state_update
     return o
 
 
+def _context_parallel(fn, op, q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens,
+                      cu_seqlens_cpu, chunk_size, cp_group, refused):
+    """(o, final_state) of a chunk op whose token stream is sharded over cp_group (deltatron/context_parallel.py);
+    op(v, initial_state, cu_seqlens, cu_seqlens_cpu) is the rule's op on this rank's shard."""
+    context_parallel.check_group(fn, cp_group, refused)
+    if isinstance(cu_seqlens, VarlenMetadata):
+        raise ValueError(f"{fn}: cp_group takes cu_seqlens as a tensor of the whole stream's offsets, not "
+                         f"prepare_varlen's metadata")
+    _, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
+                                     g=g, grouped=True, shards=context_parallel.dist.get_world_size(cp_group))
+    return context_parallel.sharded_chunk(op, v, q.shape[-1], initial_state, output_final_state, cu_seqlens_cpu,
+                                          cp_group)
+
+
 def _check_inplace(q, k, v, beta, initial_state) -> None:
     if initial_state is None:
         raise ValueError("inplace_final_state=True needs initial_state: the tensor that receives the new state")
@@ -662,6 +690,7 @@ def chunk_gated_delta_rule(
     inplace_final_state: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
     output_chunk_states: bool = False,
+    cp_group=None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule (Gated DeltaNet) by the chunkwise form, with grouped value heads (DESIGN.md §11):
@@ -675,7 +704,20 @@ def chunk_gated_delta_rule(
         use_beta_sigmoid_in_kernel: beta holds logits (beta = sigmoid(beta)); allow_neg_eigval: beta in (0, 2)
             (beta times 2).
         inplace_final_state, ssm_state_indices, output_chunk_states: as chunk_delta_rule's (a prefill into a state
-            pool, in its layout; the chunk states in the kernels' [NT, Hv, K, V] layout)."""
+            pool, in its layout; the chunk states in the kernels' [NT, Hv, K, V] layout).
+        cp_group: context parallelism, as chunk_delta_rule's."""
+    if cp_group is not None:
+        flip = state_v_first and isinstance(initial_state, torch.Tensor)
+        o, final_state = _context_parallel(
+            "chunk_gated_delta_rule", lambda v_, h0, cu, cu_cpu: chunk_gated_delta_rule(
+                q, k, v_, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, cu, cu_cpu, chunk_size,
+                use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, **kwargs),
+            q, k, v, beta, g, scale, initial_state.transpose(-1, -2) if flip else initial_state, output_final_state,
+            cu_seqlens, cu_seqlens_cpu, chunk_size, cp_group, dict(
+                inplace_final_state=inplace_final_state, ssm_state_indices=ssm_state_indices is not None,
+                output_chunk_states=output_chunk_states))
+        flip = state_v_first and final_state is not None
+        return o, final_state.transpose(-1, -2).contiguous() if flip else final_state
     states = _chunk_states_option("chunk_gated_delta_rule", output_chunk_states, ssm_state_indices)
     if ssm_state_indices is not None:
         return _state_pool("chunk_gated_delta_rule", chunk_gated_delta_rule, q, k, v, beta, dict(

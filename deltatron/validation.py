@@ -57,12 +57,13 @@ def _shape(x: torch.Tensor) -> str:
 
 def check_inputs(
     q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: Optional[int] = None,
-    g=None, grouped: bool = False,
+    g=None, grouped: bool = False, shards: int = 1,
 ) -> Tuple[float, Optional[torch.Tensor]]:
     """Validates the core arguments. Returns (scale as a float, cu_seqlens_cpu as int64 CPU tensor or
     None). Reading cu_seqlens from the device when cu_seqlens_cpu is not given is the one host-device
     sync of a varlen call; pass cu_seqlens_cpu to avoid it. grouped: v, beta (and g, the log decays of the
-    gated rule) may have Hv = m * H value heads, H being q's and k's (DESIGN.md §11); states are [N, Hv, K, V]."""
+    gated rule) may have Hv = m * H value heads, H being q's and k's (DESIGN.md §11); states are [N, Hv, K, V].
+    shards: the number of context-parallel ranks holding T tokens each; cu_seqlens then spans all their tokens."""
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if g is not None else ()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -114,7 +115,7 @@ def check_inputs(
         cu_seqlens_cpu = _check_metadata(cu_seqlens, cu_seqlens_cpu, q, (k, v, beta, g, initial_state))
         num_seqs = cu_seqlens.num_seqs
     else:
-        cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+        cu_seqlens_cpu = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, shards)
         num_seqs = cu_seqlens.shape[0] - 1
 
     if initial_state is not None:
@@ -159,7 +160,9 @@ def offsets_tensor(cu_seqlens):
     return cu_seqlens.cu_seqlens if isinstance(cu_seqlens, VarlenMetadata) else cu_seqlens
 
 
-def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tensor:
+def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, shards: int = 1) -> torch.Tensor:
+    """cu_seqlens as an int64 CPU tensor (cu_seqlens_cpu when given, checked to match) after checking it offsets
+    packed sequences of B = 1 rows of T tokens; with context parallelism, of shards ranks holding T tokens each."""
     for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
         if x is None:
             continue
@@ -186,8 +189,11 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> torch.Tenso
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens_cpu[0])}")
     if bool((cu_seqlens_cpu[1:] < cu_seqlens_cpu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens_cpu.tolist()}")
-    if cu_seqlens_cpu[-1] != T:
-        raise ValueError(f"cu_seqlens must end at T = {T} (the packed length), got {int(cu_seqlens_cpu[-1])}")
+    if cu_seqlens_cpu[-1] != T * shards:
+        packed = (f"T = {T} (the packed length)" if shards == 1 else
+                  f"{shards} * T = {shards * T} (the stream's length: each of the {shards} context-parallel ranks "
+                  f"holds T = {T} tokens)")
+        raise ValueError(f"cu_seqlens must end at {packed}, got {int(cu_seqlens_cpu[-1])}")
     return cu_seqlens_cpu
 
 

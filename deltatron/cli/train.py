@@ -105,9 +105,10 @@ class LinearAttention(DeltaNet):
     def __init__(self, **kwargs):
         super().__init__(use_beta=False, **kwargs)
 
-    def _attend(self, q, k, v, beta, initial_state, output_final_state, cu_seqlens):
-        if initial_state is not None or output_final_state or cu_seqlens is not None:
-            raise NotImplementedError("the linear-attention baseline takes fixed-length batches only, no cache")
+    def _attend(self, q, k, v, beta, initial_state, output_final_state, cu_seqlens, cp_group=None):
+        if initial_state is not None or output_final_state or cu_seqlens is not None or cp_group is not None:
+            raise NotImplementedError("the linear-attention baseline takes fixed-length batches only, no cache and no "
+                                      "cp_group")
         q, k = l2norm(q), l2norm(k)
         scores = torch.einsum("bthk,bshk->bhts", q, k).tril()  # s <= t
         return q.shape[-1] ** -0.5 * torch.einsum("bhts,bshv->bthv", scores, v), None
@@ -138,13 +139,14 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
-    def forward(self, x, cu_seqlens=None, cache=None):
-        x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, cache=cache)
+    def forward(self, x, cu_seqlens=None, cache=None, cp_group=None):
+        x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, cache=cache, cp_group=cp_group)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class DeltaNetLM(nn.Module):
-    """Token embedding, num_layers blocks, final RMSNorm, LM head: tokens [B, T] -> logits [B, T, vocab]."""
+    """Token embedding, num_layers blocks, final RMSNorm, LM head: tokens [B, T] -> logits [B, T, vocab]; with
+    cp_group, tokens is this rank's shard of each sequence (context parallelism, DESIGN.md §13)."""
 
     def __init__(self, vocab_size: int, d_model: int, num_layers: int, num_heads: int, mixer: str = "delta",
                  mode: str = "chunk"):
@@ -156,10 +158,10 @@ class DeltaNetLM(nn.Module):
         self.norm = nn.RMSNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def forward(self, tokens, cu_seqlens=None, cache=None):
+    def forward(self, tokens, cu_seqlens=None, cache=None, cp_group=None):
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, cu_seqlens=cu_seqlens, cache=cache)
+            x = block(x, cu_seqlens=cu_seqlens, cache=cache, cp_group=cp_group)
         return self.lm_head(self.norm(x))
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import chunk_delta_rule, fused_recurrent_delta_rule
+from ..context_parallel import preceding_tokens
 from ..validation import LayoutWarning
 from .cache import DeltaNetCache, LayerState
 from .conv import ShortConvolution
@@ -37,11 +38,14 @@ class DeltaNet(nn.Module):
         use_gate: the SiLU output gate (g projection).
         layer_idx: this layer's key in a DeltaNetCache (needed for decoding).
 
-    forward(hidden_states, cu_seqlens=None, cache=None): cu_seqlens packs variable-length sequences along T
-    (B = 1); convolutions and states never cross sequence boundaries. With a cache the call is inference
-    (no gradients): the first call (prefill) stores each sequence's conv and recurrent states, later calls
-    continue from them; a call with one token per sequence (x [N, 1, hidden_size]) is a decode step, run by
-    fused_recurrent_delta_rule updating the recurrent state in place."""
+    forward(hidden_states, cu_seqlens=None, cache=None, cp_group=None): cu_seqlens packs variable-length sequences
+    along T (B = 1); convolutions and states never cross sequence boundaries. With cp_group (a torch.distributed
+    ProcessGroup) hidden_states is this rank's shard of a stream sharded over the group, as chunk_delta_rule's
+    cp_group takes it, and the layer equals the unsharded one (the convolutions read the tokens before the shard);
+    mode "chunk", no cache. With a cache the call is inference (no gradients): the first call (prefill) stores each
+    sequence's conv and recurrent states, later calls continue from them; a call with one token per sequence
+    (x [N, 1, hidden_size]) is a decode step, run by fused_recurrent_delta_rule updating the recurrent state in
+    place."""
 
     def __init__(self, hidden_size: int = 1024, num_heads: int = 4, head_dim: Optional[int] = None,
                  expand_k: float = 1.0, expand_v: float = 1.0, mode: str = "chunk", use_beta: bool = True,
@@ -83,10 +87,11 @@ class DeltaNet(nn.Module):
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[DeltaNetCache] = None) -> torch.Tensor:
-        return run_mixer(self, hidden_states, cu_seqlens, cache)
+                cache: Optional[DeltaNetCache] = None, cp_group=None) -> torch.Tensor:
+        return run_mixer(self, hidden_states, cu_seqlens, cache, cp_group)
 
-    def _forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional[DeltaNetCache]):
+    def _forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional[DeltaNetCache],
+                 cp_group):
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         past = cache[self.layer_idx] if cache is not None else None
@@ -94,10 +99,14 @@ class DeltaNet(nn.Module):
         conv_state = None
         if self.use_short_conv:
             old = past.conv_state if past is not None else (None, None, None)
-            keep = cache is not None
-            q, cq = self.q_conv1d(q, cu_seqlens, old[0], keep)
-            k, ck = self.k_conv1d(k, cu_seqlens, old[1], keep)
-            v, cv = self.v_conv1d(v, cu_seqlens, old[2], keep)
+            conv_cu, keep = cu_seqlens, cache is not None
+            if cp_group is not None:  # the three convolutions' tokens before the shard, in one exchange
+                conv_cu, states = preceding_tokens(torch.cat([q, k, v], -1), self.q_conv1d.kernel_size - 1,
+                                                   cu_seqlens, cp_group)
+                old = states.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, cq = self.q_conv1d(q, conv_cu, old[0], keep)
+            k, ck = self.k_conv1d(k, conv_cu, old[1], keep)
+            v, cv = self.v_conv1d(v, conv_cu, old[2], keep)
             conv_state = (cq, ck, cv)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
@@ -105,7 +114,7 @@ class DeltaNet(nn.Module):
         beta = self.b_proj(x).sigmoid() if self.use_beta else q.new_ones(B, T, H)
 
         if cache is None:
-            o, _ = self._attend(q, k, v, beta, None, False, cu_seqlens)
+            o, _ = self._attend(q, k, v, beta, None, False, cu_seqlens, cp_group)
         elif past is not None and cu_seqlens is None and T == 1:
             # decode step: the state is updated in place, no allocation
             o, state = fused_recurrent_delta_rule(q, k, v, beta, initial_state=past.recurrent_state,
@@ -121,9 +130,11 @@ class DeltaNet(nn.Module):
             o = self.o_norm(o)
         return self.o_proj(o.reshape(B, T, self.value_dim))
 
-    def _attend(self, q, k, v, beta, initial_state, output_final_state: bool, cu_seqlens):
+    def _attend(self, q, k, v, beta, initial_state, output_final_state: bool, cu_seqlens, cp_group=None):
         """The sequence mixer proper: (o [B, T, H, V], final state [N, H, K, V] or None)."""
         options = dict(save_states=self.save_states) if self.mode == "chunk" else {}
+        if cp_group is not None:
+            options["cp_group"] = cp_group
         fn = chunk_delta_rule if self.mode == "chunk" else fused_recurrent_delta_rule
         call = dict(initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
                     cu_seqlens=cu_seqlens, **options)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from ..context_parallel import preceding_tokens
 from .cache import DeltaNetCache, LayerState
 from .conv import ShortConvolution
 from .mixer import run_mixer
@@ -42,10 +43,10 @@ class GatedDeltaNet(nn.Module):
         norm_eps: the output RMSNorm's epsilon.
         layer_idx: this layer's key in a DeltaNetCache (needed for decoding).
 
-    forward(hidden_states, cu_seqlens=None, cache=None): as DeltaNet's. cu_seqlens packs variable-length
-    sequences along T (B = 1); with a cache the call is inference (no gradients), the first call storing each
-    sequence's conv and recurrent ([N, Hv, K, V] fp32) states, and a call with one token per sequence
-    (x [N, 1, hidden_size]) is a decode step that updates the recurrent state in place."""
+    forward(hidden_states, cu_seqlens=None, cache=None, cp_group=None): as DeltaNet's. cu_seqlens packs
+    variable-length sequences along T (B = 1); with a cache the call is inference (no gradients), the first call
+    storing each sequence's conv and recurrent ([N, Hv, K, V] fp32) states, and a call with one token per sequence
+    (x [N, 1, hidden_size]) is a decode step that updates the recurrent state in place; cp_group as DeltaNet's."""
 
     def __init__(self, hidden_size: int = 2048, num_k_heads: int = 16, num_v_heads: int = 32, head_k_dim: int = 128,
                  head_v_dim: int = 128, mode: str = "chunk", conv_size: int = 4, conv_bias: bool = False,
@@ -84,24 +85,28 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                cache: Optional[DeltaNetCache] = None) -> torch.Tensor:
-        return run_mixer(self, hidden_states, cu_seqlens, cache)
+                cache: Optional[DeltaNetCache] = None, cp_group=None) -> torch.Tensor:
+        return run_mixer(self, hidden_states, cu_seqlens, cache, cp_group)
 
-    def _forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional[DeltaNetCache]):
+    def _forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], cache: Optional[DeltaNetCache],
+                 cp_group):
         B, T, _ = x.shape
         Hk, Hv, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         past = cache[self.layer_idx] if cache is not None else None
         qkv, z = self.in_proj_qkvz(x).split([2 * self.key_dim + self.value_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([Hv, Hv], dim=-1)
-        qkv, conv_state = self.conv1d(qkv, cu_seqlens, past.conv_state[0] if past is not None else None,
-                                      cache is not None)
+        conv_cu, old = cu_seqlens, past.conv_state[0] if past is not None else None
+        if cp_group is not None:  # the convolution's tokens before the shard
+            conv_cu, old = preceding_tokens(qkv, self.conv1d.kernel_size - 1, cu_seqlens, cp_group)
+        qkv, conv_state = self.conv1d(qkv, conv_cu, old, cache is not None)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(B, T, Hk, K), k.reshape(B, T, Hk, K), v.reshape(B, T, Hv, V)
         gate = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
                     allow_neg_eigval=self.allow_neg_eigval, use_qk_l2norm_in_kernel=True)
 
         if cache is None:
-            o, _ = self._attend(q, k, v, a, b, None, False, cu_seqlens, gate)
+            sharded = {} if cp_group is None else {"cp_group": cp_group}
+            o, _ = self._attend(q, k, v, a, b, None, False, cu_seqlens, {**gate, **sharded})
         elif past is not None and cu_seqlens is None and T == 1:
             # decode step: the state is updated in place, no allocation
             o, state = fused_recurrent_gated_delta_rule(q, k, v, a, b, initial_state=past.recurrent_state,
