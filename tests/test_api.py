@@ -185,7 +185,8 @@ def test_backend_env(monkeypatch):
 def test_public_surface():
     assert set(deltatron.__all__) == {"chunk_delta_rule", "fused_chunk_delta_rule", "fused_recurrent_delta_rule",
                                       "parallel_delta_rule", "chunk_gated_delta_rule",
-                                      "fused_recurrent_gated_delta_rule", "fused_sigmoid_gating_delta_rule_update"}
+                                      "fused_recurrent_gated_delta_rule", "fused_sigmoid_gating_delta_rule_update",
+                                      "chunk_kda", "fused_recurrent_kda"}
 
 
 def test_save_states_option():

@@ -81,8 +81,8 @@ def test_equal_channels_are_the_per_head_gate(form):
 def test_recurrence_gradcheck():
     """The oracle's own gradients with a per-channel gate by finite differences."""
     inp = _inputs(1, 6, 1, 2, 3, 2, seed=3, g_range=(-2.0, 0.0), per_channel=True)
-    assert torch.autograd.gradcheck(
-        lambda q, k, v, g, b, h0: recurrent_gated_delta_rule(q, k, v, g, b, 0.7, h0, True), tuple(inp[n] for n in NAMES))
+    fn = lambda q, k, v, g, b, h0: recurrent_gated_delta_rule(q, k, v, g, b, 0.7, h0, True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(inp[n] for n in NAMES))
 
 
 def test_manual_backward_takes_the_per_head_gate_only():
