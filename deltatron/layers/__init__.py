@@ -7,4 +7,5 @@ from .gated_delta_net import GatedDeltaNet
 from .kda import KimiDeltaAttention
 from .norm import GatedRMSNorm
 
-__all__ = ["DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "DeltaNetCache", "LayerState", "ShortConvolution", "GatedRMSNorm"]
+__all__ = ["DeltaNet", "GatedDeltaNet", "KimiDeltaAttention", "DeltaNetCache", "LayerState", "ShortConvolution",
+           "GatedRMSNorm"]
