@@ -541,11 +541,8 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
                   ) if output_chunk_states else ()
         return (o, h0.copy_(final_state) if inplace_final_state else final_state, *extras)
     if form == "chunk" and g.dim() == 4:
-        # KDA's chunk form runs the token-serial fused_recurrent kernels on the Triton backend: the chunk stages take
-        # the per-head gate only (DESIGN.md §12)
-        if output_chunk_states:
-            raise NotImplementedError("output_chunk_states of a per-channel gate on the Triton backend is not "
-                                      "built: its chunk form runs the token-serial kernels")
+        # KDA's chunk form (chunk_kda, which offers no output_chunk_states) runs the token-serial fused_recurrent
+        # kernels on the Triton backend: the chunk stages take the per-head gate only (DESIGN.md §12)
         form = "fused_recurrent"
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
