@@ -346,8 +346,8 @@ def build_kimi(layer_types=("linear_attention", "full_attention"), seed=0):
 
     config = KimiLinearConfig(
         vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, num_local_experts=4, num_experts_per_tok=2, layer_types=list(layer_types),
+        num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, num_local_experts=4, num_experts_per_tok=2, layer_types=list(layer_types),
         mlp_layer_types=["dense", "sparse"][:len(layer_types)], linear_attn_config={"head_dim": 16, "num_heads": 2},
         rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
