@@ -16,8 +16,8 @@ from . import backends, context_parallel, library
 from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_reference, parallel_delta_rule_reference,
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
-from .validation import (check_inputs, check_state_pool, check_token_buffer, offsets_tensor, reject_unknown_kwargs,
-                         warn_if_head_first)
+from .validation import (check_gate_shape, check_inputs, check_state_pool, check_token_buffer, offsets_tensor,
+                         reject_unknown_kwargs, warn_if_head_first)
 from .varlen import VarlenMetadata
 
 _TORCH_IMPLS = {
@@ -534,7 +534,7 @@ def _verify_torch(args, options, pool, slots, token_buffer, disable_state_update
 
 
 def _context_parallel(fn, op, q, k, v, beta, g, scale, initial_state, output_final_state, cu_seqlens,
-                      cu_seqlens_cpu, chunk_size, cp_group, refused):
+                      cu_seqlens_cpu, chunk_size, cp_group, refused, per_channel=False):
     """(o, final_state) of a chunk op whose token stream is sharded over cp_group (deltatron/context_parallel.py);
     op(v, initial_state, cu_seqlens, cu_seqlens_cpu) is the rule's op on this rank's shard."""
     context_parallel.check_group(fn, cp_group, refused)
@@ -542,7 +542,8 @@ def _context_parallel(fn, op, q, k, v, beta, g, scale, initial_state, output_fin
         raise ValueError(f"{fn}: cp_group takes cu_seqlens as a tensor of the whole stream's offsets, not "
                          f"prepare_varlen's metadata")
     _, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size,
-                                     g=g, grouped=True, shards=context_parallel.dist.get_world_size(cp_group))
+                                     g=g, grouped=True, shards=context_parallel.dist.get_world_size(cp_group),
+                                     per_channel_gate=per_channel)
     return context_parallel.sharded_chunk(op, v, q.shape[-1], initial_state, output_final_state, cu_seqlens_cpu,
                                           cp_group)
 
@@ -565,22 +566,31 @@ def _check_inplace(q, k, v, beta, initial_state) -> None:
 # The gated delta rule (Gated DeltaNet, DESIGN.md §11): fla's chunk_gated_delta_rule and
 # fused_recurrent_gated_delta_rule, with grouped value heads
 
-def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, Hv):
+def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, Hv,
+          K=None):
     """(g, beta) as the recurrence takes them, from the raw projections where the flags say so:
-    g = -exp(A_log) softplus(g + dt_bias) (fp32) and beta = sigmoid(beta), times 2 with allow_neg_eigval."""
+    g = -exp(A_log) softplus(g + dt_bias) (fp32) and beta = sigmoid(beta), times 2 with allow_neg_eigval. A_log and
+    dt_bias are [Hv] for the per-head gate; with K (KDA's per-channel gate, Kimi Linear's form) A_log has Hv values
+    ([Hv], or Kimi Linear's [1, 1, Hv, 1]) and dt_bias one per value head and key channel ([Hv * K] or [Hv, K])."""
     for name, flag in (("use_gate_in_kernel", use_gate_in_kernel),
                        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
                        ("allow_neg_eigval", allow_neg_eigval)):
         if not isinstance(flag, bool):
             raise TypeError(f"{fn}: {name} must be a bool, got {flag!r}")
     if use_gate_in_kernel:
+        shapes = {"A_log": ((Hv,),), "dt_bias": ((Hv,),)} if K is None else {
+            "A_log": ((Hv,), (1, 1, Hv, 1)), "dt_bias": ((Hv * K,), (Hv, K))}
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            want = " or ".join(str(list(shape)) for shape in shapes[name])
             if not isinstance(x, torch.Tensor):
-                raise ValueError(f"{fn}: use_gate_in_kernel=True needs {name} [Hv] = [{Hv}], got {x!r}")
-            if tuple(x.shape) != (Hv,) or not x.is_floating_point():
-                raise ValueError(f"{fn}: {name} must be a floating-point [Hv] = [{Hv}] tensor, got "
-                                 f"{tuple(x.shape)} {x.dtype}")
-        g = -A_log.float().exp() * F.softplus(g.float() + dt_bias.float())
+                raise ValueError(f"{fn}: use_gate_in_kernel=True needs {name} {want}, got {x!r}")
+            if tuple(x.shape) not in shapes[name] or not x.is_floating_point():
+                raise ValueError(f"{fn}: {name} must be a floating-point {want} tensor, got {tuple(x.shape)} "
+                                 f"{x.dtype}")
+        if K is None:
+            g = -A_log.float().exp() * F.softplus(g.float() + dt_bias.float())
+        else:
+            g = -A_log.float().reshape(Hv, 1).exp() * F.softplus(g.float() + dt_bias.float().reshape(Hv, K))
     elif A_log is not None or dt_bias is not None:
         raise ValueError(f"{fn}: A_log and dt_bias are read only with use_gate_in_kernel=True")
     if use_beta_sigmoid_in_kernel:
@@ -592,7 +602,7 @@ def _gate(fn, g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_k
 
 def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first, inplace_final_state=False, chunk_size=None,
-               state_indices=None, num_accepted_tokens=None, output_chunk_states=False):
+               state_indices=None, num_accepted_tokens=None, output_chunk_states=False, per_channel=False):
     reject_unknown_kwargs(fn, kwargs)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"{fn}: state_v_first must be a bool, got {state_v_first!r}")
@@ -601,15 +611,19 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if v.dim() != 4:
         raise ValueError(f"{fn}: v must have shape [B, T, Hv, V], got {list(v.shape)}")
+    if q.dim() != 4:
+        raise ValueError(f"{fn}: q must have shape [B, T, Hk, K], got {list(q.shape)}")
     if beta is None:
         beta = v.new_ones(v.shape[:3])
-    Hv = v.shape[2]
-    g, beta = _gate(fn, g, beta, *gate, Hv)
+    Hv, K = v.shape[2], q.shape[3]
+    if gate[2]:  # use_gate_in_kernel: g's shape checked before the gate is made from it
+        check_gate_shape(g, *v.shape[:3], K, per_channel)
+    g, beta = _gate(fn, g, beta, *gate, Hv, K if per_channel else None)
     # the kernels' layout is [N, Hv, K, V]; state_v_first callers keep their pool as [N, Hv, V, K]
     h0 = initial_state.transpose(-1, -2) if state_v_first and isinstance(initial_state, torch.Tensor) else initial_state
     # with state_indices, h0 is a pool _state_pool checked (the Triton kernel reads its slots)
     scale, cu_seqlens_cpu = check_inputs(q, k, v, beta, scale, None if state_indices is not None else h0, cu_seqlens,
-                                         cu_seqlens_cpu, chunk_size, g=g, grouped=True)
+                                         cu_seqlens_cpu, chunk_size, g=g, grouped=True, per_channel_gate=per_channel)
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         output_final_state = True
@@ -652,6 +666,10 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
         extras = (_chunk_states_torch(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel),
                   ) if output_chunk_states else ()
         return _torch_rows((o, h0.copy_(final_state) if inplace_final_state else final_state, *extras), q.shape[1])
+    if form == "chunk" and g.dim() == 4:
+        # KDA's chunk form (chunk_kda, which offers no output_chunk_states) runs the token-serial fused_recurrent
+        # kernels on the Triton backend: the chunk stages take the per-head gate only (DESIGN.md §12)
+        form = "fused_recurrent"
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
@@ -666,6 +684,55 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
     result = run_form(backends.triton_form(form), q, k, v, beta, h0, scale, output_final_state,
                       use_qk_l2norm_in_kernel, info, options, g=g)
     return tuple(_zero_rows_past_sequences(result, info) if info.prepared else result)
+
+
+_GATE_ARGS = ("A_log", "dt_bias", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+
+
+def _chunk_gated(fn_name, entry, per_channel, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size, gate, state_v_first,
+                 inplace_final_state, ssm_state_indices, output_chunk_states, kwargs, cp_group=None):
+    """chunk_gated_delta_rule (per_channel False) and chunk_kda (True): entry is the public function, which a state
+    pool's call runs again on the gathered slots, and context parallelism on each rank's shard; gate: the values of
+    _GATE_ARGS."""
+    if cp_group is not None:
+        flip = state_v_first and isinstance(initial_state, torch.Tensor)
+        o, final_state = _context_parallel(
+            fn_name, lambda v_, h0, cu, cu_cpu: entry(q, k, v_, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, cu,
+                                                      cu_cpu, chunk_size, **dict(zip(_GATE_ARGS, gate)), **kwargs),
+            q, k, v, beta, g, scale, initial_state.transpose(-1, -2) if flip else initial_state, output_final_state,
+            cu_seqlens, cu_seqlens_cpu, chunk_size, cp_group, dict(
+                inplace_final_state=inplace_final_state, ssm_state_indices=ssm_state_indices is not None,
+                output_chunk_states=output_chunk_states), per_channel)
+        flip = state_v_first and final_state is not None
+        return o, final_state.transpose(-1, -2).contiguous() if flip else final_state
+    states = _chunk_states_option(fn_name, output_chunk_states, ssm_state_indices)
+    if ssm_state_indices is not None:
+        return _state_pool(fn_name, entry, q, k, v, beta, dict(
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, state_v_first=state_v_first,
+            **dict(zip(_GATE_ARGS, gate)), **kwargs), initial_state, ssm_state_indices, output_final_state,
+            inplace_final_state, g=g, kernel_slots=False)[0]
+    return _run_gated("chunk", fn_name, q, k, v, g, beta, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first,
+                      inplace_final_state=inplace_final_state, chunk_size=chunk_size, per_channel=per_channel,
+                      **states)
+
+
+def _fused_recurrent_gated(fn_name, entry, per_channel, q, k, v, g, beta, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, inplace_final_state, gate,
+                           state_v_first, ssm_state_indices, num_accepted_tokens, kwargs):
+    """fused_recurrent_gated_delta_rule (per_channel False) and fused_recurrent_kda (True), as _chunk_gated."""
+    done, pool = _state_pool(fn_name, entry, q, k, v, beta, dict(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, state_v_first=state_v_first, **dict(zip(_GATE_ARGS, gate)), **kwargs),
+        initial_state, ssm_state_indices, output_final_state, inplace_final_state, g=g,
+        num_accepted_tokens=num_accepted_tokens)
+    if done is not None:
+        return done
+    return _run_gated("fused_recurrent", fn_name, q, k, v, g, beta, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first,
+                      inplace_final_state=inplace_final_state, per_channel=per_channel, **pool)
 
 
 def chunk_gated_delta_rule(
@@ -706,30 +773,10 @@ def chunk_gated_delta_rule(
         inplace_final_state, ssm_state_indices, output_chunk_states: as chunk_delta_rule's (a prefill into a state
             pool, in its layout; the chunk states in the kernels' [NT, Hv, K, V] layout).
         cp_group: context parallelism, as chunk_delta_rule's."""
-    if cp_group is not None:
-        flip = state_v_first and isinstance(initial_state, torch.Tensor)
-        o, final_state = _context_parallel(
-            "chunk_gated_delta_rule", lambda v_, h0, cu, cu_cpu: chunk_gated_delta_rule(
-                q, k, v_, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, cu, cu_cpu, chunk_size,
-                use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, **kwargs),
-            q, k, v, beta, g, scale, initial_state.transpose(-1, -2) if flip else initial_state, output_final_state,
-            cu_seqlens, cu_seqlens_cpu, chunk_size, cp_group, dict(
-                inplace_final_state=inplace_final_state, ssm_state_indices=ssm_state_indices is not None,
-                output_chunk_states=output_chunk_states))
-        flip = state_v_first and final_state is not None
-        return o, final_state.transpose(-1, -2).contiguous() if flip else final_state
-    states = _chunk_states_option("chunk_gated_delta_rule", output_chunk_states, ssm_state_indices)
-    if ssm_state_indices is not None:
-        return _state_pool("chunk_gated_delta_rule", chunk_gated_delta_rule, q, k, v, beta, dict(
-            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
-            inplace_final_state, g=g, kernel_slots=False)[0]
-    return _run_gated("chunk", "chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
-                      use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs,
-                      (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-                      state_v_first, inplace_final_state=inplace_final_state, chunk_size=chunk_size, **states)
+    return _chunk_gated("chunk_gated_delta_rule", chunk_gated_delta_rule, False, q, k, v, g, beta, scale, initial_state,
+                        output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
+                        (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
+                        state_v_first, inplace_final_state, ssm_state_indices, output_chunk_states, kwargs, cp_group)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -759,15 +806,87 @@ def fused_recurrent_gated_delta_rule(
     Arguments as chunk_gated_delta_rule's (beta defaults to ones), plus inplace_final_state, ssm_state_indices and
     num_accepted_tokens as fused_recurrent_delta_rule's (the new states written into initial_state, or into its
     slots, in its layout)."""
-    gate = (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    done, pool = _state_pool("fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule, q, k, v, beta, dict(
-        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first, **kwargs), initial_state, ssm_state_indices, output_final_state,
-        inplace_final_state, g=g, num_accepted_tokens=num_accepted_tokens)
-    if done is not None:
-        return done
-    return _run_gated("fused_recurrent", "fused_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state,
-                      output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate,
-                      state_v_first, inplace_final_state=inplace_final_state, **pool)
+    return _fused_recurrent_gated(
+        "fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule, False, q, k, v, g, beta, scale,
+        initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, inplace_final_state,
+        (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval), state_v_first,
+        ssm_state_indices, num_accepted_tokens, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention (KDA, DESIGN.md §12): the gated delta rule with a log decay per key channel, g [B, T, Hv, K];
+# fla's chunk_kda and fused_recurrent_kda, on the gated rule's plumbing (the references and kernels take either gate)
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    inplace_final_state: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None,
+    cp_group=None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention (DESIGN.md §12), fla's chunk_kda: per token S <- diag(exp(g_t)) S (row c of the
+    [K, V] state decays by exp(g_t[c])), then the delta rule's update; o_t = scale S^T q_t.
+
+    Args as chunk_gated_delta_rule's, except:
+        g: [B, T, Hv, K] log decays per key channel (<= 0), or with use_gate_in_kernel the raw projection:
+            g = -exp(A_log) softplus(g + dt_bias) per channel (Kimi Linear's gate), A_log [Hv] (or [1, 1, Hv, 1]) and
+            dt_bias [Hv * K] (or [Hv, K]), with gradients to all three.
+    On the PyTorch backend it is the chunkwise float64-stable form (every decay factor exp of a non-positive
+    difference of within-chunk cumulative sums per channel). On the Triton backend it runs the token-serial
+    fused_recurrent kernels with the per-channel gate (correct, forward and backward, but without the chunkwise
+    kernels' parallelism over a sequence: the chunk stages take the per-head gate only); chunk_size is then
+    unused past its check."""
+    return _chunk_gated("chunk_kda", chunk_kda, True, q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
+                        (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
+                        state_v_first, inplace_final_state, ssm_state_indices, False, kwargs, cp_group)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    inplace_final_state: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    ssm_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention token by token (decoding), forward and backward; fla's fused_recurrent_kda. Arguments as
+    chunk_kda's (beta defaults to ones), plus inplace_final_state, ssm_state_indices and num_accepted_tokens as
+    fused_recurrent_gated_delta_rule's."""
+    return _fused_recurrent_gated(
+        "fused_recurrent_kda", fused_recurrent_kda, True, q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, inplace_final_state,
+        (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval), state_v_first,
+        ssm_state_indices, num_accepted_tokens, kwargs)

@@ -49,7 +49,7 @@ def _eager(form, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, sc
     if g is not None:  # the cu_seqlens values are checked here, at run time, as api._run checks the ungated op's
         chunk_size = chunk_size if form == "chunk" else None
         _, cu_seqlens_cpu = api.check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                             chunk_size, g=g, grouped=True)
+                                             chunk_size, g=g, grouped=True, per_channel_gate=g.dim() == 4)
         return api._gated_core(form, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
                                cu_seqlens, cu_seqlens_cpu, chunk_size)
     options = dict(chunk_size=chunk_size, output_attentions=output_attentions, save_states=save_states)

@@ -57,13 +57,14 @@ def _shape(x: torch.Tensor) -> str:
 
 def check_inputs(
     q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size: Optional[int] = None,
-    g=None, grouped: bool = False, shards: int = 1,
+    g=None, grouped: bool = False, shards: int = 1, per_channel_gate: bool = False,
 ) -> Tuple[float, Optional[torch.Tensor]]:
     """Validates the core arguments. Returns (scale as a float, cu_seqlens_cpu as int64 CPU tensor or
     None). Reading cu_seqlens from the device when cu_seqlens_cpu is not given is the one host-device
     sync of a varlen call; pass cu_seqlens_cpu to avoid it. grouped: v, beta (and g, the log decays of the
     gated rule) may have Hv = m * H value heads, H being q's and k's (DESIGN.md §11); states are [N, Hv, K, V].
-    shards: the number of context-parallel ranks holding T tokens each; cu_seqlens then spans all their tokens."""
+    shards: the number of context-parallel ranks holding T tokens each; cu_seqlens then spans all their tokens.
+    per_channel_gate: g is KDA's, [B, T, Hv, K] (§12)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if g is not None else ()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -80,9 +81,10 @@ def check_inputs(
         raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
     Hv = v.shape[2]
     heads = "Hv" if grouped else "H"
-    for name, x in (("beta", beta),) + ((("g", g),) if g is not None else ()):
-        if x.shape != v.shape[:3]:
-            raise ValueError(f"{name} must have shape [B, T, {heads}] = [{B}, {T}, {Hv}], got {_shape(x)}")
+    if beta.shape != v.shape[:3]:
+        raise ValueError(f"beta must have shape [B, T, {heads}] = [{B}, {T}, {Hv}], got {_shape(beta)}")
+    if g is not None:
+        check_gate_shape(g, B, T, Hv, K, per_channel_gate)
     if g is not None and not g.is_floating_point():
         raise TypeError(f"g must be a floating-point tensor, got {g.dtype}")
     V = v.shape[-1]
@@ -133,6 +135,15 @@ def check_inputs(
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     return scale, cu_seqlens_cpu
+
+
+def check_gate_shape(g: torch.Tensor, B: int, T: int, Hv: int, K: int, per_channel: bool) -> None:
+    """g [B, T, Hv] (one log decay per value head), or per key channel [B, T, Hv, K] (KDA)."""
+    if per_channel and tuple(g.shape) != (B, T, Hv, K):
+        raise ValueError(f"g must have shape [B, T, Hv, K] = [{B}, {T}, {Hv}, {K}] (a log decay per key channel), got "
+                         f"{_shape(g)}")
+    if not per_channel and tuple(g.shape) != (B, T, Hv):
+        raise ValueError(f"g must have shape [B, T, Hv] = [{B}, {T}, {Hv}], got {_shape(g)}")
 
 
 def _check_metadata(meta, cu_seqlens_cpu, q, others) -> torch.Tensor:

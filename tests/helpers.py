@@ -162,18 +162,21 @@ def require_smoke_passed(smoke_failures: dict, request, widths, kernel: str) -> 
         pytest.fail(f"{kernel}'s smoke call " + "\n".join(failed), pytrace=False)
 
 
-def make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=None, gates="soft", initial_state=True, seed=0):
+def make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=None, gates="soft", initial_state=True, seed=0,
+                      per_channel=False):
     """Fresh random float64 q, k [B, T, Hk, K] (unit-norm keys), v [B, T, Hv, V], beta in (0, 1), g [B, T, Hv]
-    (gates: "soft" -softplus(N(0, 1)), "strong" uniform in [-20, 0]) and h0 [N or B, Hv, K, V]."""
+    ([B, T, Hv, K] per_channel, KDA's gate; gates: "soft" -softplus(N(0, 1)), "strong" uniform in [-20, 0]) and
+    h0 [N or B, Hv, K, V]."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, Hk, K, generator=gen, dtype=torch.float64)
     k = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, T, Hv, V, generator=gen, dtype=torch.float64)
     beta = torch.rand(B, T, Hv, generator=gen, dtype=torch.float64)
+    g_shape = (B, T, Hv, K) if per_channel else (B, T, Hv)
     if gates == "strong":
-        g = -20 * torch.rand(B, T, Hv, generator=gen, dtype=torch.float64)
+        g = -20 * torch.rand(*g_shape, generator=gen, dtype=torch.float64)
     else:
-        g = -torch.nn.functional.softplus(torch.randn(B, T, Hv, generator=gen, dtype=torch.float64))
+        g = -torch.nn.functional.softplus(torch.randn(*g_shape, generator=gen, dtype=torch.float64))
     out = dict(q=q, k=k, v=v, beta=beta, g=g)
     if initial_state:
         out["initial_state"] = torch.randn(N if N is not None else B, Hv, K, V, generator=gen, dtype=torch.float64)
@@ -217,13 +220,15 @@ def gated_form_outputs(form, inp, scale, info, do, dht, output_final_state=True,
 
 
 def check_gated_form(form, B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft", initial_state=True, dht=True,
-                     output_final_state=True, seed=0, **options):
+                     output_final_state=True, seed=0, per_channel=False, **options):
     """A gated Triton form (a module of deltatron.kernels) against gated_oracle within BOUNDS[dtype], on
-    make_gated_inputs' inputs; lengths: packed sequences (B = 1, T = their sum). Returns the form's outputs."""
+    make_gated_inputs' inputs (per_channel: KDA's gate); lengths: packed sequences (B = 1, T = their sum). Returns
+    the form's outputs."""
     from deltatron.kernels.utils import seq_info
 
     N = None if lengths is None else len(lengths)
-    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed)
+    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed,
+                            per_channel=per_channel)
     cu = None if lengths is None else random_cu_seqlens(lengths)
     info = seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
     gen = torch.Generator().manual_seed(seed + 1000)

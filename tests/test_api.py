@@ -186,7 +186,7 @@ def test_public_surface():
     assert set(deltatron.__all__) == {"chunk_delta_rule", "fused_chunk_delta_rule", "fused_recurrent_delta_rule",
                                       "parallel_delta_rule", "chunk_gated_delta_rule",
                                       "fused_recurrent_gated_delta_rule", "fused_sigmoid_gating_delta_rule_update",
-                                      "prepare_varlen", "VarlenMetadata"}
+                                      "chunk_kda", "fused_recurrent_kda", "prepare_varlen", "VarlenMetadata"}
 
 
 def test_save_states_option():

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from deltatron import (chunk_delta_rule, chunk_gated_delta_rule, fused_recurrent_delta_rule,
-                       fused_recurrent_gated_delta_rule, parallel_delta_rule)
+from deltatron import (chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, fused_recurrent_delta_rule,
+                       fused_recurrent_gated_delta_rule, fused_recurrent_kda, parallel_delta_rule)
 from deltatron.library import delta_rule
 from deltatron.cli.train import DeltaNetLM
 
@@ -142,28 +142,36 @@ def test_opcheck(with_state, save_states):
     torch.library.opcheck(delta_rule, args)
 
 
-def test_opcheck_gated_grouped():
-    # the gated rule's g and grouped value heads (v with 4 heads over q's and k's 2) through the same op
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated", "kda"])
+def test_opcheck_gated_grouped(per_channel):
+    # the gated rule's g (per channel: KDA's) and grouped value heads (v with 4 heads over q's and k's 2) through
+    # the same op
     gen = torch.Generator().manual_seed(8)
     q, k = (torch.randn(1, 7, 2, 8, generator=gen).requires_grad_() for _ in range(2))
     v, h0 = torch.randn(1, 7, 4, 4, generator=gen).requires_grad_(), torch.randn(3, 4, 8, 4).requires_grad_()
-    beta, g = torch.rand(1, 7, 4).requires_grad_(), (-torch.rand(1, 7, 4)).requires_grad_()
+    beta = torch.rand(1, 7, 4).requires_grad_()
+    g = (-torch.rand(1, 7, 4, *((8,) if per_channel else ()))).requires_grad_()
     args = (q, k, v, beta, g, h0, random_cu_seqlens([2, 0, 5]), None, "chunk", 0.3, True, True, 16, False, False)
     torch.library.opcheck(delta_rule, args)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule])
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_kda,
+                                fused_recurrent_kda])
 def test_gated_api_is_one_graph(fn, backend, monkeypatch):
-    # every option of the gated ops (gate and beta made in the op, V-first states, grouped heads) in one graph
+    # every option of the gated ops and KDA's (gate and beta made in the op, V-first states, grouped heads) in one
+    # graph
     if backend == "triton":
         pytest.importorskip("triton")
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(9)
     lengths = [3, 0, 9]
     q, k = (torch.randn(1, 12, 1, 16, generator=gen).to(device).requires_grad_() for _ in range(2))
-    v, a, b = (torch.randn(1, 12, 2, *s, generator=gen).to(device).requires_grad_() for s in ((16,), (), ()))
-    A_log, dt_bias = (torch.randn(2, generator=gen).to(device).requires_grad_() for _ in range(2))
+    kda = fn in (chunk_kda, fused_recurrent_kda)  # a per channel; A_log, dt_bias in Kimi Linear's shapes
+    v, a, b = (torch.randn(1, 12, 2, *s, generator=gen).to(device).requires_grad_()
+               for s in ((16,), (16,) if kda else (), ()))
+    A_log, dt_bias = (torch.randn(*s, generator=gen).to(device).requires_grad_()
+                      for s in (((1, 1, 2, 1), (32,)) if kda else ((2,), (2,))))
     h0 = torch.randn(3, 2, 16, 16, generator=gen).to(device).requires_grad_()
     cu = random_cu_seqlens(lengths, device=device)
     args = [q, k, v, a, b, A_log, dt_bias, h0]

@@ -18,7 +18,7 @@ from deltatron import context_parallel
 from deltatron.reference import recurrent_gated_delta_rule
 from tests.helpers import BOUNDS, make_gated_inputs, rel_rms
 
-RULES = ("delta", "gated")
+RULES = ("delta", "gated", "kda")  # the delta rule, a gate per value head, a gate per key channel (KDA)
 # per world size: the tokens of each shard, and the streams' sequence lengths (None: a fixed-length batch of 2 rows,
 # each sharded along time): sequences crossing one or more boundaries, ending on a boundary, empty sequences on a
 # boundary and at the end, ranks holding no sequence start
@@ -32,7 +32,8 @@ def make_stream(rule, world, lengths, initial_state, dtype=torch.float32, device
     length); every input a leaf that requires grad, grouped value heads (Hk 2, Hv 4)."""
     T = world * (T or SHARD_TOKENS[world])
     B, N = (2, 2) if lengths is None else (1, len(lengths))
-    inp = make_gated_inputs(B, T, 2, 4, K, V, dtype, N=N, initial_state=initial_state, seed=seed)
+    inp = make_gated_inputs(B, T, 2, 4, K, V, dtype, N=N, initial_state=initial_state, seed=seed,
+                            per_channel=rule == "kda")
     if rule == "delta":
         del inp["g"]
     inp = {n: x.to(device).requires_grad_(True) for n, x in inp.items()}
@@ -45,8 +46,8 @@ def make_stream(rule, world, lengths, initial_state, dtype=torch.float32, device
 
 def call(rule, inp, output_final_state=True, **options):
     """(o, final_state) of the rule's chunk op on the inputs (q, k, v, [g,] beta, [initial_state])."""
-    args = [inp[n] for n in (("q", "k", "v", "g", "beta") if rule == "gated" else ("q", "k", "v", "beta"))]
-    fn = deltatron.chunk_gated_delta_rule if rule == "gated" else deltatron.chunk_delta_rule
+    args = [inp[n] for n in (("q", "k", "v", "beta") if rule == "delta" else ("q", "k", "v", "g", "beta"))]
+    fn = {"delta": deltatron.chunk_delta_rule, "gated": deltatron.chunk_gated_delta_rule, "kda": deltatron.chunk_kda}[rule]
     return fn(*args, initial_state=inp.get("initial_state"), output_final_state=output_final_state, chunk_size=16,
               **options)
 
@@ -117,14 +118,14 @@ def check_all(name, got, want, bound):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_shard_map_is_the_transition_product(rule, backend, monkeypatch):
     """The op on [v | 0] from [0 | I]: final state [S_loc | M] with S_loc the float64 recurrence from zero and M the
-    product of the tokens' transitions exp(g_t)(I - beta_t k_t k_t^T); the output's last K columns scale q_t^T M_t; and
+    product of the tokens' transitions (I - beta_t k_t k_t^T) exp(g_t) (diag(exp(g_t)) per key channel); the output's last K columns scale q_t^T M_t; and
     from any S_in the recurrence ends at S_loc + M S_in (37 tokens: partial chunks)."""
     monkeypatch.setenv("DELTATRON_BACKEND", backend)
     K, V = 8, 12
     inp, _, _ = make_stream(rule, 1, None, True, T=37, K=K, V=V)
     x = {n: t.detach()[:1] for n, t in inp.items()}
     q, k, v, beta, S_in = (x[n].double() for n in ("q", "k", "v", "beta", "initial_state"))
-    g = x["g"].double() if rule == "gated" else torch.zeros_like(beta)
+    g = torch.zeros_like(beta) if rule == "delta" else x["g"].double()
     wide = {**x, "v": torch.cat([x["v"], x["v"].new_zeros(1, 37, 4, K)], -1),
             "initial_state": torch.cat([torch.zeros(1, 4, K, V), torch.eye(K).expand(1, 4, K, K)], -1)}
     o, maps = call(rule, wide)
@@ -133,7 +134,8 @@ def test_shard_map_is_the_transition_product(rule, backend, monkeypatch):
     M, qM = torch.eye(K, dtype=torch.float64).expand(4, K, K), []
     for t in range(37):
         step = torch.eye(K, dtype=torch.float64) - beta[0, t, :, None, None] * kv[t, :, :, None] * kv[t, :, None, :]
-        M = g[0, t].exp()[:, None, None] * step @ M
+        decay = g[0, t].exp()  # [Hv] or, per key channel, [Hv, K]: diag(exp(g_t)) scales the rows of the state
+        M = step @ ((decay[:, :, None] if rule == "kda" else decay[:, None, None]) * M)
         qM.append(K ** -0.5 * torch.einsum("hk,hkj->hj", qv[t], M))
     _, S_loc = recurrent_gated_delta_rule(q, k, v, g, beta, K ** -0.5, None, True)
     check("S_loc", maps[..., :V], S_loc, BOUNDS[torch.float32])

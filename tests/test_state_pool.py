@@ -1,8 +1,8 @@
-"""State pools by slot (ssm_state_indices) in the fused_recurrent (decode) and chunk (prefill) forms, gated and not, on
-both backends (Triton in its interpreter without a GPU): sequences start from their slots of a pool [S, H, K, V],
-padding entries (-1) output zeros and touch no slot, inplace_final_state writes the final states back into the
-slots and leaves every other slot as it was; a serving loop with requests arriving and leaving against the float64
-recurrence of each request."""
+"""State pools by slot (ssm_state_indices) in the fused_recurrent (decode) and chunk (prefill) forms of the delta rule,
+the gated delta rule and KDA (per-channel gates), on both backends (Triton in its interpreter without a GPU):
+sequences start from their slots of a pool [S, H, K, V], padding entries (-1) output zeros and touch no slot,
+inplace_final_state writes the final states back into the slots and leaves every other slot as it was; a serving
+loop with requests arriving and leaving against the float64 recurrence of each request."""
 import pytest
 import torch
 
@@ -26,14 +26,16 @@ def _device(backend):
     return DEVICE if backend == "triton" else "cpu"
 
 
-def _inputs(lengths, Hk, Hv, K, V, device, seed):
+def _inputs(lengths, Hk, Hv, K, V, device, seed, rule="gated"):
+    """q, k, v, beta and g ([1, T, Hv], or [1, T, Hv, K] for KDA's rule; zeros for the delta rule), cu_seqlens."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     q = torch.randn(1, T, Hk, K, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(1, T, Hk, K, generator=gen), dim=-1)
     v = torch.randn(1, T, Hv, V, generator=gen)
     beta = torch.rand(1, T, Hv, generator=gen)
-    g = -torch.nn.functional.softplus(torch.randn(1, T, Hv, generator=gen))
+    g = -torch.nn.functional.softplus(torch.randn(1, T, Hv, *((K,) if rule == "kda" else ()), generator=gen))
+    g = torch.zeros_like(g) if rule == "delta" else g
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return [x.to(device) for x in (q, k, v, beta, g)], cu.to(device)
 
@@ -43,30 +45,34 @@ def _reference(q, k, v, beta, g, h0, cu, scale):
     return recurrent_gated_delta_rule(*x[:5], scale, x[5], True, cu_seqlens=cu.cpu())
 
 
-FORMS = {(False, "fused_recurrent"): deltatron.fused_recurrent_delta_rule,
-         (True, "fused_recurrent"): deltatron.fused_recurrent_gated_delta_rule,
-         (False, "chunk"): deltatron.chunk_delta_rule, (True, "chunk"): deltatron.chunk_gated_delta_rule}
+FORMS = {("delta", "fused_recurrent"): deltatron.fused_recurrent_delta_rule,
+         ("gated", "fused_recurrent"): deltatron.fused_recurrent_gated_delta_rule,
+         ("kda", "fused_recurrent"): deltatron.fused_recurrent_kda,
+         ("delta", "chunk"): deltatron.chunk_delta_rule, ("gated", "chunk"): deltatron.chunk_gated_delta_rule,
+         ("kda", "chunk"): deltatron.chunk_kda}
+RULES = ["delta", "gated", "kda"]
 
 
 @pytest.mark.parametrize("form", ["fused_recurrent", "chunk"])
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("inplace", [False, True])
-def test_pool_slots(backend, form, gated, inplace):
+def test_pool_slots(backend, form, rule, inplace):
     lengths, slots = [1, 3, 1, 2], [5, -1, 0, 3]
     Hk, Hv, K, V, S = 1, 2, 16, 24, 7
     device = _device(backend)
-    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=1)
+    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=1, rule=rule)
+    gated = rule != "delta"
     pool = torch.randn(S, Hv, K, V, generator=torch.Generator().manual_seed(2)).to(device)
     before = pool.clone()
     idx = torch.tensor(slots, dtype=torch.int32, device=device)
     gate = dict(g=g) if gated else {}
     chunk = {"chunk_size": 16} if form == "chunk" else {}
     with torch.no_grad():
-        o, ht = FORMS[gated, form](q, k, v, beta=beta, **gate, initial_state=pool, output_final_state=True,
+        o, ht = FORMS[rule, form](q, k, v, beta=beta, **gate, initial_state=pool, output_final_state=True,
                                    cu_seqlens=cu, inplace_final_state=inplace, ssm_state_indices=idx, **chunk)
     live = [n for n, s in enumerate(slots) if s >= 0]
     h0 = torch.stack([before[s] if s >= 0 else torch.zeros_like(before[0]) for s in slots])
-    o_ref, ht_ref = _reference(q, k, v, beta, g if gated else torch.zeros_like(g), h0, cu, K ** -0.5)
+    o_ref, ht_ref = _reference(q, k, v, beta, g, h0, cu, K ** -0.5)
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     for n in range(len(slots)):
         o_n, ref_n = o[0, bounds[n]:bounds[n + 1]], o_ref[0, bounds[n]:bounds[n + 1]]
@@ -190,8 +196,8 @@ def test_fused_sigmoid_gating_decode_step(backend, softplus, l2norm):
     assert torch.equal(pool_dev[untouched].cpu(), before[untouched])
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_speculative_verify_and_commit(backend, gated):
+@pytest.mark.parametrize("rule", RULES)
+def test_speculative_verify_and_commit(backend, rule):
     # vLLM's layout: a slot per token ([N, W]); each sequence starts from the state its last step accepted (column
     # num_accepted_tokens - 1) and, committed (inplace_final_state), the state after its token j lands in slot
     # [n, j]; a verify step without inplace_final_state writes nothing
@@ -199,13 +205,13 @@ def test_speculative_verify_and_commit(backend, gated):
     lengths, accepted = [3, 2, 3], [2, 1, 3]
     slots = [[0, 1, 2], [3, 4, -1], [-1, 6, 7]]  # the third sequence's first slot is padding, not its start
     device = _device(backend)
-    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=5)
+    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=5, rule=rule)
     pool = torch.randn(9, Hv, K, V, generator=torch.Generator().manual_seed(6)).to(device)
     before = pool.clone()
     idx = torch.tensor(slots, dtype=torch.int32, device=device)
     acc = torch.tensor(accepted, dtype=torch.int32, device=device)
-    fn = deltatron.fused_recurrent_gated_delta_rule if gated else deltatron.fused_recurrent_delta_rule
-    gate = dict(g=g) if gated else {}
+    fn = FORMS[rule, "fused_recurrent"]
+    gate = {} if rule == "delta" else dict(g=g)
     with torch.no_grad():
         o_verify, _ = fn(q, k, v, beta=beta, **gate, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
                          num_accepted_tokens=acc)
@@ -218,7 +224,7 @@ def test_speculative_verify_and_commit(backend, gated):
     for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         h0 = before[slots[n][accepted[n] - 1]]
         for j, t in enumerate(range(start, end)):  # the state after each prefix of the sequence's tokens
-            x = [y[:, start:t + 1] for y in (q, k, v, beta, g if gated else torch.zeros_like(g))]
+            x = [y[:, start:t + 1] for y in (q, k, v, beta, g)]
             o_ref, s_ref = _reference(*x, h0[None], torch.tensor([0, t + 1 - start]), K ** -0.5)
             assert rel_rms(o[:, t], o_ref[:, -1]) <= BOUNDS[torch.float32], (n, j)
             if slots[n][j] >= 0:

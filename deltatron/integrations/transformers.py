@@ -1,5 +1,5 @@
 """Hugging Face transformers: run the gated delta rule of its Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE
-and the other models that share that layer's code) on deltatron's ops.
+and the other models that share that layer's code), and Kimi Linear's KDA layers, on deltatron's ops.
 
     import deltatron.integrations.transformers as dt_hf
     dt_hf.enable()   # every Gated DeltaNet layer, built before or after this call, now runs deltatron
@@ -38,6 +38,13 @@ Not covered: a layer whose whole forward transformers replaces by a Hub kernel (
 `Qwen3_5GatedDeltaNet` on a few devices), and a modeling module whose functions have other signatures than the
 ones below (a later transformers release): enable() skips such a module with a RuntimeWarning rather than guess.
 
+Kimi Linear (kimi_linear). Its KDA layer calls `chunk_kimi_delta_attention` and `recurrent_kimi_delta_attention`
+the same way, with signatures equal to the two above and a per-channel g [B, T, H, K] that its forget gate makes;
+enable() rebinds them to adapters on `deltatron.chunk_kda` / `deltatron.fused_recurrent_kda` (on the Triton backend
+both run the token-serial KDA kernels, chunk_kda's docstring), and wraps its `causal_conv1d_fn` as above. That layer
+passes its caller's keywords on unchanged, so for packed sequences the KDA adapters take the offsets from
+`cu_seq_lens_q` where no `cu_seqlens` is given; its full-attention (MLA) layers stay transformers' own.
+
 Argument mapping. transformers' layers call the op as its PyTorch fallback is declared, `(query, key, value, g,
 beta, [chunk_size,] initial_state, output_final_state, use_qk_l2norm_in_kernel, **kwargs)`, all but the first three
 by keyword. The sixth positional parameter is `chunk_size` there but `scale` in fla's and deltatron's functions, so
@@ -61,16 +68,20 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..api import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from ..api import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 
 __all__ = ["enable", "disable", "is_enabled", "MODELING_MODULES", "MIN_TRANSFORMERS"]
 
 # transformers.models.<name>.modeling_<name> for every model whose Gated DeltaNet layer calls the functions below
 # (the same code, copied by transformers' modular files). Modules the installed transformers lacks are skipped.
-MODELING_MODULES: Tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp")
+# Kimi Linear's KDA layer (kimi_linear) calls its own two functions, with the same signatures, on a per-channel g.
+MODELING_MODULES: Tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp",
+                                     "kimi_linear")
 
 _CHUNK = "torch_chunk_gated_delta_rule"
 _RECURRENT = "torch_recurrent_gated_delta_rule"
+_KDA_CHUNK = "chunk_kimi_delta_attention"
+_KDA_RECURRENT = "recurrent_kimi_delta_attention"
 _CONV = "causal_conv1d_fn"
 # The parameters of transformers' PyTorch fallbacks, which fix how its layers call the ops (and so the adapters)
 _EXPECTED_PARAMS = {
@@ -80,6 +91,13 @@ _EXPECTED_PARAMS = {
                  "use_qk_l2norm_in_kernel", "kwargs"),
     _CONV: ("hidden_states", "weight", "bias", "activation", "kwargs"),
 }
+_EXPECTED_PARAMS[_KDA_CHUNK] = _EXPECTED_PARAMS[_CHUNK]
+_EXPECTED_PARAMS[_KDA_RECURRENT] = _EXPECTED_PARAMS[_RECURRENT]
+
+
+def _functions(name: str) -> Tuple[str, ...]:
+    """The functions enable() replaces in transformers.models.<name>.modeling_<name>."""
+    return (_KDA_CHUNK, _KDA_RECURRENT, _CONV) if name == "kimi_linear" else (_CHUNK, _RECURRENT, _CONV)
 
 # the first release whose layers look the functions up at call time, with the signatures above
 MIN_TRANSFORMERS = (5, 15)
@@ -95,37 +113,43 @@ def _exporting() -> bool:
         return False
 
 
-def _make_chunk_adapter(original: Callable) -> Callable:
+def _cu_seqlens(kwargs: dict, packed_keyword: bool):
+    """The packed sequences' offsets a layer hands the op: `cu_seqlens`; for Kimi Linear's layer (packed_keyword),
+    which passes its caller's keywords on unchanged, else the flash-attention keyword `cu_seq_lens_q`."""
+    cu_seqlens = kwargs.get("cu_seqlens")
+    return kwargs.get("cu_seq_lens_q") if cu_seqlens is None and packed_keyword else cu_seqlens
+
+
+def _make_chunk_adapter(original: Callable, op: str = "chunk_gated_delta_rule") -> Callable:
     def chunk_gated_delta_rule_adapter(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                        output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-        """transformers' `torch_chunk_gated_delta_rule` on `deltatron.chunk_gated_delta_rule` (see
-        deltatron.integrations.transformers)."""
+        """transformers' `torch_chunk_gated_delta_rule` on `deltatron.chunk_gated_delta_rule` (Kimi Linear's
+        `chunk_kimi_delta_attention` on `deltatron.chunk_kda`; see deltatron.integrations.transformers)."""
         if _exporting():
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-        return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                                      output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      cu_seqlens=kwargs.get("cu_seqlens"), chunk_size=chunk_size)
+        return globals()[op](query, key, value, g=g, beta=beta, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             cu_seqlens=_cu_seqlens(kwargs, op == "chunk_kda"), chunk_size=chunk_size)
 
     chunk_gated_delta_rule_adapter._deltatron_original = original
     return chunk_gated_delta_rule_adapter
 
 
-def _make_recurrent_adapter(original: Callable) -> Callable:
+def _make_recurrent_adapter(original: Callable, op: str = "fused_recurrent_gated_delta_rule") -> Callable:
     def recurrent_gated_delta_rule_adapter(query, key, value, g, beta, initial_state=None, output_final_state=False,
                                            use_qk_l2norm_in_kernel=False, **kwargs):
-        """transformers' `torch_recurrent_gated_delta_rule` on `deltatron.fused_recurrent_gated_delta_rule` (see
+        """transformers' `torch_recurrent_gated_delta_rule` on `deltatron.fused_recurrent_gated_delta_rule` (Kimi
+        Linear's `recurrent_kimi_delta_attention` on `deltatron.fused_recurrent_kda`; see
         deltatron.integrations.transformers)."""
         if _exporting():
             return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
                             output_final_state=output_final_state,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-        return fused_recurrent_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                                                output_final_state=output_final_state,
-                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                                cu_seqlens=kwargs.get("cu_seqlens"))
+        return globals()[op](query, key, value, g=g, beta=beta, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             cu_seqlens=_cu_seqlens(kwargs, op == "fused_recurrent_kda"))
 
     recurrent_gated_delta_rule_adapter._deltatron_original = original
     return recurrent_gated_delta_rule_adapter
@@ -155,7 +179,9 @@ def _make_conv_adapter(original: Callable) -> Callable:
     return causal_conv1d_fn_adapter
 
 
-_ADAPTERS = {_CHUNK: _make_chunk_adapter, _RECURRENT: _make_recurrent_adapter, _CONV: _make_conv_adapter}
+_ADAPTERS = {_CHUNK: _make_chunk_adapter, _RECURRENT: _make_recurrent_adapter, _CONV: _make_conv_adapter,
+             _KDA_CHUNK: lambda fn: _make_chunk_adapter(fn, "chunk_kda"),
+             _KDA_RECURRENT: lambda fn: _make_recurrent_adapter(fn, "fused_recurrent_kda")}
 
 
 def _import(name: str):
@@ -199,7 +225,7 @@ def enable(models: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
             if models is not None:
                 raise ValueError(f"enable: the installed transformers has no transformers.models.{name}")
             continue
-        current = {attr: getattr(module, attr, None) for attr in _ADAPTERS}
+        current = {attr: getattr(module, attr, None) for attr in _functions(name)}
         todo = {attr: fn for attr, fn in current.items() if not hasattr(fn, "_deltatron_original")}
         bad = [attr for attr, fn in todo.items() if fn is None or not _signature_matches(fn, attr)]
         if bad:
@@ -228,4 +254,4 @@ def is_enabled(model: str) -> bool:
     """Whether transformers.models.<model>.modeling_<model> has deltatron's adapters in place (enable())."""
     module = _import(model) if model in MODELING_MODULES else None
     return module is not None and all(hasattr(getattr(module, attr, None), "_deltatron_original")
-                                      for attr in _ADAPTERS)
+                                      for attr in _functions(model))

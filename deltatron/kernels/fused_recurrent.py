@@ -19,7 +19,12 @@ run per value head (HV of them), reading q, k of key head i_h // (HV / HK); with
 S <- exp(g_t) S, before each token's write. dq, dk are written per value head and summed over each group of
 G value heads on the host (a fixed order). The gated backward never steps the state back: S_{t-1} =
 (S_t - k v'^T) / exp(g_t) divides by exp(-20) per token under strong gates. It rebuilds states forward from
-the checkpoints instead (see fused_recurrent_bwd_kernel)."""
+the checkpoints instead (see fused_recurrent_bwd_kernel).
+
+Kimi Delta Attention (DESIGN.md §12), the constexpr USE_GK with USE_G: g holds a log decay per key channel,
+g [tokens, H, K], and the state's row c decays by exp(g_t[c]): S <- diag(exp(g_t)) S. The backward's gradient of
+g_t is then per channel, dg_t[c] = sum_v S~_t[c, v] dS~_t[c, v] (a row sum instead of the whole tile's sum), the
+V-blocks' partial sums added on the host as dbeta's."""
 from __future__ import annotations
 
 import torch
@@ -48,12 +53,14 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
                                H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
                                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEG: tl.constexpr,
                                USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                               SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr, USE_INDICES: tl.constexpr,
+                               SAVE_FOR_BACKWARD: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
+                               USE_INDICES: tl.constexpr,
                                FINAL_IN_POOL: tl.constexpr, TOKEN_STATES: tl.constexpr, SPEC: tl.constexpr,
                                TOKEN_BUFFER: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
                                BETA_SIGMOID: tl.constexpr, QK_L2NORM: tl.constexpr):
     """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
-    log decays, S <- exp(g_t) S before each token's write. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
+    log decays, S <- exp(g_t) S before each token's write; with USE_GK g [tokens, H, K], one per key channel (KDA),
+    S <- diag(exp(g_t)) S. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
     the decayed state) and the state entering every SEG-token segment into h [segments, H, K, V]
     (segment_offsets: first global segment of each sequence). USE_INDICES: h0 is a pool of num_slots states and
     sequence n starts from slot state_indices[n]; a slot outside [0, num_slots) (-1: padding) reads and writes no
@@ -70,6 +77,7 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
     tl.static_assert(not (SAVE_FOR_BACKWARD and (GATE_IN_KERNEL or BETA_SIGMOID or QK_L2NORM)),
                      "the in-kernel gate, beta and norm are for inference")
     tl.static_assert(USE_INDICES or not TOKEN_BUFFER, "the token buffer goes with a pool's slots")
+    tl.static_assert(not (USE_GK and GATE_IN_KERNEL), "the in-kernel gate is the per-head one")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_s = i_nh  # the state's row in h0 (and in ht with FINAL_IN_POOL)
@@ -110,7 +118,9 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
     p_beta = beta + first
     if TOKEN_BUFFER:
         b_row = tl.load(token_rows + i_n).to(tl.int64)
-    if USE_G:
+    if USE_GK:
+        p_g = g + first * K + o_k
+    elif USE_G:
         p_g = g + first
         if GATE_IN_KERNEL:
             b_decay_rate = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -129,7 +139,10 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
         b_beta = tl.load(p_beta).to(tl.float32)
         if BETA_SIGMOID:
             b_beta = beta_scale * tl.sigmoid(b_beta)
-        if USE_G:
+        if USE_GK:
+            b_S *= tl.exp(tl.load(p_g, mask=m_k, other=0.0).to(tl.float32))[:, None]  # S <- diag(exp(g)) S
+            p_g += H * K
+        elif USE_G:
             b_g = tl.load(p_g).to(tl.float32)
             if GATE_IN_KERNEL:  # g = -exp(A_log) softplus(a + dt_bias)
                 b_x = b_g + b_dt_bias
@@ -178,14 +191,18 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
 
 @triton.jit
 def _walk(b_S, u0, u1, k, e, beta, g, i_h, i_hk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
-          V: tl.constexpr, o_k, o_v, m_k, m_v):
-    """The gated state stepped forward over tokens [u0, u1): S <- exp(g_u) S + k_u (beta_u e_u)^T, the
-    forward's own operations on its saved e (no reductions), so the forward's states come out."""
+          V: tl.constexpr, o_k, o_v, m_k, m_v, USE_GK: tl.constexpr):
+    """The gated state stepped forward over tokens [u0, u1): S <- exp(g_u) S + k_u (beta_u e_u)^T (diag(exp(g_u))
+    per channel with USE_GK), the forward's own operations on its saved e (no reductions), so the forward's states
+    come out."""
     for u in range(u0, u1):
         b_k = tl.load(k + (u * HK + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_e = tl.load(e + (u * H + i_h) * V + o_v, mask=m_v, other=0.0)
         b_beta = tl.load(beta + u * H + i_h).to(tl.float32)
-        b_S *= tl.exp(tl.load(g + u * H + i_h).to(tl.float32))
+        if USE_GK:
+            b_S *= tl.exp(tl.load(g + (u * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32))[:, None]
+        else:
+            b_S *= tl.exp(tl.load(g + u * H + i_h).to(tl.float32))
         b_S += b_k[:, None] * (b_beta * b_e)[None, :]
     return b_S
 
@@ -195,9 +212,9 @@ def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbe
                                segment_offsets, scale, num_tokens, H: tl.constexpr, HK: tl.constexpr,
                                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                SEG: tl.constexpr, SUB: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
-                               USE_INITIAL_STATE: tl.constexpr, USE_G: tl.constexpr):
-    """Reverse sweep. dq, dk [NV, tokens, H, K] (per value head), dbeta and dg [NV, tokens, H] receive this
-    V-block's partial sums over V; dv [tokens, H, V] and dh0 are complete per V-block.
+                               USE_INITIAL_STATE: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+    """Reverse sweep. dq, dk [NV, tokens, H, K] (per value head), dbeta and dg [NV, tokens, H] ([NV, tokens, H, K]
+    with USE_GK) receive this V-block's partial sums over V; dv [tokens, H, V] and dh0 are complete per V-block.
 
     The state each token's gradient needs: ungated, S_{t-1}, stepped back by subtraction from S_t (exact at a
     segment's first token: the checkpoint). Gated (USE_G), S_{t-1} rebuilt forward, never backward (dividing
@@ -242,7 +259,10 @@ def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbe
     p_dk = dk + (part + last) * K + o_k
     p_dv = dv + last * V + o_v
     p_dbeta = dbeta + part + last
-    if USE_G:
+    if USE_GK:
+        p_g = g + last * K + o_k
+        p_dg = dg + (part + last) * K + o_k
+    elif USE_G:
         p_g = g + last
         p_dg = dg + part + last
     for j in range(bos, eos):
@@ -254,15 +274,19 @@ def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbe
         b_beta = tl.load(p_beta).to(tl.float32)
         b_vn = b_beta * b_e                                     # v'_t, bit-for-bit the forward's
         if USE_G:
-            b_gexp = tl.exp(tl.load(p_g).to(tl.float32))
+            if USE_GK:  # one factor per row of the state
+                b_gexp = tl.exp(tl.load(p_g, mask=m_k, other=0.0).to(tl.float32))[:, None]
+            else:
+                b_gexp = tl.exp(tl.load(p_g).to(tl.float32))
             rel = t - bos
             sub_start = bos + rel // SUB * SUB
             if (t == eos - 1) | ((rel + 1) % SUB == 0):  # entering a sub-block: its starting state
                 p_h, _ = state_offsets((first_segment + rel // SEG) * H + i_h, 0, i_v * BV, K, V, BK, BV)
                 b_Sb = _walk(tl.load(h + p_h, mask=m_S, other=0.0), bos + rel // SEG * SEG, sub_start,
-                             k, e, beta, g, i_h, i_hk, H, HK, K, V, o_k, o_v, m_k, m_v)
+                             k, e, beta, g, i_h, i_hk, H, HK, K, V, o_k, o_v, m_k, m_v, USE_GK)
             # b_S: the decayed state S~_t = exp(g_t) S_{t-1} that token t's write reads; S_t = S~_t + k v'^T
-            b_S = b_gexp * _walk(b_Sb, sub_start, t, k, e, beta, g, i_h, i_hk, H, HK, K, V, o_k, o_v, m_k, m_v)
+            b_S = b_gexp * _walk(b_Sb, sub_start, t, k, e, beta, g, i_h, i_hk, H, HK, K, V, o_k, o_v, m_k, m_v,
+                                 USE_GK)
             b_dq = scale * (tl.sum(b_S * b_do[None, :], 1) + tl.sum(b_vn * b_do, 0) * b_k)
         else:
             # o_t = scale S_t^T q_t
@@ -282,11 +306,16 @@ def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbe
         b_dbeta = tl.sum(b_dvn * b_e, 0)
         b_dS -= b_k[:, None] * b_dv[None, :]                    # dS_{t-1} (dS~_t gated)
         if USE_G:
-            # S~_t = exp(g_t) S_{t-1}: dg_t = exp(g_t) <S_{t-1}, dS~_t> = <S~_t, dS~_t>
-            tl.store(p_dg, tl.sum(tl.sum(b_S * b_dS, 1), 0))
+            # S~_t = exp(g_t) S_{t-1}: dg_t = exp(g_t) <S_{t-1}, dS~_t> = <S~_t, dS~_t> (per row with USE_GK)
+            if USE_GK:
+                tl.store(p_dg, tl.sum(b_S * b_dS, 1), mask=m_k)
+                p_g -= H * K
+                p_dg -= H * K
+            else:
+                tl.store(p_dg, tl.sum(tl.sum(b_S * b_dS, 1), 0))
+                p_g -= H
+                p_dg -= H
             b_dS *= b_gexp                                      # dS_{t-1}
-            p_g -= H
-            p_dg -= H
         tl.store(p_dq, b_dq, mask=m_k)
         tl.store(p_dk, b_dk, mask=m_k)
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_v)
@@ -318,7 +347,8 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
             inplace_final_state=False, g=None, state_indices=None, raw_gate=None, beta_logits_scale=None,
             qk_l2norm=False, num_accepted_tokens=None, token_buffer=None):
     """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
-    ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv]; Hk divides Hv. With
+    ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv], or [B, T, Hv, K] per key channel (KDA);
+    Hk divides Hv. With
     needs_backward, saved = (e, per-segment states, final state) for the backward; without it (inference,
     decoding) nothing is saved or written beyond o and the final state. inplace_final_state writes the final
     state over initial_state (fp32, contiguous: checked by the api). state_indices [N] (inference): initial_state
@@ -364,7 +394,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
         *((float(raw_gate[2]), float(raw_gate[3])) if raw_gate else (1.0, 20.0)),
         H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, SEG=SEGMENT, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=ht is not None and not token_states,  # (else every token's state went to its slot)
-        SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None,
+        SAVE_FOR_BACKWARD=needs_backward, USE_G=g is not None, USE_GK=g is not None and g.dim() == 4,
         USE_INDICES=state_indices is not None, SPEC=num_accepted_tokens is not None,
         FINAL_IN_POOL=state_indices is not None and state_indices.dim() == 1 and inplace_final_state,
         TOKEN_STATES=token_states, TOKEN_BUFFER=token_buffer is not None,
@@ -397,7 +427,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_
     dq = torch.empty(NV, *v.shape[:3], K, dtype=torch.float32, device=q.device)
     dk = torch.empty(NV, *v.shape[:3], K, dtype=torch.float32, device=q.device)
     dbeta = torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)
-    dg = None if g is None else torch.empty(NV, *beta.shape, dtype=torch.float32, device=q.device)
+    dg = None if g is None else torch.empty(NV, *g.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     dh0 = None if initial_state is None else torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
     launch(
@@ -405,7 +435,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, inplace_
         q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbeta, dg, dh0, info.cu_seqlens,
         info.chunks(SEGMENT).chunk_offsets, scale, info.total_tokens, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
         SEG=SEGMENT, SUB=SUBSEGMENT, USE_FINAL_STATE_GRADIENT=dht is not None,
-        USE_INITIAL_STATE=initial_state is not None, USE_G=g is not None, num_warps=num_warps,
+        USE_INITIAL_STATE=initial_state is not None, USE_G=g is not None, USE_GK=g is not None and g.dim() == 4,
+        num_warps=num_warps,
     )
     # V-block (and value-head group) partial sums, added in a fixed order
     return (_sum_groups(dq, G), _sum_groups(dk, G), dv, dbeta.sum(0), dh0,

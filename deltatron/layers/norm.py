@@ -1,4 +1,4 @@
-"""RMSNorm with a SiLU output gate: the output normalization of a DeltaNet layer."""
+"""RMSNorm with an output gate (SiLU, or sigmoid as Kimi Linear's): the output normalization of a DeltaNet layer."""
 from __future__ import annotations
 
 import torch
@@ -6,13 +6,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class GatedRMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight * silu(g) over the last dimension, computed in fp32 (float64
-    stays float64) and returned in x's dtype."""
+ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+
+class GatedRMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight * act(g) over the last dimension, act = silu (default) or sigmoid,
+    computed in fp32 (float64 stays float64) and returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str = "silu"):
         super().__init__()
-        self.eps = eps
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.eps, self.activation = eps, activation
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -20,4 +25,4 @@ class GatedRMSNorm(nn.Module):
         compute = torch.promote_types(dtype, torch.float32)
         x = x.to(compute)
         y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight.to(compute)
-        return (y * F.silu(g.to(compute))).to(dtype)
+        return (y * ACTIVATIONS[self.activation](g.to(compute))).to(dtype)

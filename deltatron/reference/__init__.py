@@ -1,5 +1,6 @@
 """Pure-PyTorch delta rule: the float64 oracles of every kernel (DESIGN.md §10) and the CPU backend of the public
-API (§9); the gated delta rule's oracles (§11)."""
+API (§9); the gated delta rule's oracles (§11), which also
+take KDA's per-channel gate (§12)."""
 from .chunk import chunk_delta_rule_reference, intra_chunk_wy
 from .common import L2NORM_EPS, l2norm
 from .gated import (

@@ -1,9 +1,12 @@
-"""The gated delta rule with grouped value heads (DESIGN.md §11): the float64 oracles of its kernels.
+"""The gated delta rule with grouped value heads (DESIGN.md §11) and Kimi Delta Attention (KDA, per-channel
+gates, §12): the float64 oracles of their kernels.
 
 Per token, value head h (its query/key head h // (Hv / Hk)):
-    S <- exp(g_t) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale S^T q_t.
-Three forms: the token recurrence (the definition), the chunkwise WY form (autograd-differentiable), and the
-manual chunkwise backward that the kernels implement (no autograd inside). All compute in the inputs' dtype."""
+    S <- diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale S^T q_t,
+with g_t one log decay per head (g [B, T, Hv], Gated DeltaNet: every row of S decays alike) or one per key channel
+(g [B, T, Hv, K], KDA: row c of S decays by exp(g_t[c])). Three forms: the token recurrence (the definition), the
+chunkwise WY form (autograd-differentiable; both gates), and the manual chunkwise backward that the kernels
+implement (no autograd inside; the per-head gate). All compute in the inputs' dtype."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -79,11 +82,23 @@ def _check_varlen(q, cu_seqlens):
 
 # ---------------------------------------------------------------- the recurrence
 
+def _per_channel(g: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether g [B, T, H, K] is KDA's per-channel gate (else g [B, T, H], one decay per head)."""
+    return g.dim() == v.dim()
+
+
+def _on_rows(factor: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    """A decay factor ([..., H] per head, [..., H, K] per channel) shaped to scale the rows of [..., H, K, *]."""
+    return factor[..., None] if per_channel else factor[..., None, None]
+
+
 def _recurrence(q, k, v, g, beta, S, scale):
-    # q, k: [B, T, H, K] (already expanded to the value heads); v: [B, T, H, V]; g, beta: [B, T, H]; S: [B, H, K, V]
+    # q, k: [B, T, H, K] (already expanded to the value heads); v: [B, T, H, V]; beta: [B, T, H]; g: [B, T, H] or
+    # [B, T, H, K]; S: [B, H, K, V]
+    per_channel = _per_channel(g, v)
     outs = []
     for t in range(q.shape[1]):
-        S = torch.exp(g[:, t])[..., None, None] * S  # decay
+        S = _on_rows(torch.exp(g[:, t]), per_channel) * S  # decay
         k_t = k[:, t]
         v_new = beta[:, t][..., None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S))
         S = S + k_t[..., None] * v_new[..., None, :]
@@ -105,9 +120,9 @@ def recurrent_gated_delta_rule(
 ):
     """The gated delta rule token by token, in the inputs' dtype.
 
-    q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g (log decay, <= 0), beta: [B, T, Hv]; initial_state [N, Hv, K, V]
-    (N = B, or the number of sequences with cu_seqlens, B == 1). Hv must be a multiple of Hk.
-    Returns (o [B, T, Hv, V], final state [N, Hv, K, V] or None)."""
+    q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g (log decays, <= 0): [B, T, Hv], or [B, T, Hv, K] per key channel (KDA);
+    beta: [B, T, Hv]; initial_state [N, Hv, K, V] (N = B, or the number of sequences with cu_seqlens, B == 1). Hv
+    must be a multiple of Hk. Returns (o [B, T, Hv, V], final state [N, Hv, K, V] or None)."""
     return _run_sequences(lambda q, k, v, g, b, s: _recurrence(q, k, v, g, b, s, scale), q, k, v, g, beta,
                           initial_state, output_final_state, cu_seqlens)
 
@@ -124,52 +139,78 @@ def _run_sequences(walk: Callable, q, k, v, g, beta, initial_state, output_final
 
 # ---------------------------------------------------------------- the chunkwise form
 
-def _masked_exp_diff(gam: torch.Tensor) -> torch.Tensor:
-    """E_ij = exp(gam_i - gam_j) for j < i, 1 on the diagonal, 0 above it. The mask is applied to the exponent
-    (-inf) before exp, so the positive differences above the diagonal are never exponentiated; the diagonal is
-    the constant 1 (no dependence on gamma: its +/- gradient terms, equal and opposite, are never formed)."""
-    C = gam.shape[-1]
+def _masked_exp_diff(gam: torch.Tensor, per_channel: bool = False) -> torch.Tensor:
+    """E_ij = exp(gam_i - gam_j) for j < i, 1 on the diagonal, 0 above it: gam [..., C] gives E [..., C, C]; per
+    channel (KDA), gam [..., C, K] gives E [..., C, C, K], one such matrix per key channel. The mask is applied to
+    the exponent (-inf) before exp, so the positive differences above the diagonal are never exponentiated; the
+    diagonal is the constant 1 (no dependence on gamma: its +/- gradient terms, equal and opposite, are never
+    formed)."""
+    C = gam.shape[-2] if per_channel else gam.shape[-1]
     strict = torch.ones(C, C, dtype=torch.bool, device=gam.device).tril(-1)
-    diff = gam[..., :, None] - gam[..., None, :]
     eye = torch.eye(C, dtype=gam.dtype, device=gam.device)
+    if per_channel:
+        diff = gam[..., :, None, :] - gam[..., None, :, :]
+        strict, eye = strict[..., None], eye[..., None]
+    else:
+        diff = gam[..., :, None] - gam[..., None, :]
     return torch.exp(torch.where(strict, diff, torch.full_like(diff, float("-inf")))) + eye
 
 
-def _decay_to_end(g_c: torch.Tensor) -> torch.Tensor:
-    """gamma_C - gamma_i = sum_{l > i} g_l within the chunk, as an exclusive suffix sum of g (not a difference of
-    cumulative sums: then its gradient is an exclusive prefix sum, with no cancelling terms)."""
-    suffix = g_c.flip(-1).cumsum(-1).flip(-1)
-    return torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], -1)
+def _decay_to_end(g_c: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """gamma_C - gamma_i = sum_{l > i} g_l within the chunk (the token dimension dim), as an exclusive suffix sum
+    of g (not a difference of cumulative sums: then its gradient is an exclusive prefix sum, with no cancelling
+    terms)."""
+    suffix = g_c.flip(dim).cumsum(dim).flip(dim)
+    C = g_c.shape[dim]
+    return torch.cat([suffix.narrow(dim, 1, C - 1), torch.zeros_like(suffix.narrow(dim, 0, 1))], dim)
+
+
+def _on_keys(factor: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    """A decay factor per token ([..., C]) or per token and key channel ([..., C, K]) shaped to scale [..., C, K]."""
+    return factor if per_channel else factor[..., None]
+
+
+def _decayed_products(a: torch.Tensor, b: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
+    """P_ij = sum_c a_ic b_jc E_ij(c) for a, b [..., C, K]: (a b^T) ⊙ E with a per-head gate (E [..., C, C]); per
+    channel (E [..., C, C, K]) the decay sits inside the sum over channels and cannot be factored out of it."""
+    if E.dim() == a.dim():
+        return (a @ b.transpose(-1, -2)) * E
+    return torch.einsum("...ic,...jc,...ijc->...ij", a, b, E)
 
 
 def gated_intra_chunk(k_c, v_c, g_c, b_c):
-    """Per chunk ([..., C, *]): gamma = cumsum(g), E = exp(gamma_i - gamma_j) (j <= i),
-    A = tril(diag(beta) (K K^T ⊙ E), -1), Tinv = (I + A)^{-1}, W = Tinv diag(beta exp(gamma)) K,
-    U = Tinv diag(beta) V. Returns (gamma, E, A, Tinv, W, U)."""
+    """Per chunk ([..., C, *]; g_c [..., C], or [..., C, K] per channel): gamma = cumsum(g) along the chunk,
+    E = exp(gamma_i - gamma_j) (j <= i; per channel with a per-channel gate), A = tril(diag(beta) (K K^T ⊙ E), -1)
+    (per channel: A_ij = beta_i sum_c k_ic k_jc E_ij(c)), Tinv = (I + A)^{-1}, W = Tinv diag(beta) (exp(gamma) ⊙ K),
+    U = Tinv diag(beta) V. Every exponent is <= 0. Returns (gamma, E, A, Tinv, W, U)."""
     C = k_c.shape[-2]
-    gam = g_c.cumsum(-1)
-    E = _masked_exp_diff(gam)
-    A = torch.tril(b_c[..., None] * (k_c @ k_c.transpose(-1, -2)) * E, diagonal=-1)
+    per_channel = _per_channel(g_c, k_c)
+    gam = g_c.cumsum(-2 if per_channel else -1)
+    E = _masked_exp_diff(gam, per_channel)
+    A = torch.tril(b_c[..., None] * _decayed_products(k_c, k_c, E), diagonal=-1)
     eye = torch.eye(C, dtype=k_c.dtype, device=k_c.device)
     Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-    W = Tinv @ ((b_c * torch.exp(gam))[..., None] * k_c)
+    W = Tinv @ (b_c[..., None] * _on_keys(torch.exp(gam), per_channel) * k_c)
     U = Tinv @ (b_c[..., None] * v_c)
     return gam, E, A, Tinv, W, U
 
 
 def _chunkwise(q, k, v, g, beta, S, scale, chunk_size):
     T = q.shape[1]
+    per_channel = _per_channel(g, v)
+    tdim = -2 if per_channel else -1  # g's token dimension in a chunk
     q_c, k_c, v_c, g_c, b_c = (to_chunks(x, chunk_size) for x in (q, k, v, g, beta))  # padding: g = beta = 0
     gam, E, _, _, W, U = gated_intra_chunk(k_c, v_c, g_c, b_c)
-    qk = (q_c @ k_c.transpose(-1, -2)) * E  # E is already 0 above the diagonal
-    e = torch.exp(gam)  # exp(gamma_i) <= 1
-    decay_last = torch.exp(_decay_to_end(g_c))  # exp(gamma_C - gamma_i) <= 1 (gamma_C: the last row's, padding adds 0)
+    qk = _decayed_products(q_c, k_c, E)  # E is already 0 above the diagonal
+    qe = _on_keys(torch.exp(gam), per_channel) * q_c  # q_i ⊙ exp(gamma_i), exp(gamma_i) <= 1
+    # k_i ⊙ exp(gamma_C - gamma_i) <= 1 (gamma_C: the last row's, padding adds 0)
+    kd = _on_keys(torch.exp(_decay_to_end(g_c, tdim)), per_channel) * k_c
+    last = torch.exp(gam.select(tdim, -1))  # exp(gamma_C) [b, H, NC] (per channel [b, H, NC, K])
     outs = []
     for c in range(q_c.shape[2]):
         v_new = U[:, :, c] - W[:, :, c] @ S
-        outs.append(scale * (e[:, :, c, :, None] * (q_c[:, :, c] @ S) + qk[:, :, c] @ v_new))
-        S = torch.exp(gam[:, :, c, -1])[..., None, None] * S + (
-            decay_last[:, :, c, :, None] * k_c[:, :, c]).transpose(-1, -2) @ v_new
+        outs.append(scale * (qe[:, :, c] @ S + qk[:, :, c] @ v_new))
+        S = _on_rows(last[:, :, c], per_channel) * S + kd[:, :, c].transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2) if outs else v_c
     return from_chunks(o, T), S, (True, False)
 
@@ -186,8 +227,11 @@ def chunk_gated_delta_rule_reference(
     cu_seqlens: Optional[torch.Tensor] = None,
     chunk_size: int = 64,
 ):
-    """The chunkwise WY form of the gated delta rule (DESIGN.md §11); same arguments and results as
-    recurrent_gated_delta_rule, plus chunk_size. Chunks never cross sequences; differentiable by autograd."""
+    """The chunkwise WY form of the gated delta rule (DESIGN.md §11) and of KDA (g [B, T, Hv, K], §12); same
+    arguments and results as recurrent_gated_delta_rule, plus chunk_size. Chunks never cross sequences;
+    differentiable by autograd. Every decay factor is exp of a non-positive difference of cumulative sums of g
+    within one chunk (per channel for KDA), so strong gates (a chunk's cumulative log decay of -1000 and below)
+    stay finite and accurate."""
     return _run_sequences(lambda q, k, v, g, b, s: _chunkwise(q, k, v, g, b, s, scale, chunk_size), q, k, v, g,
                           beta, initial_state, output_final_state, cu_seqlens)
 
@@ -299,7 +343,11 @@ def chunk_gated_delta_rule_backward_reference(
 
     do: [B, T, Hv, V], the gradient of o; dht: [N, Hv, K, V], the gradient of the final state, or None (0).
     Returns (dq, dk [B, T, Hk, K] summed over each group's value heads, dv, dg, dbeta, dh0 [N, Hv, K, V],
-    or None when initial_state is None)."""
+    or None when initial_state is None). The per-head gate g [B, T, Hv] only: KDA's per-channel gate is
+    differentiated by autograd through chunk_gated_delta_rule_reference."""
+    if g.dim() != 3:
+        raise ValueError(f"chunk_gated_delta_rule_backward_reference: g must have shape [B, T, Hv] (a per-head gate), "
+                         f"got {list(g.shape)}")
     G = _group_size(q, k, v)
     _check_varlen(q, cu_seqlens)
     K = k.shape[-1]

@@ -1,7 +1,7 @@
 """deltatron.integrations.transformers: transformers' Gated DeltaNet models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) with
-deltatron's gated delta rule against the same models on transformers' own PyTorch fallback (logits, gradients to
-every parameter, cached decoding, fp64), packed sequences against separate runs, the adapters against
-transformers' reference functions on random inputs, and enable()/disable()."""
+deltatron's gated delta rule, and Kimi Linear with deltatron's KDA, against the same models on transformers' own
+PyTorch fallback (logits, gradients to every parameter, cached decoding, fp64), packed sequences against separate
+runs, the adapters against transformers' reference functions on random inputs, and enable()/disable()."""
 import importlib
 import importlib.util
 import inspect
@@ -18,6 +18,7 @@ import deltatron.integrations.transformers as dt_hf  # noqa: E402
 from ..helpers import rel_rms  # noqa: E402
 
 CHUNK, RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
+KDA_CHUNK, KDA_RECURRENT = "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"
 TOL = 1e-4  # relative RMS; transformers' fallback computes in fp32 also for fp64 models, so fp64 gets it too
 
 
@@ -38,10 +39,11 @@ def _restore():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Records each call of deltatron's gated ops by the adapters: {"chunk": [cu_seqlens, ...], "recurrent": [...]},
-    so that a test cannot pass by comparing transformers' fallback with itself."""
+    """Records each call of deltatron's gated and KDA ops by the adapters: {"chunk": [cu_seqlens, ...], "recurrent":
+    [...]}, so that a test cannot pass by comparing transformers' fallback with itself."""
     seen = {"chunk": [], "recurrent": []}
-    for key, name in (("chunk", "chunk_gated_delta_rule"), ("recurrent", "fused_recurrent_gated_delta_rule")):
+    for key, name in (("chunk", "chunk_gated_delta_rule"), ("recurrent", "fused_recurrent_gated_delta_rule"),
+                      ("chunk", "chunk_kda"), ("recurrent", "fused_recurrent_kda")):
         real = getattr(dt_hf, name)
         monkeypatch.setattr(dt_hf, name, lambda *a, _real=real, _key=key, **k: seen[_key].append(k["cu_seqlens"])
                             or _real(*a, **k))
@@ -57,10 +59,11 @@ def reference(module, attr):
 # ---------------------------------------------------------------------------------------------------------------
 # The adapters against transformers' reference functions, on random inputs
 
-def op_inputs(B, T, Hk, Hv, K, V, seed=0):
+def op_inputs(B, T, Hk, Hv, K, V, seed=0, per_channel=False):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)
-    return dict(query=r(B, T, Hk, K), key=r(B, T, Hk, K), value=r(B, T, Hv, V), g=F.logsigmoid(r(B, T, Hv) + 2),
+    g = F.logsigmoid(r(B, T, Hv, *((K,) if per_channel else ())) + 2)  # per key channel: KDA's
+    return dict(query=r(B, T, Hk, K), key=r(B, T, Hk, K), value=r(B, T, Hv, V), g=g,
                 beta=torch.sigmoid(r(B, T, Hv)), initial_state=r(B, Hv, K, V) * 0.3)
 
 
@@ -316,3 +319,102 @@ def test_enable_refuses_unknown_models_and_old_transformers_and_skips_unexpected
         assert dt_hf.enable(["qwen3_next"]) == ()
     assert getattr(module, CHUNK) is drifted and not dt_hf.is_enabled("qwen3_next")
     assert not any(hasattr(getattr(module, a), "_deltatron_original") for a in (RECURRENT, "causal_conv1d_fn"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kimi Linear: its KDA layer's two functions on deltatron.chunk_kda / fused_recurrent_kda
+
+@pytest.mark.parametrize("attr, T", [(KDA_CHUNK, 37), (KDA_CHUNK, 130), (KDA_RECURRENT, 1), (KDA_RECURRENT, 9)])
+def test_kda_adapters_match_transformers_reference_functions(attr, T):
+    module = modeling("kimi_linear")
+    ref_fn = reference(module, attr)
+    x = op_inputs(2, T, 3, 3, 16, 24, per_channel=True)  # Kimi Linear's layer has as many key as value heads
+    o_ref, s_ref, g_ref = run_op(ref_fn, x)
+    dt_hf.enable(["kimi_linear"])
+    o, s, grads = run_op(getattr(module, attr), x, **MODEL_KWARGS)
+    assert_close(o, o_ref, "o")
+    assert_close(s, s_ref, "final state")
+    for n in x:
+        assert_close(grads[n], g_ref[n], f"d{n}")
+
+
+def build_kimi(layer_types=("linear_attention", "full_attention"), seed=0):
+    """A tiny random Kimi Linear model (a KDA layer and an MLA layer, dense and MoE MLPs), weights ~ N(0, 0.2) and
+    decays exp(g) mostly in (0.5, 1) per channel (as build's)."""
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+    config = KimiLinearConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, num_local_experts=4, num_experts_per_tok=2, layer_types=list(layer_types),
+        mlp_layer_types=["dense", "sparse"][:len(layer_types)], linear_attn_config={"head_dim": 16, "num_heads": 2},
+        rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = KimiLinearForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        for layer in model.model.layers:
+            gate = getattr(layer.self_attn, "forget_gate", None)
+            if gate is not None:
+                gate.A_log.copy_((torch.rand(gate.A_log.shape, generator=gen) * 0.95 + 0.05).log())
+                gate.dt_bias.copy_(torch.randn(gate.dt_bias.shape, generator=gen) - 1)
+    return model.train()
+
+
+def test_kimi_linear_logits_and_gradients_match_transformers_fallback(calls):
+    modeling("kimi_linear")
+    model = build_kimi()
+    ids = torch.randint(0, 64, (2, 45), generator=torch.Generator().manual_seed(1))
+    logits_ref, grads_ref = loss_and_grads(model, ids)
+    assert dt_hf.enable(["kimi_linear"]) == ("kimi_linear",)
+    logits, grads = loss_and_grads(model, ids)
+    assert calls["chunk"] == [None]
+    assert_close(logits, logits_ref, "logits")
+    assert set(grads) == set(grads_ref)
+    for n in grads_ref:
+        if grads_ref[n] is not None:  # (an expert no token was routed to has none, either way)
+            assert_close(grads[n], grads_ref[n], f"d {n}")
+
+
+def test_kimi_linear_cached_decoding_matches_transformers_fallback(calls):
+    modeling("kimi_linear")
+    model = build_kimi().eval()
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
+
+    @torch.no_grad()
+    def decode():
+        out = model(ids[:, :20], use_cache=True)
+        logits = [out.logits]
+        for t in range(20, 24):
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values  # the name differs by release
+            out = model(ids[:, t:t + 1], **{"cache" if hasattr(out, "cache") else "past_key_values": cache},
+                        use_cache=True)
+            logits.append(out.logits)
+        return torch.cat(logits, 1)
+
+    ref = decode()
+    dt_hf.enable(["kimi_linear"])
+    got = decode()
+    assert len(calls["chunk"]) == 1 and len(calls["recurrent"]) == 4
+    assert_close(got, ref, "decoded logits")
+
+
+def test_kimi_linear_packed_sequences_match_separate_runs(calls):
+    """Kimi Linear's layer passes its caller's keywords on to the op: the KDA adapters take the packed offsets from
+    cu_seq_lens_q (and enable()'s convolution wrapper keeps the causal conv from leaking across sequences)."""
+    modeling("kimi_linear")
+    model = build_kimi(layer_types=("linear_attention",))
+    lengths = (13, 1, 30)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 64, (1, n), generator=gen) for n in lengths]
+    cu = torch.tensor([0, 13, 14, 44], dtype=torch.int32)
+    dt_hf.enable(["kimi_linear"])
+    logits = model(torch.cat(seqs, 1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=30, max_length_k=30,
+                   use_cache=False).logits
+    assert len(calls["chunk"]) == 1 and calls["chunk"][0] is cu
+    separate = torch.cat([model(s, use_cache=False).logits for s in seqs], 1)
+    assert_close(logits, separate, "packed logits")

@@ -17,8 +17,9 @@ BWD_TOL = 1e-10
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-def _inputs(B, T, Hk, Hv, K, V, seed, g_range=(-1.0, 0.0), N=None, initial_state=True):
-    """Fresh random float64 inputs: unit-norm keys, beta in (0, 2), g uniform in g_range, h0 [N or B, Hv, K, V]."""
+def _inputs(B, T, Hk, Hv, K, V, seed, g_range=(-1.0, 0.0), N=None, initial_state=True, per_channel=False):
+    """Fresh random float64 inputs: unit-norm keys, beta in (0, 2), g uniform in g_range ([B, T, Hv], or
+    [B, T, Hv, K] per_channel: KDA's gate), h0 [N or B, Hv, K, V]."""
     gen = torch.Generator().manual_seed(seed)
     d = torch.float64
     k = torch.randn(B, T, Hk, K, generator=gen, dtype=d)
@@ -27,7 +28,7 @@ def _inputs(B, T, Hk, Hv, K, V, seed, g_range=(-1.0, 0.0), N=None, initial_state
         q=torch.randn(B, T, Hk, K, generator=gen, dtype=d),
         k=k / k.norm(dim=-1, keepdim=True),
         v=torch.randn(B, T, Hv, V, generator=gen, dtype=d),
-        g=lo + (hi - lo) * torch.rand(B, T, Hv, generator=gen, dtype=d),
+        g=lo + (hi - lo) * torch.rand(B, T, Hv, *((K,) if per_channel else ()), generator=gen, dtype=d),
         beta=2.0 * torch.rand(B, T, Hv, generator=gen, dtype=d),
     )
     if initial_state:
