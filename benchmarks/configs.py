@@ -5,7 +5,8 @@ work() (docs/performance.md derives them; work() says what the gate and grouped 
 
 Two families of rows: the delta rule (deltatron's forms, fla's chunk_delta_rule, FlashQLA with g = 0) and the
 gated delta rule (GATED: deltatron's, fla's and FlashQLA's chunk_gated_delta_rule with a real gate, called as
-Qwen3-Next calls it, and deltatron's and fla's gated decode step, fused_recurrent_gated_delta_rule). A
+Qwen3-Next calls it, deltatron's and fla's gated decode step, fused_recurrent_gated_delta_rule, and KDA's chunk_kda
+with a gate per key channel). A
 configuration's H is its value heads (v, beta, g, the state), Hk its query/key heads: Hk < H is grouped value heads
 (GVA), which only the gated rows time."""
 from __future__ import annotations
@@ -43,6 +44,8 @@ IMPLS = (
     "deltatron.fused_recurrent",
     "fla.fused_recurrent_gated",        # decode rows only: the gated decode step, the state in place (GATED)
     "deltatron.fused_recurrent_gated",  # decode rows only
+    "deltatron.chunk_kda",    # chunk_kda with a real per-channel gate (KDA); T <= 4096 (token-serial on Triton)
+    "fla.chunk_kda",
     "deltatron.fused_chunk",
 )
 OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
@@ -50,7 +53,8 @@ OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
 # ratios against the gated competitors (report.baseline_impl).
 GATED_CHUNK = ("deltatron.chunk_gated", "fla.chunk_gated", "flash_qla.gated")
 GATED_DECODE = ("fla.fused_recurrent_gated", "deltatron.fused_recurrent_gated")
-GATED = GATED_CHUNK + GATED_DECODE
+KDA = ("deltatron.chunk_kda", "fla.chunk_kda")  # Kimi Delta Attention: a gate per key channel, g [B, T, H, K]
+GATED = GATED_CHUNK + GATED_DECODE + KDA
 # The token-serial decode forms: the only ones the decode rows time, and they time nothing else (but ours, ungated)
 DECODE_IMPLS = ("fla.fused_recurrent", "deltatron.fused_recurrent") + GATED_DECODE
 
@@ -143,6 +147,10 @@ def skip_reason(impl: str, cfg: Config) -> Optional[str]:
                 "take one head count for q, k and v)")
     if impl == "deltatron.fused_recurrent" and cfg.T > RECURRENT_MAX_T:
         return f"the token-serial form runs T <= {RECURRENT_MAX_T} only"
+    if impl in KDA and cfg.Hk != cfg.H:
+        return "KDA rows at Kimi Linear's layout only: as many query/key heads as value heads"
+    if impl == "deltatron.chunk_kda" and cfg.T > RECURRENT_MAX_T:
+        return f"chunk_kda runs the token-serial kernels on the Triton backend: T <= {RECURRENT_MAX_T} only"
     if impl.startswith("flash_qla.") and not cfg.K == cfg.V == 128:
         return "FlashQLA's kernels take K = V = 128 only"
     return None
@@ -169,7 +177,7 @@ class Peaks:
     measured: bool
 
 
-def work(cfg: Config, gated: bool = False) -> Dict[str, float]:
+def work(cfg: Config, gated: bool = False, per_channel: bool = False) -> Dict[str, float]:
     """FLOPs and HBM bytes of one call: forward ('fwd') and forward+backward ('fwdbwd'); decode: one step.
 
     Per value token-head (B T H of them) the chunkwise matmuls and the v, o, do, dv bytes; q, k and their
@@ -178,7 +186,7 @@ def work(cfg: Config, gated: bool = False) -> Dict[str, float]:
     could share are counted once per value head). The gated rule adds its fp32 log decay g: read by the
     forward (4 bytes a value token-head), read again and its gradient written by the backward (12 in all); its
     exp and cumulative sums are a few FLOPs a token against thousands, not counted. beta (2 bytes) is not
-    counted either."""
+    counted either. KDA's gate (per_channel) has K of them a value token-head."""
     n = cfg.B * cfg.T * cfg.H          # value token-heads
     nk = cfg.B * cfg.T * cfg.Hk        # query/key token-heads
     C, K, V = CHUNK, cfg.K, cfg.V
@@ -187,15 +195,17 @@ def work(cfg: Config, gated: bool = False) -> Dict[str, float]:
                     bytes_fwd=n * (8 * K * V + 2 * 2 * V + (4 if gated else 0)) + nk * 2 * 2 * K)
     fwd = 2 * (3 * C * K + 2 * C * V + 3 * K * V)
     bwd = 2 * (7 * C * K + 4 * C * V + 6 * K * V + 2 * C * C)
-    gate_fwd, gate_fwdbwd = (4, 12) if gated else (0, 0)
+    width = K if per_channel else 1
+    gate_fwd, gate_fwdbwd = (4 * width, 12 * width) if gated else (0, 0)
     return dict(flops_fwd=n * fwd, bytes_fwd=nk * 2 * 2 * K + n * (2 * 2 * V + gate_fwd),
                 flops_fwdbwd=n * (fwd + bwd), bytes_fwdbwd=nk * 2 * 6 * K + n * (2 * 5 * V + gate_fwdbwd))
 
 
-def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool = False) -> Dict[str, float]:
-    """The counts (work(cfg, gated)), the floor per phase, and for each timed phase the FLOP rate and % of the
-    floor."""
-    out = work(cfg, gated)
+def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool = False,
+             per_channel: bool = False) -> Dict[str, float]:
+    """The counts (work(cfg, gated, per_channel)), the floor per phase, and for each timed phase the FLOP rate and %
+    of the floor."""
+    out = work(cfg, gated, per_channel)
     for phase in ("fwd", "fwdbwd"):
         if f"flops_{phase}" not in out:
             continue
@@ -213,7 +223,8 @@ def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool 
 # Inputs
 # ---------------------------------------------------------------------------------------------------------
 
-def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = False) -> Dict[str, torch.Tensor]:
+def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = False,
+                per_channel: bool = False) -> Dict[str, torch.Tensor]:
     """bf16 q and k (unit-norm) with Hk heads, v with H; beta = sigmoid(randn); do for the backward; decode: an fp32
     state h. g: zeros (FlashQLA's log decay for the plain delta rule), or with gated the real gate of gate()
     (fp32, a leaf that takes a gradient), drawn after everything else so the other inputs are the same."""
@@ -232,7 +243,10 @@ def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = Fals
             x["g"] = gate(B, T, H, gen, device)
         return x
     x["do"] = randn(B, T, H, V).to(bf16)
-    x["g"] = gate(B, T, H, gen, device) if gated else torch.zeros(B, T, H, device=device)
+    if per_channel:  # KDA: a gate per key channel, each drawn as Qwen3-Next's per-head gate
+        x["g"] = gate(B, T, H * K, gen, device).view(B, T, H, K)
+    else:
+        x["g"] = gate(B, T, H, gen, device) if gated else torch.zeros(B, T, H, device=device)
     for name in GATED_GRAD_INPUTS if gated else GRAD_INPUTS:
         x[name].requires_grad_()
     if cfg.seqlens is not None:
@@ -255,12 +269,12 @@ def gate(B: int, T: int, H: int, gen: torch.Generator, device: torch.device) -> 
 
 
 def input_sets(cfg: Config, device: torch.device, l2_bytes: int, limit: int,
-               gated: bool = False) -> List[Dict[str, torch.Tensor]]:
+               gated: bool = False, per_channel: bool = False) -> List[Dict[str, torch.Tensor]]:
     """Enough independent input sets (at most limit) that cycling through them streams several L2s of
     data per pass."""
-    first = make_inputs(cfg, device, seed=0, gated=gated)
+    first = make_inputs(cfg, device, seed=0, gated=gated, per_channel=per_channel)
     # by device type: torch.device("cuda") != the "cuda:0" its tensors report
     on_device = [t for t in first.values() if t.device.type == torch.device(device).type]
     nbytes = sum(t.numel() * t.element_size() for t in on_device)
     count = max(1, min(limit, math.ceil(L2_MULTIPLE * l2_bytes / nbytes)))
-    return [first] + [make_inputs(cfg, device, seed=i, gated=gated) for i in range(1, count)]
+    return [first] + [make_inputs(cfg, device, seed=i, gated=gated, per_channel=per_channel) for i in range(1, count)]

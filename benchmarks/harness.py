@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:  # loaded by file (deltatron bench): the benchmark
 
 import torch  # noqa: E402
 
-from benchmarks.configs import (CONFIGS, GATED, IMPLS, L2_BYTES, MAX_INPUT_SETS, SMOKE_CONFIGS, Config, Peaks,  # noqa: E402
+from benchmarks.configs import (CONFIGS, GATED, IMPLS, KDA, L2_BYTES, MAX_INPUT_SETS, SMOKE_CONFIGS, Config, Peaks,  # noqa: E402
                                 applies, grad_inputs, input_sets, roofline, skip_reason)
 from benchmarks.report import (describe_meta, kept_notes, legend, merge_runs, plot, render_benchmarks,  # noqa: E402
                                results_markdown, text_table, write_json)
@@ -165,12 +165,23 @@ def _fla_gated_decode() -> Callable:
     return call
 
 
+def _kda(fn) -> Callable:
+    """chunk_kda (ours or fla's) called as the gated rows call theirs."""
+    def call(x):
+        varlen_args = {} if "cu_seqlens" not in x else dict(cu_seqlens=x["cu_seqlens"],
+                                                            cu_seqlens_cpu=x["cu_seqlens_cpu"])
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **varlen_args, **GATED_OPTIONS)[0]
+    return call
+
+
 def resolve(impl: str, smoke: bool) -> Callable:
     package, form = impl.split(".")
     if impl == "deltatron.chunk_gated":
         return _ours_gated()
     if impl == "deltatron.fused_recurrent_gated":
         return _ours_gated_decode()
+    if impl == "deltatron.chunk_kda":
+        return _kda(api.chunk_kda)
     if package == "deltatron":
         return _ours(form)
     if importlib.util.find_spec(package) is None:
@@ -181,6 +192,8 @@ def resolve(impl: str, smoke: bool) -> Callable:
         return _fla_gated()
     if impl == "fla.fused_recurrent_gated":
         return _fla_gated_decode()
+    if impl == "fla.chunk_kda":
+        return _kda(importlib.import_module("fla.ops.kda").chunk_kda)
     if impl == "flash_qla.gated":
         return _flash_qla_gated()
     return _flash_qla() if package == "flash_qla" else _fla(form)
@@ -204,8 +217,9 @@ def identity(impl: str, cfg: Config) -> dict:
 def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peaks) -> dict:
     """Times one pair. A backward that fails keeps the forward's numbers and records its error."""
     row = identity(impl, cfg)
-    gated = impl in GATED
-    sets = input_sets(cfg, opts.device, opts.l2_bytes, SMOKE_INPUT_SETS if opts.smoke else MAX_INPUT_SETS, gated)
+    gated, per_channel = impl in GATED, impl in KDA
+    sets = input_sets(cfg, opts.device, opts.l2_bytes, SMOKE_INPUT_SETS if opts.smoke else MAX_INPUT_SETS, gated,
+                      per_channel)
     wrt = grad_inputs(impl)
 
     def fwd(x):
@@ -240,7 +254,7 @@ def bench_row(impl: str, call: Callable, cfg: Config, opts: Options, peaks: Peak
         row["fwdbwd_ms"] = times["fwdbwd"]
     row["peak_mem_bytes"] = peak_memory(lambda: heaviest(sets[0]), opts)
     row["input_sets"] = len(sets)
-    row.update(roofline(cfg, times, peaks, gated))
+    row.update(roofline(cfg, times, peaks, gated, per_channel))
     return row
 
 

@@ -10,13 +10,15 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from benchmarks.configs import GATED, IMPLS, RECURRENT_MAX_T
+from benchmarks.configs import GATED, IMPLS, KDA, RECURRENT_MAX_T
 
 
-def baseline_impl(competitor: str, row: dict) -> str:
+def baseline_impl(competitor: str, row: dict) -> Optional[str]:
     """The row a ratio column compares with: the competitor's form of the same rule (a gated row's is the
     competitor's gated op with the same gate, a delta-rule row's fla's chunk or fused_recurrent, FlashQLA's with
     g = 0)."""
+    if row["impl"] in KDA:  # FlashQLA has no KDA: no ratio against it
+        return "fla.chunk_kda" if competitor == "fla" else None
     if row["impl"] in GATED:
         if competitor == "fla":
             return "fla.fused_recurrent_gated" if row.get("decode") else "fla.chunk_gated"
@@ -33,6 +35,8 @@ def has_gated(rows: Sequence[dict]) -> bool:
 def speedup(rows: Sequence[dict], row: dict, competitor: str, phase: str) -> Optional[float]:
     """Competitor's time / this row's time on the same configuration (> 1: this row is faster)."""
     base = baseline_impl(competitor, row)
+    if base is None:
+        return None
     for other in rows:
         if other["impl"] == base and other["config"] == row["config"]:
             a, b = other.get(f"{phase}_ms"), row.get(f"{phase}_ms")
@@ -109,7 +113,9 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
                  "g = -exp(A_log) softplus(a + dt_bias) (A_log = log(uniform(0, 16)), dt_bias = 1) computed "
                  "outside the op, q and k L2-normalized in it, gradients to q, k, v, g and beta; their vs fla and "
                  "vs FlashQLA compare with fla.chunk_gated (decode: fla.fused_recurrent_gated) and flash_qla.gated, "
-                 "and their floor counts the fp32 gate's bytes.")
+                 "and their floor counts the fp32 gate's bytes. KDA rows (" + ", ".join(KDA) + "): a gate per key "
+                 "channel drawn the same way, compared with fla.chunk_kda; ours runs the token-serial kernels on the "
+                 f"Triton backend (T <= {RECURRENT_MAX_T}).")
     if any("Hk" in r for r in rows):
         text += (" Configurations with fewer query/key heads (Hk) than value heads (H; qwen3next-*: 16 and 32) "
                  "have rows of the gated ops only: fla's and FlashQLA's ungated delta rule take one head count for q, k "
