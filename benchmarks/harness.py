@@ -44,8 +44,8 @@ if str(ROOT) not in sys.path:  # loaded by file (deltatron bench): the benchmark
 
 import torch  # noqa: E402
 
-from benchmarks.configs import (CONFIGS, GATED, IMPLS, KDA, L2_BYTES, MAX_INPUT_SETS, SMOKE_CONFIGS, Config, Peaks,  # noqa: E402
-                                applies, grad_inputs, input_sets, roofline, skip_reason)
+from benchmarks.configs import (CONFIGS, GATED, IMPLS, KDA, L2_BYTES, MAX_INPUT_SETS, SMOKE_CONFIGS,  # noqa: E402
+                                Config, Peaks, applies, grad_inputs, input_sets, roofline, skip_reason)
 from benchmarks.report import (describe_meta, kept_notes, legend, merge_runs, plot, render_benchmarks,  # noqa: E402
                                results_markdown, text_table, write_json)
 from benchmarks.timing import (SETTLE_S, SMOKE_INPUT_SETS, SMOKE_REPS, Options, cycling, free_memory,  # noqa: E402

@@ -118,8 +118,8 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
                  f"Triton backend (T <= {RECURRENT_MAX_T}).")
     if any("Hk" in r for r in rows):
         text += (" Configurations with fewer query/key heads (Hk) than value heads (H; qwen3next-*: 16 and 32) "
-                 "have rows of the gated ops only: fla's and FlashQLA's ungated delta rule take one head count for q, k "
-                 "and v.")
+                 "have rows of the gated ops only: fla's and FlashQLA's ungated delta rule take one head count for "
+                 "q, k and v.")
     return text
 
 

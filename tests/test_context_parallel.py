@@ -47,7 +47,8 @@ def make_stream(rule, world, lengths, initial_state, dtype=torch.float32, device
 def call(rule, inp, output_final_state=True, **options):
     """(o, final_state) of the rule's chunk op on the inputs (q, k, v, [g,] beta, [initial_state])."""
     args = [inp[n] for n in (("q", "k", "v", "beta") if rule == "delta" else ("q", "k", "v", "g", "beta"))]
-    fn = {"delta": deltatron.chunk_delta_rule, "gated": deltatron.chunk_gated_delta_rule, "kda": deltatron.chunk_kda}[rule]
+    fn = {"delta": deltatron.chunk_delta_rule, "gated": deltatron.chunk_gated_delta_rule,
+          "kda": deltatron.chunk_kda}[rule]
     return fn(*args, initial_state=inp.get("initial_state"), output_final_state=output_final_state, chunk_size=16,
               **options)
 
@@ -118,8 +119,9 @@ def check_all(name, got, want, bound):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_shard_map_is_the_transition_product(rule, backend, monkeypatch):
     """The op on [v | 0] from [0 | I]: final state [S_loc | M] with S_loc the float64 recurrence from zero and M the
-    product of the tokens' transitions (I - beta_t k_t k_t^T) exp(g_t) (diag(exp(g_t)) per key channel); the output's last K columns scale q_t^T M_t; and
-    from any S_in the recurrence ends at S_loc + M S_in (37 tokens: partial chunks)."""
+    product of the tokens' transitions (I - beta_t k_t k_t^T) exp(g_t) (diag(exp(g_t)) per key channel); the
+    output's last K columns scale q_t^T M_t; and from any S_in the recurrence ends at S_loc + M S_in (37 tokens:
+    partial chunks)."""
     monkeypatch.setenv("DELTATRON_BACKEND", backend)
     K, V = 8, 12
     inp, _, _ = make_stream(rule, 1, None, True, T=37, K=K, V=V)

@@ -25,13 +25,13 @@ Covered:
   keyword `cu_seq_lens_q` that the caller passes to the model (for instance from
   `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`, batch of 1); transformers does not derive it from
   position_ids. Without fla, transformers' PyTorch fallback refuses cu_seqlens with a ValueError (5.20; 5.16
-  silently ignored them); deltatron keeps the sequences apart. The layer's causal convolution, which runs before the op, gets the same keywords but ignores
-  `cu_seq_lens_q` (transformers' wrapper passes a function only the keywords it names, and the convolution keeps
-  sequences apart only given `seq_idx` and the causal-conv1d package), so the last `linear_conv_kernel_dim - 1`
-  tokens of each sequence would leak into the next one, and from there into its whole recurrent state. enable()
-  therefore also wraps the module's `causal_conv1d_fn`: a call that carries `cu_seq_lens_q` and no `seq_idx` runs
-  transformers' own function on each packed sequence separately (one host read of cu_seq_lens_q); every other call
-  goes to transformers' function untouched.
+  silently ignored them); deltatron keeps the sequences apart. The layer's causal convolution, which runs before the
+  op, gets the same keywords but ignores `cu_seq_lens_q` (transformers' wrapper passes a function only the keywords
+  it names, and the convolution keeps sequences apart only given `seq_idx` and the causal-conv1d package), so the
+  last `linear_conv_kernel_dim - 1` tokens of each sequence would leak into the next one, and from there into its
+  whole recurrent state. enable() therefore also wraps the module's `causal_conv1d_fn`: a call that carries
+  `cu_seq_lens_q` and no `seq_idx` runs transformers' own function on each packed sequence separately (one host read
+  of cu_seq_lens_q); every other call goes to transformers' function untouched.
 Needs transformers 5.15 or later: earlier releases bind the op in the layer's __init__ (or call it by another
 convention), and enable() refuses them with a RuntimeError.
 Not covered: a layer whose whole forward transformers replaces by a Hub kernel (with `use_kernels=True`,
