@@ -299,3 +299,22 @@ def plain_causal_conv(x, conv):
         out.append(torch.nn.functional.silu(acc))
     return torch.stack(out)
 
+
+
+def check_grouped_equals_repeated_heads(gva, full, projection: str, hidden_size: int) -> None:
+    """A gated layer with grouped value heads (gva) equals the same layer (full) whose query/key heads repeat each of
+    gva's for its group of value heads, given gva's weights with the q and k rows of `projection` and of the
+    convolution repeated: value head h reads key head h // (Hv / Hk)."""
+    kd, K, group = gva.key_dim, gva.head_k_dim, full.num_k_heads // gva.num_k_heads
+
+    def repeat_heads(t):  # rows [q heads | k heads | rest] -> each q and k head `group` times
+        q, k, rest = t[:kd], t[kd:2 * kd], t[2 * kd:]
+        q, k = (u.unflatten(0, (-1, K)).repeat_interleave(group, 0).flatten(0, 1) for u in (q, k))
+        return torch.cat([q, k, rest])
+
+    state = dict(gva.state_dict())
+    for name in (f"{projection}.weight", "conv1d.weight", "conv1d.bias"):
+        state[name] = repeat_heads(state[name])
+    full.load_state_dict(state)
+    x = torch.randn(2, 11, hidden_size)
+    assert rel_rms(gva(x), full(x)) <= 1e-5

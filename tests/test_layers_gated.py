@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from deltatron.layers import DeltaNetCache, GatedDeltaNet
 
-from .helpers import (check_hidden_states_errors, check_varlen_prefill_then_steps, plain_causal_conv,
-                      random_cu_seqlens, rel_rms)
+from .helpers import (check_grouped_equals_repeated_heads, check_hidden_states_errors, check_varlen_prefill_then_steps,
+                      plain_causal_conv, random_cu_seqlens, rel_rms)
 
 D = 24  # hidden_size of the test layers
 
@@ -126,21 +126,8 @@ def test_shapes_gradients_and_initialization():
 def test_grouped_value_heads_equal_repeated_key_heads():
     """Hk = 2, Hv = 4 against Hk = Hv = 4 whose q and k projections (and conv channels) repeat each key head
     for its two value heads: value head h reads key head h // 2."""
-    gva = _layer(conv_bias=True)
-    full = _layer(conv_bias=True, num_k_heads=4)
-    K, kd, rep = gva.head_k_dim, gva.key_dim, 2
-
-    def repeat_heads(t):  # rows [q heads | k heads | rest] -> each q and k head twice
-        q, k, rest = t[:kd], t[kd:2 * kd], t[2 * kd:]
-        q, k = (u.unflatten(0, (-1, K)).repeat_interleave(rep, 0).flatten(0, 1) for u in (q, k))
-        return torch.cat([q, k, rest])
-
-    state = dict(gva.state_dict())
-    for name in ("in_proj_qkvz.weight", "conv1d.weight", "conv1d.bias"):
-        state[name] = repeat_heads(state[name])
-    full.load_state_dict(state)
-    x = torch.randn(2, 11, D)
-    assert rel_rms(gva(x), full(x)) <= 1e-5
+    check_grouped_equals_repeated_heads(_layer(conv_bias=True), _layer(conv_bias=True, num_k_heads=4), "in_proj_qkvz",
+                                        D)
 
 
 @pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])

@@ -8,7 +8,8 @@ import torch
 
 from deltatron.layers import DeltaNetCache, KimiDeltaAttention
 
-from .helpers import check_hidden_states_errors, check_varlen_prefill_then_steps, rel_rms
+from .helpers import (check_grouped_equals_repeated_heads, check_hidden_states_errors, check_varlen_prefill_then_steps,
+                      rel_rms)
 
 D = 24  # hidden_size of the test layers
 
@@ -81,21 +82,8 @@ def test_modes_agree_across_chunks():
 
 
 def test_grouped_value_heads_equal_repeated_key_heads():
-    gva = _layer(num_v_heads=4, conv_bias=True)
-    full = _layer(num_heads=4, conv_bias=True)
-    K, kd = gva.head_k_dim, gva.key_dim
-
-    def repeat_heads(t):  # rows [q heads | k heads | v] -> each q and k head twice
-        q, k, rest = t[:kd], t[kd:2 * kd], t[2 * kd:]
-        q, k = (u.unflatten(0, (-1, K)).repeat_interleave(2, 0).flatten(0, 1) for u in (q, k))
-        return torch.cat([q, k, rest])
-
-    state = dict(gva.state_dict())
-    for name in ("in_proj_qkv.weight", "conv1d.weight", "conv1d.bias"):
-        state[name] = repeat_heads(state[name])
-    full.load_state_dict(state)
-    x = torch.randn(2, 11, D)
-    assert rel_rms(gva(x), full(x)) <= 1e-5
+    check_grouped_equals_repeated_heads(_layer(num_v_heads=4, conv_bias=True), _layer(num_heads=4, conv_bias=True),
+                                        "in_proj_qkv", D)
 
 
 @pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
