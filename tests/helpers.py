@@ -318,3 +318,13 @@ def check_grouped_equals_repeated_heads(gva, full, projection: str, hidden_size:
     full.load_state_dict(state)
     x = torch.randn(2, 11, hidden_size)
     assert rel_rms(gva(x), full(x)) <= 1e-5
+
+
+def check_every_gradient(layer, hidden_size: int) -> None:
+    """The layer keeps [B, T, hidden_size], and every parameter and the input get a finite, nonzero gradient."""
+    x = torch.randn(3, 9, hidden_size, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape
+    y.square().sum().backward()
+    for name, p in [("x", x), *layer.named_parameters()]:
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from deltatron.layers import DeltaNet, DeltaNetCache, GatedRMSNorm, ShortConvolution
 
-from .helpers import (check_hidden_states_errors, check_varlen_prefill_then_steps, plain_causal_conv,
-                      random_cu_seqlens, rel_rms)
+from .helpers import (check_every_gradient, check_hidden_states_errors, check_varlen_prefill_then_steps,
+                      plain_causal_conv, random_cu_seqlens, rel_rms)
 
 
 @pytest.fixture(autouse=True)
@@ -71,12 +71,7 @@ def test_matches_plain_reimplementation(kwargs):
 def test_shapes_and_gradients():
     layer = _layer(hidden_size=32, num_heads=4, expand_k=0.5, expand_v=2.0)
     assert (layer.head_k_dim, layer.head_v_dim) == (4, 16)
-    x = torch.randn(3, 9, 32, requires_grad=True)
-    y = layer(x)
-    assert y.shape == (3, 9, 32)
-    y.square().sum().backward()
-    for name, p in [("x", x), *layer.named_parameters()]:
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    check_every_gradient(layer, 32)
 
 
 @pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])

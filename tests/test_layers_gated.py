@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from deltatron.layers import DeltaNetCache, GatedDeltaNet
 
-from .helpers import (check_grouped_equals_repeated_heads, check_hidden_states_errors, check_varlen_prefill_then_steps,
-                      plain_causal_conv, random_cu_seqlens, rel_rms)
+from .helpers import (check_every_gradient, check_grouped_equals_repeated_heads, check_hidden_states_errors,
+                      check_varlen_prefill_then_steps, plain_causal_conv, random_cu_seqlens, rel_rms)
 
 D = 24  # hidden_size of the test layers
 
@@ -115,12 +115,7 @@ def test_shapes_gradients_and_initialization():
     assert tuple(layer.in_proj_ba.weight.shape) == (8, 32) and layer.conv1d.channels == 2 * 16 + 64
     A = layer.A_log.exp()
     assert ((A > 0) & (A < 16)).all() and torch.equal(layer.dt_bias, torch.ones(4))  # Qwen3-Next's init
-    x = torch.randn(3, 9, 32, requires_grad=True)
-    y = layer(x)
-    assert y.shape == (3, 9, 32)
-    y.square().sum().backward()
-    for name, p in [("x", x), *layer.named_parameters()]:
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    check_every_gradient(layer, 32)
 
 
 def test_grouped_value_heads_equal_repeated_key_heads():

@@ -8,8 +8,8 @@ import torch
 
 from deltatron.layers import DeltaNetCache, KimiDeltaAttention
 
-from .helpers import (check_grouped_equals_repeated_heads, check_hidden_states_errors, check_varlen_prefill_then_steps,
-                      rel_rms)
+from .helpers import (check_every_gradient, check_grouped_equals_repeated_heads, check_hidden_states_errors,
+                      check_varlen_prefill_then_steps, rel_rms)
 
 D = 24  # hidden_size of the test layers
 
@@ -113,12 +113,7 @@ def test_shapes_gradients_and_initialization():
     dt = torch.nn.functional.softplus(layer.dt_bias)  # Kimi Linear's init: dt log-uniform in [1e-3, 1e-1]
     assert ((A >= 1) & (A <= 16)).all() and ((dt > 1e-3 * (1 - 1e-4)) & (dt < 1e-1 * (1 + 1e-4))).all()
     assert math.isclose(layer.norm.eps, 1e-6) and layer.norm.activation == "sigmoid"
-    x = torch.randn(3, 9, 32, requires_grad=True)
-    y = layer(x)
-    assert y.shape == (3, 9, 32)
-    y.square().sum().backward()
-    for name, p in [("x", x), *layer.named_parameters()]:
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    check_every_gradient(layer, 32)
 
 
 def test_errors():

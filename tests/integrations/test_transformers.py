@@ -189,26 +189,27 @@ def test_model_logits_and_gradients_match_transformers_fallback(name, dtype, cal
         assert_close(grads[n], grads_ref[n], f"d {n}")
 
 
+@torch.no_grad()
+def prefill_then_steps(model, ids, prefill: int = 20):
+    """The logits of a cached prefill of ids[:, :prefill] then one cached step per remaining token."""
+    out = model(ids[:, :prefill], use_cache=True)
+    logits = [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        # the cache is `cache` in recent transformers, `past_key_values` before
+        name = "cache" if hasattr(out, "cache") else "past_key_values"
+        out = model(ids[:, t:t + 1], **{name: getattr(out, name)}, use_cache=True)
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
 def test_cached_decoding_matches_transformers_fallback(calls):
     """Prefill (the chunk op, writing the cache) then token-by-token steps (the recurrent op, from the cache)."""
     model = build("qwen3_next").eval()
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
 
-    @torch.no_grad()
-    def decode():
-        out = model(ids[:, :20], use_cache=True)
-        logits = [out.logits]
-        for t in range(20, 24):
-            # the cache is `cache` in recent transformers, `past_key_values` before
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            out = model(ids[:, t:t + 1], **{"cache" if hasattr(out, "cache") else "past_key_values": cache},
-                        use_cache=True)
-            logits.append(out.logits)
-        return torch.cat(logits, 1)
-
-    ref = decode()
+    ref = prefill_then_steps(model, ids)
     dt_hf.enable(["qwen3_next"])
-    got = decode()
+    got = prefill_then_steps(model, ids)
     assert len(calls["chunk"]) == 1 and len(calls["recurrent"]) == 4
     assert_close(got, ref, "decoded logits")
     with torch.no_grad():  # and the steps agree with one pass over the whole sequence
@@ -385,20 +386,9 @@ def test_kimi_linear_cached_decoding_matches_transformers_fallback(calls):
     model = build_kimi().eval()
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
 
-    @torch.no_grad()
-    def decode():
-        out = model(ids[:, :20], use_cache=True)
-        logits = [out.logits]
-        for t in range(20, 24):
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values  # the name differs by release
-            out = model(ids[:, t:t + 1], **{"cache" if hasattr(out, "cache") else "past_key_values": cache},
-                        use_cache=True)
-            logits.append(out.logits)
-        return torch.cat(logits, 1)
-
-    ref = decode()
+    ref = prefill_then_steps(model, ids)
     dt_hf.enable(["kimi_linear"])
-    got = decode()
+    got = prefill_then_steps(model, ids)
     assert len(calls["chunk"]) == 1 and len(calls["recurrent"]) == 4
     assert_close(got, ref, "decoded logits")
 
