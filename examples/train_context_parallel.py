@@ -71,7 +71,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     a = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
+    # one GPU per process (NCCL); with fewer GPUs than processes on this node, gloo on the CPU
+    cuda = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     dist.init_process_group("nccl" if cuda else "gloo")
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")

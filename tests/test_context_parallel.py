@@ -16,7 +16,7 @@ import deltatron
 import deltatron.layers
 from deltatron import context_parallel
 from deltatron.reference import recurrent_gated_delta_rule
-from tests.helpers import BOUNDS, make_gated_inputs, rel_rms
+from tests.helpers import BOUNDS, DEVICE, make_gated_inputs, rel_rms
 
 RULES = ("delta", "gated", "kda")  # the delta rule, a gate per value head, a gate per key channel (KDA)
 # per world size: the tokens of each shard, and the streams' sequence lengths (None: a fixed-length batch of 2 rows,
@@ -130,7 +130,8 @@ def test_shard_map_is_the_transition_product(rule, backend, monkeypatch):
     g = torch.zeros_like(beta) if rule == "delta" else x["g"].double()
     wide = {**x, "v": torch.cat([x["v"], x["v"].new_zeros(1, 37, 4, K)], -1),
             "initial_state": torch.cat([torch.zeros(1, 4, K, V), torch.eye(K).expand(1, 4, K, K)], -1)}
-    o, maps = call(rule, wide)
+    device = DEVICE if backend == "triton" else "cpu"  # the Triton kernels: on the GPU, else in the interpreter
+    o, maps = (t.cpu() for t in call(rule, {n: t.to(device) for n, t in wide.items()}))
     G = v.shape[2] // q.shape[2]
     kv, qv = k.repeat_interleave(G, 2)[0], q.repeat_interleave(G, 2)[0]  # [T, Hv, K]
     M, qM = torch.eye(K, dtype=torch.float64).expand(4, K, K), []
@@ -166,11 +167,11 @@ def check_triton_ranks(rule, world, lengths, dtype, device, T, K, V):
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_ranks_in_turn_on_triton_interpreter(rule, monkeypatch):
-    """The per-rank pieces on the Triton kernels (interpreter): 2 ranks, a sequence across them, an empty sequence on
-    the boundary, against the float64 unsharded op."""
+def test_ranks_in_turn_on_triton(rule, monkeypatch):
+    """The per-rank pieces on the Triton kernels (the interpreter, or the GPU where there is one): 2 ranks, a sequence
+    across them, an empty sequence on the boundary, against the float64 unsharded op."""
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
-    check_triton_ranks(rule, 2, (3, 9, 0, 4), torch.float32, "cpu", 8, 8, 12)
+    check_triton_ranks(rule, 2, (3, 9, 0, 4), torch.float32, DEVICE, 8, 8, 12)
 
 
 @pytest.mark.gpu
@@ -189,7 +190,9 @@ def _gloo_worker(rank, world, store, cases):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for rule, lengths, initial_state, backend, final in cases:
-            inp, cu, (do, dht) = make_stream(rule, world, lengths, initial_state)
+            # the Triton kernels on the GPU where there is one (gloo carries CUDA tensors), else in the interpreter
+            inp, cu, (do, dht) = make_stream(rule, world, lengths, initial_state,
+                                             device=DEVICE if backend == "triton" else "cpu")
             os.environ["DELTATRON_BACKEND"] = "torch"
             want = results(inp, *call(rule, inp, final, cu_seqlens=cu), (do, dht), 1)
             os.environ["DELTATRON_BACKEND"] = backend
@@ -209,7 +212,8 @@ def _gloo_worker(rank, world, store, cases):
                     check(f"{name}: d{n}", shard(grad, rank, world), shard(want[2][n], rank, world), FP32_BOUND)
         stream = rf"{world} \* T = {world * SHARD_TOKENS[world]} .*context-parallel.*got 4"
         with pytest.raises(ValueError, match=f"cu_seqlens must end at {stream}"):
-            call(rule, rank_inputs(inp, rank, world), cu_seqlens=torch.tensor([0, 4]), cp_group=dist.group.WORLD)
+            call(rule, rank_inputs(inp, rank, world), cu_seqlens=torch.tensor([0, 4], device=inp["q"].device),
+                 cp_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -218,7 +222,7 @@ def _gloo_worker(rank, world, store, cases):
 def test_gloo_process_group(world, tmp_path):
     """world processes over gloo, both rules, every stream, with and without initial states, forward and backward on
     the PyTorch backend; without final states (ranks whose results read no gathered map); and a sequence across the
-    ranks on the Triton backend (interpreter; 2 ranks)."""
+    ranks on the Triton backend (the GPU's, else the interpreter; 2 ranks)."""
     cases = [(rule, lengths, h0, "torch", True) for rule in RULES for lengths in STREAMS[world] for h0 in (True, False)]
     cases += [(rule, STREAMS[world][2], True, "torch", False) for rule in RULES]
     if world == 2:  # one small case of the sharded call on the Triton kernels (the interpreter is slow)

@@ -37,12 +37,12 @@ def plan_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, 
 def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None,
                      gam=None):
     """The plan's fused walk: (o, final_state or None). states: the buffers the Hopper walk stores S^T, V'^T in;
-    gam: the gated rule's γ (the portable walk's)."""
+    gam: the gated rule's γ."""
     if plan.walk == "hopper":
         from .hopper.walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info,
                                       plan.problem.chunk_size, block_v=plan.walk_launch.block_v, checked=True,
-                                      states=states, residual=plan.residual)
+                                      states=states, residual=plan.residual, gam=gam)
     return state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, plan.problem.chunk_size,
                             cfg=plan.walk_launch, gam=gam)
 

@@ -374,11 +374,10 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     nh = f"sequences x heads {p.states}"
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
-                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.gated and not p.grouped and not p.chunk_states)
+                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states)
     if not hopper_fits:
         hopper = False
-        why = ("the Hopper walk takes neither the gate nor grouped value heads" if p.gated or p.grouped else
-               "the states entering each chunk come from the portable walk" if p.chunk_states else
+        why = ("the states entering each chunk come from the portable walk" if p.chunk_states else
                "the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v")
         if o.hopper_walk:
             raise ValueError(f"overrides(hopper_walk=True): {why}")
@@ -409,11 +408,16 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
         partitions, why = o.split_partitions, f"forced by overrides(split_partitions={o.split_partitions})"
         if partitions < 1:
             raise ValueError(f"overrides(split_partitions=...) must be >= 1, got {partitions}")
+        if partitions > 1 and (p.gated or p.grouped):
+            raise ValueError("overrides(split_partitions>1): the split's combine takes neither the gate nor grouped "
+                             "value heads")
         if partitions > 1 and p.prepared:
             raise ValueError("overrides(split_partitions>1): prepared varlen metadata takes no sequence split (its "
                              "partitions are cut from the lengths on the host)")
     elif walk == "hopper" and p.prepared:
         partitions, why = 1, "prepared varlen metadata: the partitions are cut from the lengths on the host"
+    elif walk == "hopper" and (p.gated or p.grouped):
+        partitions, why = 1, "the split's combine takes neither the gate nor grouped value heads"
     elif walk == "hopper":
         partitions = split_partitions(p.num_seqs, p.heads, p.total_tokens, caps.num_sms)
         why = (f"{nh} on long sequences leave SMs idle; pass 1 fits one wave" if partitions > 1 else
@@ -441,18 +445,22 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                                      f"sequences of {SEGMENT_MIN_TOKENS}+ tokens")
     reasons.append(("segments", why))
     asked = p.save_states if o.keep_states is None else o.keep_states
-    keep = p.training and asked and walk == "hopper" and partitions == 1 and segments == 1
+    keep = (p.training and asked and walk == "hopper" and partitions == 1 and segments == 1 and not p.gated
+            and not p.grouped)
     if o.keep_states and p.training and not keep:
-        raise ValueError("overrides(keep_states=True): states are kept only on the Hopper walk, unsplit, unsegmented")
+        raise ValueError("overrides(keep_states=True): states are kept only on the Hopper walk, unsplit, unsegmented, "
+                         "ungated, without grouped value heads")
     reasons.append(("keep_states", "the Hopper walk stores them: the backward recomputes nothing" if keep else
                     "not asked (save_states)" if not asked or not p.training else
-                    "kept only on the Hopper walk, unsplit, with an unsegmented backward"))
+                    "kept only on the Hopper walk, unsplit, with an unsegmented backward, ungated, without grouped "
+                    "value heads"))
 
     # -- WY form
-    if walk != "hopper":
-        residual, why = False, "the residual form runs on the Hopper walk only"
+    if walk != "hopper" or p.gated:
+        residual, why = False, ("the residual form is the ungated rule's (W carries the decays)" if p.gated else
+                                "the residual form runs on the Hopper walk only")
         if o.residual:
-            raise ValueError("overrides(residual=True): the residual form runs on the Hopper walk only")
+            raise ValueError(f"overrides(residual=True): {why}")
     elif keep:
         residual, why = False, "kept states need W"
         if o.residual:
@@ -492,8 +500,9 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
 
     if not p.training:
         reverse, why = "none", "inference: no backward"
-    elif not hopper_fits:
-        reverse, why = "portable", "the Hopper pass needs what the Hopper walk needs"
+    elif not hopper_fits or p.gated or p.grouped:
+        reverse, why = "portable", ("the Hopper pass takes neither the gate nor grouped value heads" if hopper_fits else
+                                    "the Hopper pass needs what the Hopper walk needs")
         if o.hopper_reverse:
             raise ValueError(f"overrides(hopper_reverse=True): {why}")
     else:

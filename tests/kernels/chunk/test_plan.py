@@ -337,19 +337,24 @@ def test_explain_inference_has_no_backward():
 
 
 @pytest.mark.parametrize("gated, key_heads", [(True, 0), (False, 8), (True, 8)])
-def test_gated_and_grouped_calls_take_the_portable_kernels(gated, key_heads):
-    # on sm90, where the ungated call of this shape runs the Hopper walk, reverse pass and segments
+def test_gated_and_grouped_calls_take_the_hopper_walk_unsplit(gated, key_heads):
+    # on sm90, where the ungated call of this shape runs the Hopper walk split, the Hopper reverse pass and segments:
+    # the gate and grouped heads take the Hopper walk (the gate without the residual form), whole sequences, and the
+    # portable backward
     p = plan_for_shape(1, 32768, 16, 128, 128, bf16, gated=gated, key_heads=key_heads)
-    assert p.walk.startswith("portable") and (p.reverse, p.segments, p.residual, p.split, p.keep_states) == (
-        "portable", 1, False, False, False)
-    assert "takes neither the gate nor grouped value heads" in p.reason("walk")
+    assert p.walk == "hopper" and (p.reverse, p.segments, p.residual, p.split, p.keep_states) == (
+        "portable", 1, not gated, False, False)
+    assert "takes neither the gate nor grouped value heads" in p.reason("split")
+    assert "takes neither the gate nor grouped value heads" in p.reason("reverse")
     fwd, bwd = plan.kernels(p)
     assert (fwd[0] == "portable.gate (γ)") == gated and (bwd[-1] == "portable.gate (dg)") == gated
+    assert "hopper.walk" in fwd
     problem = plan.Problem(bf16, 16, 128, 128, 1, 32768, gated=gated, key_heads=key_heads)
-    for forced in (dict(hopper_walk=True), dict(segments=2)):
+    refused = (dict(hopper_reverse=True), dict(segments=2), dict(split_partitions=3), dict(keep_states=True))
+    for forced in refused + ((dict(residual=True),) if gated else ()):
         with pytest.raises(ValueError):
             plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(**forced))
-
+    assert plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(hopper_walk=False)).walk != "hopper"
 
 
 def test_prepared_varlen_metadata_takes_no_split():

@@ -213,7 +213,7 @@ def gluon_reverse_kernel(w_desc, do_desc, k_desc, q_desc, dh, dv, dht, dh0, scal
                            num_warps)),
         (offchain_partition, (ring, ready, empty, dvl_buf, qdo_buf, hand_ready, hand_empty, scale, bos, eos,
                               num_chunks, C, D)),
-        (loader_partition, ((w_desc, do_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, i_v,
+        (loader_partition, ((w_desc, do_desc, k_desc, q_desc), ring, ready, empty, bos, num_chunks, i_h, i_h, i_v,
                             C, D, True)),
     ], [OFFCHAIN_WARPS, 1], [OFFCHAIN_REGS, LOADER_REGS])
 
@@ -236,6 +236,9 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
                          f"{sorted(REVERSE_CONFIGS)}, got {block_v}")
     if not checked:
         check_inputs("gluon_reverse", dict(q=q, k=k, w=w, do=do), info)
+        if k.shape[2] != w.shape[2]:
+            raise ValueError(f"gluon_reverse: q, k must have w's {w.shape[2]} heads (no grouped value heads), got "
+                             f"{k.shape[2]}")
     TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
     if dht is not None and tuple(dht.shape) != (N, H, D, D):
         raise ValueError(f"gluon_reverse: dht must be [{N}, {H}, {D}, {D}], got {tuple(dht.shape)}")
@@ -250,7 +253,7 @@ def gluon_state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch
     block_v = hopper_block_v(N * H, num_sms(k.device)) if block_v is None else block_v
     # [TT, H * 128] per tensor, tile [C, 128] at (row, head * 128), dO's [C, block_v] at (row, head * 128 +
     # V-block * block_v); rows past TT are TMA's zero fill
-    descs = tma_descriptors(((w, D), (do, block_v), (k, D), (q, D)), TT, H)
+    descs = tma_descriptors(((w, D), (do, block_v), (k, D), (q, D)), TT)
     cfg = REVERSE_CONFIGS[block_v]
     launch(gluon_reverse_kernel, (N * H * (D // block_v), ), *descs, dh, dv, dht, dh0, scale, info.cu_seqlens,
            chunks.chunk_offsets, H, dht is not None, need_dh0, LOADER_REGS, OFFCHAIN_WARPS,

@@ -10,6 +10,10 @@ One program per (sequence, head, V-block of BV rows of S^T); three partitions ru
     output (1 warp group): O = scale (Q S + (Q K^T ⊙ M) V'), stored from the accumulator's registers.
 So the serial chain runs only its two products while the output's three and the next chunks' loads run in other
 warps (plain Triton waits on every product in program order).
+Gated (USE_G, DESIGN.md §11): W carries exp(γ) already (the WY stage's), so V' = U - W S is unchanged; the chain
+decays S^T by exp(γ_C) and takes V'^T's columns times exp(γ_C - γ_j) into the state product (V' goes to the output
+undecayed), and the output scales Q S's rows by exp(γ_i) and Q K^T by E_ij = exp(γ_i - γ_j): every exponent <= 0.
+Grouped value heads: a program walks a value head and its loader reads the Q, K tiles of the head's key head.
 Variants (constexprs of gluon_walk_kernel): RESIDUAL, V'^T = (V^T - S^T K^T) Tb^T with Tb = T~ diag(beta) as its
 16-bit pair in W's slot (DESIGN.md §3); WITH_OUTPUT = False, final states only, for the sequence split's pass 1 (no Q
 tiles, no hand-off, the chain's arithmetic unchanged: the full walk's final states bit for bit); SAVE_STATES, each
@@ -95,12 +99,13 @@ def register_operand(accumulator):
 
 
 @gluon.jit
-def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl.constexpr, D: gl.constexpr,
+def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_hk, i_v, C: gl.constexpr, D: gl.constexpr,
                      REVERSE: gl.constexpr = False):
     """TMA of chunk t's W, K, Q tiles [C, D] and U's V-block [C, BV] into slot t % STAGES once its consumers
     released it; descs and ring are (W, U, K, Q), or (W, U, K) where no partition reads Q (the walk without its
-    output). REVERSE, for hopper/reverse.py: the t-th tiles loaded are those of chunk num_chunks - 1 - t, the
-    sequence walked backwards, and dO's V-block [C, BV] takes U's place."""
+    output). i_h: the value head (W, U), i_hk: its key head (K, Q). REVERSE, for hopper/reverse.py: the t-th tiles
+    loaded are those of chunk num_chunks - 1 - t, the sequence walked backwards, and dO's V-block [C, BV] takes U's
+    place."""
     w_desc, u_desc, k_desc = descs[0], descs[1], descs[2]
     w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
     LOAD_Q: gl.constexpr = len(descs) == 4
@@ -116,21 +121,31 @@ def loader_partition(descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C: gl
         row = bos + ((num_chunks - 1 - t) if REVERSE else t) * C
         tma.async_copy_global_to_shared(w_desc, [row, i_h * D], bar, w_ring.index(s))
         tma.async_copy_global_to_shared(u_desc, [row, i_h * D + i_v * BV], bar, u_ring.index(s))
-        tma.async_copy_global_to_shared(k_desc, [row, i_h * D], bar, k_ring.index(s))
+        tma.async_copy_global_to_shared(k_desc, [row, i_hk * D], bar, k_ring.index(s))
         if LOAD_Q:
-            tma.async_copy_global_to_shared(descs[3], [row, i_h * D], bar, ring[3].index(s))
+            tma.async_copy_global_to_shared(descs[3], [row, i_hk * D], bar, ring[3].index(s))
 
 
 @gluon.jit
-def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C: gl.constexpr,
-                    D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
-                    RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+def load_gamma(gam, start, n, i_h, H: gl.constexpr, layout: gl.constexpr, C: gl.constexpr):
+    """(γ [C] of a chunk's tokens in `layout` (a 1-D slice of an accumulator layout), 0 past the sequence's end;
+    γ_C, its last token's: the decay over the chunk). n: the tokens left in the sequence from start."""
+    r = gl.arange(0, C, layout=layout)
+    b_gam = gl.load(gam + (start + r).to(gl.int64) * H + i_h, mask=r < n, other=0.0)
+    return b_gam, gl.sum(gl.where(r == gl.minimum(n, C) - 1, b_gam, 0.0), axis=0)
+
+
+@gluon.jit
+def chain_partition(ring, ready, empty, handoff, h0, ht, gam, i_nh, i_v, bos, eos, num_chunks, H: gl.constexpr,
+                    C: gl.constexpr, D: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+                    WITH_OUTPUT: gl.constexpr, RESIDUAL: gl.constexpr, USE_G: gl.constexpr, num_warps: gl.constexpr):
     """The serial chain on the V-block i_v of S^T, [BV, D] fp32 (rows V, columns K), its products with the
     rounded S^T or V'^T (RESIDUAL: also Y^T) as the register operand; WITH_OUTPUT: S^T and V'^T of each chunk go
     to the output partition through handoff (st_bufs, vt_bufs, sv_ready, sv_empty; () without the output). The
     hand-off only copies operands the products have already taken: the chain's arithmetic, so the final state,
     is the same bit for bit either way. RESIDUAL: the ring's W slot holds Tb = T~ diag(beta) as its 16-bit pair
-    (hi | lo, [C, 2C]) and its U slot V's block, and V' = Tb (V - K S) (gluon_walk_kernel)."""
+    (hi | lo, [C, 2C]) and its U slot V's block, and V' = Tb (V - K S) (gluon_walk_kernel). USE_G: gated by γ (gam,
+    [TT, H] fp32): S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V')."""
     w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
@@ -154,6 +169,9 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
     for t in range(num_chunks):
         s = t % NS
         b = t % 2  # the hand-off's buffer (WITH_OUTPUT)
+        if USE_G:  # before the wait: the load's latency hides behind it
+            b_gam, b_gam_last = load_gamma(gam, bos + t * C, eos - bos - t * C, i_nh % H, H,
+                                           gl.SliceLayout(0, vn_layout), C)
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         b_sd = b_st.to(dt)
         # S^T W^T (residual form: S^T K^T)
@@ -177,8 +195,14 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
         else:
             b_vt = b_ut - b_wst
         # V' rows past the sequence's end (the next sequence's tokens) must not reach the state
-        b_vnt = gl.where(tokens[None, :] < eos - bos - t * C, b_vt, 0.0).to(dt)
-        b_st = warpgroup_mma(gl.convert_layout(b_vnt, vn_operand), k_ring.index(s), b_st, is_async=True)
+        b_vt = gl.where(tokens[None, :] < eos - bos - t * C, b_vt, 0.0)
+        b_vnt = b_vt.to(dt)
+        if USE_G:  # the decayed V' rounded as V' is; the output takes V' itself
+            b_st = b_st * gl.exp(b_gam_last)
+            b_vdt = (b_vnt.to(gl.float32) * gl.exp(b_gam_last - b_gam)[None, :]).to(dt)
+        else:
+            b_vdt = b_vnt
+        b_st = warpgroup_mma(gl.convert_layout(b_vdt, vn_operand), k_ring.index(s), b_st, is_async=True)
         if WITH_OUTPUT:
             vt_bufs.index(b).store(b_vnt)
             fence_async_shared()  # the output reads both buffers through wgmma (the async proxy)
@@ -191,14 +215,16 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, nu
 
 
 @gluon.jit
-def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, num_chunks, first_chunk, i_h, i_v,
-                     H: gl.constexpr, C: gl.constexpr, D: gl.constexpr, SAVE_STATES: gl.constexpr):
+def output_partition(ring, ready, empty, handoff, states, o, gam, scale, bos, eos, num_chunks, first_chunk, i_h, i_v,
+                     H: gl.constexpr, C: gl.constexpr, D: gl.constexpr, SAVE_STATES: gl.constexpr,
+                     USE_G: gl.constexpr):
     """O's columns of V-block i_v, scale (Q S + (Q K^T ⊙ M) V') [C, BV] of each chunk, from the ring's Q, K
     and the chain's S^T, V'^T (Q K^T is the same for every V-block: each program of a head computes it).
     SAVE_STATES: the hand-off's S^T and V'^T of each chunk also go to HBM, TMA stores straight from the
     hand-off buffers into states = (S^T [NT, H, 128, 128], V'^T [NT, H, 128, C]) at the chunk's global number
     first_chunk + t, for the backward (chunk_delta_rule's save_states); the stores run beside this chunk's
-    products and are waited for before the buffers go back to the chain."""
+    products and are waited for before the buffers go back to the chain. USE_G: O = scale (exp(γ) ⊙ Q S +
+    (Q K^T ⊙ E ⊙ M) V'), E_ij = exp(γ_i - γ_j)."""
     w_ring, u_ring, k_ring, q_ring = ring
     st_bufs, vt_bufs, sv_ready, sv_empty = handoff
     NS: gl.constexpr = w_ring.shape[0]
@@ -216,12 +242,19 @@ def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, nu
     for t in range(num_chunks):
         s = t % NS
         b = t % 2
+        if USE_G:
+            n = eos - bos - t * C
+            b_gam_i, _ = load_gamma(gam, bos + t * C, n, i_h, H, gl.SliceLayout(1, p_layout), C)
+            b_gam_j, _ = load_gamma(gam, bos + t * C, n, i_h, H, gl.SliceLayout(0, p_layout), C)
+            b_gam_o, _ = load_gamma(gam, bos + t * C, n, i_h, H, gl.SliceLayout(1, o_layout), C)
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         q_s = q_ring.index(s)
         # Q K^T does not depend on the chain: before waiting for it
         b_p = warpgroup_mma(q_s, k_ring.index(s).permute((1, 0)), gl.zeros([C, C], gl.float32, layout=p_layout),
                             use_acc=False, is_async=True)
         b_p = warpgroup_mma_wait(num_outstanding=0, deps=(b_p, ))
+        if USE_G:  # the exponent clamped above the diagonal, which the mask removes: never positive
+            b_p = b_p * gl.exp(gl.minimum(b_gam_i[:, None] - b_gam_j[None, :], 0.0))
         b_p = gl.convert_layout(gl.where(pi[:, None] >= pj[None, :], b_p, 0.0).to(dt), p_operand)
         mbarrier.wait(sv_ready.index(b), (t // 2) & 1)
         if SAVE_STATES:
@@ -231,6 +264,9 @@ def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, nu
             tma.async_copy_shared_to_global(states[1], [row, 0], vt_bufs.index(b))
         b_o = warpgroup_mma(q_s, st_bufs.index(b).permute((1, 0)), gl.zeros([C, BV], gl.float32, layout=o_layout),
                             use_acc=False, is_async=True)
+        if USE_G:  # exp(γ_i) on Q S's rows before the intra-chunk term joins the accumulator
+            b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, ))
+            b_o = b_o * gl.exp(b_gam_o)[:, None]
         b_o = warpgroup_mma(b_p, vt_bufs.index(b).permute((1, 0)), b_o, is_async=True)
         b_o = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, ))
         if SAVE_STATES:
@@ -243,9 +279,10 @@ def output_partition(ring, ready, empty, handoff, states, o, scale, bos, eos, nu
 
 
 @gluon.jit
-def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, ht, scale, cu_seqlens, chunk_offsets,
-                      H: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr, WITH_OUTPUT: gl.constexpr,
-                      SAVE_STATES: gl.constexpr, RESIDUAL: gl.constexpr, LOADER_REGS: gl.constexpr,
+def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, ht, gam, scale, cu_seqlens,
+                      chunk_offsets, H: gl.constexpr, HK: gl.constexpr, HAS_H0: gl.constexpr, STORE_HT: gl.constexpr,
+                      WITH_OUTPUT: gl.constexpr, SAVE_STATES: gl.constexpr, RESIDUAL: gl.constexpr,
+                      USE_G: gl.constexpr, LOADER_REGS: gl.constexpr,
                       OUTPUT_WARPS: gl.constexpr, OUTPUT_REGS: gl.constexpr, STAGES: gl.constexpr,
                       num_warps: gl.constexpr):
     """WITH_OUTPUT: the forward's walk (o written); else the final states only (STORE_HT): no output partition,
@@ -257,7 +294,10 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
     RESIDUAL (the residual form): w_desc is Tb's (T~ diag(beta) as its 16-bit pair, wy.tinv_pair_fwd: [.., H, 2C],
     whose [C, 2C] box has W's shape) and u_desc V's, and the chain forms V' = Tb (V - K S) with one more dependent
     product (a pair: two wgmma of [BV, C] x [C, C]), so the WY stage writes Tb alone instead of W and U. The
-    loader and the output partition are the same code: only what the ring's W and U slots hold changes."""
+    loader and the output partition are the same code: only what the ring's W and U slots hold changes.
+
+    H value heads (W, U, O, states), HK key heads (Q, K); USE_G: gated by γ (gam [TT, H] fp32), not with RESIDUAL
+    or SAVE_STATES (the residual pair and the kept states' backward are the ungated rule's)."""
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
@@ -266,12 +306,14 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
     gl.static_assert(WITH_OUTPUT or STORE_HT, "a walk without its output stores the final states")
     gl.static_assert(WITH_OUTPUT or not SAVE_STATES, "the states are saved from the output's hand-off")
     gl.static_assert(not RESIDUAL or 2 * C == D, "the residual form's Tb pair [C, 2C] takes W's slot [C, D]")
+    gl.static_assert(not USE_G or not (RESIDUAL or SAVE_STATES), "the gate takes neither the pair nor kept states")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
     # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
     pid = gl.program_id(0)
     i_nh, i_v = pid // NV, pid % NV
     i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HK)
     bos = gl.load(cu_seqlens + i_n)
     eos = gl.load(cu_seqlens + i_n + 1)
     num_chunks = gl.cdiv(eos - bos, C)
@@ -301,47 +343,48 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
         handoff = (st_bufs, vt_bufs, sv_ready, sv_empty)
         first_chunk = gl.load(chunk_offsets + i_n) if SAVE_STATES else 0
         gl.warp_specialize([
-            (chain_partition, (ring, ready, empty, handoff, h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
-                               STORE_HT, WITH_OUTPUT, RESIDUAL, num_warps)),
-            (output_partition, (ring, ready, empty, handoff, (st_desc, vt_desc), o, scale, bos, eos, num_chunks,
-                                first_chunk, i_h, i_v, H, C, D, SAVE_STATES)),
-            (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
+            (chain_partition, (ring, ready, empty, handoff, h0, ht, gam, i_nh, i_v, bos, eos, num_chunks, H, C, D,
+                               HAS_H0, STORE_HT, WITH_OUTPUT, RESIDUAL, USE_G, num_warps)),
+            (output_partition, (ring, ready, empty, handoff, (st_desc, vt_desc), o, gam, scale, bos, eos, num_chunks,
+                                first_chunk, i_h, i_v, H, C, D, SAVE_STATES, USE_G)),
+            (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_hk, i_v, C, D)),
         ], [OUTPUT_WARPS, 1], [OUTPUT_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (chain_partition, (ring, ready, empty, (), h0, ht, i_nh, i_v, bos, eos, num_chunks, C, D, HAS_H0,
-                               STORE_HT, WITH_OUTPUT, RESIDUAL, num_warps)),
-            (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_v, C, D)),
+            (chain_partition, (ring, ready, empty, (), h0, ht, gam, i_nh, i_v, bos, eos, num_chunks, H, C, D, HAS_H0,
+                               STORE_HT, WITH_OUTPUT, RESIDUAL, USE_G, num_warps)),
+            (loader_partition, (descs, ring, ready, empty, bos, num_chunks, i_h, i_hk, i_v, C, D)),
         ], [1], [LOADER_REGS])
 
 
 def check_inputs(kernel: str, tensors: Dict[str, torch.Tensor], info: SeqInfo) -> None:
     """The checks of both Gluon kernels' wrappers (this walk's and hopper/reverse.py's) before TMA descriptors are
     built on their inputs: one 16-bit dtype, heads of K = V = 128, the batch's tokens as contiguous rows (the
-    descriptors and the kernels' offsets address row r of head h at r * H * 128 + h * 128), 16-byte aligned
-    bases. tensors: the inputs by name, k among them."""
+    descriptors and the kernels' offsets address row r of head h at r * heads * 128 + h * 128), 16-byte aligned
+    bases. tensors: the inputs by name, q and k with the key heads, the others with the value heads (a multiple)."""
     names, xs, k = ", ".join(tensors), list(tensors.values()), tensors["k"]
-    H, D = k.shape[2], k.shape[3]
+    HK, D = k.shape[2], k.shape[3]
+    H = next(x.shape[2] for n, x in tensors.items() if n not in ("q", "k"))
     if any(x.dtype != k.dtype for x in xs) or k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{kernel}: {names} must share one 16-bit dtype, got "
                          + ", ".join(str(x.dtype) for x in xs))
-    if D != D_WALK or any(tuple(x.shape[2:]) != (H, D_WALK) for x in xs):
-        raise ValueError(f"{kernel}: 16-bit K = V = {D_WALK} only, got "
-                         + ", ".join(f"{n} {tuple(x.shape)}" for n, x in tensors.items()))
+    heads = {n: HK if n in ("q", "k") else H for n in tensors}
+    if D != D_WALK or H % HK or any(tuple(x.shape[2:]) != (heads[n], D_WALK) for n, x in tensors.items()):
+        raise ValueError(f"{kernel}: 16-bit K = V = {D_WALK} only, q and k with key heads dividing the others' value "
+                         "heads, got " + ", ".join(f"{n} {tuple(x.shape)}" for n, x in tensors.items()))
     TT = info.total_tokens
-    if any(x.numel() != TT * H * D or not x.is_contiguous() for x in xs):
-        raise ValueError(f"{kernel}: {names} must hold {TT} tokens of {H} heads, contiguous")
+    if any(x.numel() != TT * heads[n] * D or not x.is_contiguous() for n, x in tensors.items()):
+        raise ValueError(f"{kernel}: {names} must hold {TT} tokens of their heads, contiguous")
     if any(x.data_ptr() % 16 for x in xs):
         raise ValueError(f"{kernel}: {names} must start 16-byte aligned (TMA)")
 
 
-def tma_descriptors(tensors, TT: int, H: int) -> list:
-    """The TMA descriptors of contiguous [.., H, 128] tensors viewed as [TT, H * 128] (all B * T rows, whatever B
-    is), each with its block [C_WALK, width] of (tensor, width) pairs: the shape and strides of that view given
-    directly (the descriptor uses only its base's address and dtype), no reshape."""
-    shape, strides = [TT, H * D_WALK], [H * D_WALK, 1]
-    return [TensorDescriptor(x, shape, strides, [C_WALK, width], tile_layout(x.dtype, C_WALK, width))
-            for x, width in tensors]
+def tma_descriptors(tensors, TT: int) -> list:
+    """The TMA descriptors of contiguous [.., heads, 128] tensors viewed as [TT, heads * 128] (all B * T rows,
+    whatever B is), each with its block [C_WALK, width] of (tensor, width) pairs: the shape and strides of that view
+    given directly (the descriptor uses only its base's address and dtype), no reshape."""
+    return [TensorDescriptor(x, [TT, x.shape[2] * D_WALK], [x.shape[2] * D_WALK, 1], [C_WALK, width],
+                             tile_layout(x.dtype, C_WALK, width)) for x, width in tensors]
 
 
 def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor]) -> None:
@@ -357,7 +400,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
                       o: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
                       final_state: Optional[torch.Tensor], info: SeqInfo, block_v: int = D_WALK,
                       checked: bool = False, states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                      residual: bool = False):
+                      residual: bool = False, gam: Optional[torch.Tensor] = None):
     """Launches the kernel on q, k, w, u [B, T, H, 128] (packed [1, TT, H, 128] with cu_seqlens; contiguous rows: the
     descriptors and o's offsets address row r of head h at r * H * 128 + h * 128) into o (contiguous, u's shape),
     128 / block_v programs a sequence and head (WALK_CONFIGS' V-block widths). o None: the walk without its output,
@@ -366,7 +409,8 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     caller (the chunk forward, on the plan's Hopper walk) has made check_inputs' checks and built states with
     states_buffers, so they are not made again. states: (st, vt) from states_buffers, into which the walk with its
     output also stores each chunk's S^T and V'^T. residual: the residual form (gluon_walk_kernel's RESIDUAL), w being
-    Tb [.., H, 2 * 64] from wy.tinv_pair_fwd and u being V."""
+    Tb [.., H, 2 * 64] from wy.tinv_pair_fwd and u being V. q, k may have fewer heads than w, u (grouped value
+    heads). gam: the gated rule's γ [.., TT, H] fp32 (gate.chunk_gamma), with neither residual nor states."""
     with_output = o is not None
     if not checked:
         check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
@@ -377,7 +421,11 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
         raise ValueError(f"gluon_walk: o must be contiguous in u's shape {tuple(u.shape)}, got {tuple(o.shape)}")
     if not with_output and final_state is None:
         raise ValueError("gluon_walk: a walk without its output (o None) must store the final states")
-    TT, N, H, D = info.total_tokens, info.num_seqs, k.shape[2], k.shape[3]
+    if gam is not None and (residual or states is not None):
+        raise ValueError("gluon_walk: the gate (gam) takes neither the residual form nor kept states")
+    TT, N, H, HK, D = info.total_tokens, info.num_seqs, u.shape[2], k.shape[2], k.shape[3]
+    if gam is not None and (gam.dtype != torch.float32 or gam.numel() != TT * H or not gam.is_contiguous()):
+        raise ValueError(f"gluon_walk: gam must be contiguous fp32 [.., {TT}, {H}], got {tuple(gam.shape)} {gam.dtype}")
     if states is not None and not checked:
         expected = states_shapes(H, D, D, info, C_WALK)
         if not with_output or any(tuple(x.shape) != e or x.dtype != k.dtype or not x.is_contiguous()
@@ -394,7 +442,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     # [C, block_v] at (row, head * 128 + V-block * block_v); rows past TT are TMA's zero fill. No Q tile
     # without the output
     tiles = ((w, D), (u, block_v), (k, D)) + (((q, D), ) if with_output else ())
-    w_desc, u_desc, k_desc, *q_desc = tma_descriptors(tiles, TT, H)
+    w_desc, u_desc, k_desc, *q_desc = tma_descriptors(tiles, TT)
     st_desc = vt_desc = chunk_offsets = None
     if states is not None:  # rows of block_v S^T (V'^T) rows, as the hand-off buffers hold them
         st, vt = states
@@ -405,23 +453,25 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     cfg = WALK_CONFIGS[block_v]
     grid = (N * H * (D // block_v), )
     launch(gluon_walk_kernel, grid, w_desc, u_desc, k_desc, q_desc[0] if with_output else None, st_desc, vt_desc, o,
-           initial_state, final_state, scale, info.cu_seqlens, chunk_offsets, H, initial_state is not None,
-           final_state is not None, with_output, states is not None, residual, LOADER_REGS, OUTPUT_WARPS,
+           initial_state, final_state, gam, scale, info.cu_seqlens, chunk_offsets, H, HK, initial_state is not None,
+           final_state is not None, with_output, states is not None, residual, gam is not None, LOADER_REGS,
+           OUTPUT_WARPS,
            cfg.output_regs, cfg.stages if with_output else cfg.final_only_stages, num_warps=cfg.chain_warps)
 
 
 def gluon_state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                            initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
                            chunk_size: int = C_WALK, block_v: Optional[int] = None, checked: bool = False,
-                           states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, residual: bool = False
-                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           states: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, residual: bool = False,
+                           gam: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """portable walk.state_output_fwd's contract ((o, final_state or None)) on the Gluon walk: 16-bit, K = V = 128,
-    C = 64, q, k, w, u [B, T, H, 128] or packed [1, TT, H, 128]; block_v (the V-block a program walks) as
-    plan.hopper_block_v chooses unless given; checked, states and residual (w = Tb, u = V) as gluon_walk_launch's."""
+    C = 64, q, k [B, T, HK, 128], w, u [B, T, H, 128] or packed [1, TT, .., 128]; block_v (the V-block a program
+    walks) as plan.hopper_block_v chooses unless given; checked, states, residual (w = Tb, u = V) and gam (the gated
+    rule's γ) as gluon_walk_launch's."""
     # contiguous: u is (checked by the caller, or by gluon_walk_launch before o is used)
     o = torch.empty_like(u)
     final_state = run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked,
-                           states, residual)
+                           states, residual, gam)
     return o, final_state
 
 
@@ -435,15 +485,15 @@ def gluon_state_final_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, ini
 
 
 def run_walk(q, k, w, u, o, scale, initial_state, output_final_state, info, chunk_size, block_v, checked, states=None,
-             residual=False):
+             residual=False, gam=None):
     """Both wrappers' launch: the final state allocated (if asked for), the initial state as fp32, plan.hopper_block_v's
     V-block unless one is given."""
     if chunk_size != C_WALK:
         raise ValueError(f"gluon_walk: chunk_size {C_WALK} only, got {chunk_size}")
-    N, H = info.num_seqs, k.shape[2]
+    N, H = info.num_seqs, u.shape[2]
     final_state = k.new_empty(N, H, D_WALK, D_WALK, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     block_v = hopper_block_v(N * H, num_sms(u.device)) if block_v is None else block_v
     gluon_walk_launch(q, k, w, u, o, scale, h0, final_state, info, block_v, checked=checked, states=states,
-                      residual=residual)
+                      residual=residual, gam=gam)
     return final_state

@@ -17,10 +17,11 @@ import torch
 
 from deltatron.kernels.chunk.portable import walk as portable_walk
 from deltatron.kernels.chunk.portable import wy
+from deltatron.kernels.chunk.portable.gate import chunk_gamma
 from deltatron.kernels.utils import seq_info
 
-from ....helpers import (BOUNDS, gluon_smoke, make_inputs, random_cu_seqlens, rel_rms, require_smoke_passed,
-                         transposed_states)
+from ....helpers import (BOUNDS, gluon_smoke, make_gated_inputs, make_inputs, random_cu_seqlens, rel_rms,
+                         require_smoke_passed, transposed_states)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +32,7 @@ import sys
 import torch
 from deltatron.kernels.chunk.hopper import walk as gluon_walk
 from deltatron.kernels.chunk.portable import wy
+from deltatron.kernels.chunk.portable.gate import chunk_gamma
 from deltatron.kernels.utils import seq_info
 from tests.helpers import make_inputs
 B, T, H, block_v = 2, 200, 2, int(sys.argv[1])
@@ -47,12 +49,18 @@ _, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, 64, store_tinv=False)
 o_residual, s_residual = gluon_walk.gluon_state_output_fwd(x["q"], x["k"], tb, x["v"], 128 ** -0.5,
                                                            x["initial_state"], True, info, block_v=block_v,
                                                            residual=True)
+gam = chunk_gamma(-torch.rand(B, T, 2, device="cuda"), info, 64)
+k1 = x["k"][:, :, :1].contiguous()
+_, w_g, u_g = wy.wy_fwd(k1, x["v"], x["beta"], info, 64, gam=gam)
+o_gated, s_gated = gluon_walk.gluon_state_output_fwd(x["q"][:, :, :1].contiguous(), k1, w_g, u_g, 128 ** -0.5,
+                                                     x["initial_state"], True, info, block_v=block_v, gam=gam)
 torch.cuda.synchronize()
 print(f"gluon walk smoke calls (block_v {block_v}, with and without the output, saving the states, the residual "
-      "form) done, finite:",
+      "form, gated with grouped heads) done, finite:",
       bool(torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(s_only).all()
            and torch.isfinite(o_saving).all() and all(torch.isfinite(t).all() for t in saved)
-           and torch.isfinite(o_residual).all() and torch.isfinite(s_residual).all()))
+           and torch.isfinite(o_residual).all() and torch.isfinite(s_residual).all()
+           and torch.isfinite(o_gated).all() and torch.isfinite(s_gated).all()))
 """
 
 
@@ -181,6 +189,36 @@ def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
     assert rel_rms(st, want_st) <= bound, f"S^T: rel RMS {rel_rms(st, want_st):.2e}"
     assert rel_rms(vt, want_vt) <= bound, f"V'^T: rel RMS {rel_rms(vt, want_vt):.2e}"
     assert past_end.any() and not vt[past_end].any()
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gates, Hk, lengths", [("soft", 2, None), ("strong", 4, None), ("soft", 1, (1500, 0, 1)),
+                                                ("strong", 2, (0, 1, C - 1, C, C + 1, 700, 0, 1333))])
+def test_gluon_walk_gated_grouped(poison, gluon_walk, dtype, gates, Hk, lengths, block_v):
+    """The gate (USE_G) with grouped value heads (Hv = 4 reading Hk key heads) against the portable fused walk on the
+    same W, U and γ: soft and strong gates (down to -20 a token: γ reaches about -640 in a chunk), partial chunks,
+    empty sequences; two runs the same bits."""
+    B, T = (3, 1000) if lengths is None else (1, sum(lengths))
+    N = B if lengths is None else len(lengths)
+    x = {n: t.cuda() for n, t in make_gated_inputs(B, T, Hk, 4, D, D, dtype, N=N, gates=gates, seed=Hk).items()}
+    if lengths is not None:
+        cu = random_cu_seqlens(list(lengths), "cuda")
+        info = seq_info(1, T, torch.device("cuda"), cu, cu.cpu())
+    else:
+        info = seq_info(B, T, torch.device("cuda"), None, None)
+        x = packed(x, B, T, 4)
+    gam = chunk_gamma(x["g"], info, C)
+    _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C, gam=gam)
+    h0 = x["initial_state"]
+    o_ref, s_ref = portable_walk.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info, C, gam=gam)
+    (o, s), (o2, s2) = (gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info,
+                                                          block_v=block_v, gam=gam) for _ in range(2))
+    err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
+    print(f"gated gluon walk, {gates} gates, Hk {Hk} (block_v {block_v}): o {err_o:.2e}, final state {err_s:.2e}")
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert err_o < BOUNDS[dtype] and err_s < BOUNDS[dtype]
+    assert torch.equal(o2, o) and torch.equal(s2, s)
 
 
 def test_gluon_walk_refuses_other_shapes(gluon_walk):
