@@ -35,7 +35,9 @@ def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_
         options = dict(options, plan=plan_call(q, k, v, info, needs_backward, **options, **gate))
     if needs_backward:
         return DeltaRuleFunction.apply(*inputs, form, scale, output_final_state, use_qk_l2norm, info, options)
-    if use_qk_l2norm:
+    if use_qk_l2norm and getattr(form, "NORMALIZES_QK", False):  # in the form's kernel: two launches fewer
+        options = dict(options, qk_l2norm=True)
+    elif use_qk_l2norm:
         q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
     o, final_state, _, extras = form.forward(q, k, v, beta, scale, initial_state, output_final_state, info,
                                              needs_backward=False, **options, **gate)

@@ -333,6 +333,11 @@ def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbe
         tl.store(dh0 + p_S, b_dS, mask=m_S)
 
 
+# the inference forward takes qk_l2norm (q and k normalized in its kernel), which autograd.run_form passes for
+# use_qk_l2norm_in_kernel instead of launching the L2 norm on q and k first
+NORMALIZES_QK = True
+
+
 def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch.device):
     """(BV, num_warps): the widest V-block whose state tile fits max_tile, narrowed (down to 16) until
     there are at least two programs per SM, since each program is one serial walk over its tokens."""
