@@ -18,7 +18,7 @@ import torch
 from ..utils import side_stream
 from .plan import ChunkPlan
 from .portable.gate import chunk_gamma, gate_grad
-from .portable.grads import dqkw
+from .portable.grads import dqkw, group_sum
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
 from .portable.wy import recompute_w_u
@@ -93,8 +93,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     dg = None if g is None else gate_grad(dgam, dg_shares, info, chunk_size)
     HK, H = k.shape[2], v.shape[2]
     if HK != H:  # a key head's gradient is the sum over its group of value heads
-        dq = dq.unflatten(2, (HK, H // HK)).sum(3).to(q.dtype)
-        dk = dk.unflatten(2, (HK, H // HK)).sum(3).to(k.dtype)
+        dq, dk = group_sum(dq, HK, q.dtype), group_sum(dk, HK, k.dtype)
     return (dq, dk, dv, dbeta, dh0) + (() if g is None else (dg,))
 
 

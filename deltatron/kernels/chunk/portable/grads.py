@@ -9,7 +9,8 @@
 Gated (USE_G, DESIGN.md §11): dQ's state term takes exp(γ), dK's exp(γ_C - γ), the masked scores E; dqkw also
 writes its share of the log decays' gradient, per K-tile of the program, for wy_bwd to finish: the per-row dγ from
 Q S and the scores, x_i = exp(γ_C - γ_i) k_i^T dS_next v'_i, and exp(γ_C) <S, dS_next> per chunk. Grouped value
-heads: q, k of the value head's key head; dQ and dK come out per value head (the caller sums each group).
+heads: q, k of the value head's key head; dQ and dK come out per value head, in fp32, and group_sum adds each key
+head's group of them in one pass, rounded once.
 
 Every output element is written by exactly one program (deterministic)."""
 from __future__ import annotations
@@ -169,3 +170,30 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
             states_t, gam is not None, num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw, dg
+
+
+@triton.jit
+def group_sum_kernel(x, out, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                     BK: tl.constexpr):
+    i_r, i_hk = tl.program_id(0), tl.program_id(1)
+    rows = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
+    ck = tl.arange(0, BK)
+    mask = (rows[:, None] < R) & (ck[None, :] < K)
+    b_sum = tl.zeros([BR, BK], dtype=tl.float32)
+    for j in tl.static_range(G):  # the group's value heads in order: the same sum every run
+        b_sum += tl.load(x + rows[:, None] * (HK * G * K) + (i_hk * G + j) * K + ck[None, :], mask=mask, other=0.0)
+    tl.store(out + rows[:, None] * (HK * K) + i_hk * K + ck[None, :], b_sum.to(out.dtype.element_ty), mask=mask)
+
+
+def group_sum(x: torch.Tensor, key_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [.., H, K] fp32 (contiguous; a gradient per value head) summed over each key head's group of H / key_heads
+    value heads (value head h reads key head h // (H / key_heads)): [.., key_heads, K] in dtype, added in fp32 and
+    rounded once, in one pass over x (a reduction over the group dimension and a cast are two)."""
+    H, K = x.shape[-2], x.shape[-1]
+    out = x.new_empty((*x.shape[:-2], key_heads, K), dtype=dtype)
+    R = x.numel() // (H * K)
+    BK = triton.next_power_of_2(K)
+    BR = max(1, 4096 // BK)
+    if R:
+        launch(group_sum_kernel, (cdiv(R, BR), key_heads), x, out, R, key_heads, H // key_heads, K, BR, BK)
+    return out

@@ -83,3 +83,16 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
     for n, L in enumerate(lengths):
         if L == 0:  # no chunks: the gradient passes through untouched
             assert torch.equal(dh0[n].cpu(), torch.zeros(H, K, V) if dht is None else dht[n].float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H, key_heads, K", [(6, 2, 100), (6, 3, 64), (4, 1, 128), (5, 5, 16)])
+def test_group_sum(dtype, H, key_heads, K):
+    """Each key head's sum over its group of value heads' gradients (grouped value heads), fp32 in, rounded once to
+    dtype: against the float64 sum, within one rounding; the same bits on a second call. 37 rows: a partial block."""
+    x = torch.randn(1, 37, H, K, dtype=torch.float64)
+    got = grads.group_sum(x.float().to(DEVICE), key_heads, dtype)
+    want = x.float().double().unflatten(2, (key_heads, H // key_heads)).sum(3)
+    assert got.dtype == dtype and got.shape == (1, 37, key_heads, K)
+    assert rel_rms(got.cpu(), want) <= ONE_ROUNDING_BWD.get(dtype, BOUNDS[dtype])
+    assert torch.equal(got, grads.group_sum(x.float().to(DEVICE), key_heads, dtype))
