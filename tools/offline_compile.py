@@ -217,14 +217,17 @@ def inputs(B, T, H, K, V, dtype):
          dict(q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), do=(B, T, H, V)).items()}
     x["beta"] = torch.rand(B, T, H, generator=g).to(dtype)
     x["h0"] = torch.randn(B, H, K, V, generator=g)
+    x["g"] = -torch.nn.functional.softplus(torch.randn(B, T, H, generator=g))  # the gated rule's log decays
     return x
 
 
-def run_form(form, x, info):
-    """The form's forward (saving for the backward) and backward on x; every launch goes to OfflineLaunches."""
+def run_form(form, x, info, gated=False):
+    """The form's forward (saving for the backward) and backward on x, gated by x's g where asked; every launch goes
+    to OfflineLaunches."""
     args = (x["q"], x["k"], x["v"], x["beta"], x["q"].shape[-1] ** -0.5, x["h0"])
-    o, final, saved, _ = form.forward(*args, True, info, needs_backward=True)
-    form.backward(*args, saved, x["do"], torch.randn_like(final), info)
+    gate = dict(g=x["g"]) if gated else {}
+    o, final, saved, _ = form.forward(*args, True, info, needs_backward=True, **gate)
+    form.backward(*args, saved, x["do"], torch.randn_like(final), info, **gate)
 
 
 def main() -> int:
@@ -235,6 +238,7 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", help="compile only these kernels (e.g. state_bwd_kernel)")
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
+    parser.add_argument("--gated", action="store_true", help="the gated rule (chunk and fused_recurrent forms)")
     parser.add_argument("--sass-lines", type=int, default=0, metavar="N",
                         help="also list each kernel's N source lines with the most SASS instructions")
     args = parser.parse_args()
@@ -247,7 +251,7 @@ def main() -> int:
         info = seq_info(B, 128, torch.device("cpu"), None, None)
         for name in args.forms:
             with OfflineLaunches(args.kernels, args.sass_lines) as offline:
-                run_form(FORMS[name], x, info)
+                run_form(FORMS[name], x, info, args.gated)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
                                  ("K", "V", "C", "BT", "BK", "BW", "BV", "BD", "SEG"))
@@ -260,7 +264,7 @@ def main() -> int:
                           f"({r['seconds']:.0f} s)", flush=True)
                     if "sass" in r:
                         print_sass_lines(r["sass"], args.sass_lines)
-    print(f"triton {triton.__version__}, target sm_90, {args.dtype}")
+    print(f"triton {triton.__version__}, target sm_90, {args.dtype}{', gated' if args.gated else ''}")
     return 1 if failed else 0
 
 
