@@ -20,6 +20,12 @@ pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
 from deltatron.kernels.chunk.hopper import walk as gluon_walk  # noqa: E402
 
 D = gluon_walk.D_WALK
+ARG_NAMES = gluon_walk.gluon_walk_kernel.arg_names  # (the recorder that stands in for the kernel has none)
+
+
+def named(args):
+    """A recorded launch's arguments by the kernel's parameter names."""
+    return dict(zip(ARG_NAMES, args))
 
 
 @pytest.mark.parametrize("block_v", [None, 64, 128])
@@ -105,8 +111,10 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
     assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
                for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
-    assert args[6].is_contiguous() and args[6].shape == u.shape  # o, from empty_like(u)
-    assert args[4] is args[5] is args[11] is None and args[16] is False and args[17] is False  # no states, W, U
+    a = named(args)
+    assert a["o"].is_contiguous() and a["o"].shape == u.shape  # o, from empty_like(u)
+    assert a["st_desc"] is a["vt_desc"] is a["chunk_offsets"] is a["gam"] is None  # no states, no gate
+    assert (a["SAVE_STATES"], a["RESIDUAL"], a["USE_G"], a["H"], a["HK"]) == (False, False, False, H, H)  # W, U
 
 
 @pytest.mark.parametrize("B, T, H, block_v, has_h0", [(2, 70, 3, 64, True), (2, 70, 3, 128, False),
@@ -126,12 +134,11 @@ def test_final_only_launch(monkeypatch, B, T, H, block_v, has_h0):
     (grid, args, kwargs), (grid2, args2, kwargs2) = kernel.launches
     assert grid2 == grid and kwargs2 == kwargs and len(args2) == len(args)
     assert_same_descriptors(args2[:3], args[:3])  # w, u, k
-    q_desc, o, final_state = args2[3], args2[6], args2[8]
-    assert q_desc is None and o is None and final_state is s and s.shape == (B, H, D, D)
-    has_h0_flag, store_ht, with_output, stages = args2[13], args2[14], args2[15], args2[21]
-    assert (has_h0_flag, store_ht, with_output) == (has_h0, True, False) and args[15] is True
+    a, a2 = named(args), named(args2)
+    assert a2["q_desc"] is None and a2["o"] is None and a2["ht"] is s and s.shape == (B, H, D, D)
+    assert (a2["HAS_H0"], a2["STORE_HT"], a2["WITH_OUTPUT"]) == (has_h0, True, False) and a["WITH_OUTPUT"] is True
     cfg = gluon_walk.WALK_CONFIGS[args[1].block_shape[1]]
-    assert (args[21], stages) == (cfg.stages, cfg.final_only_stages)
+    assert (a["STAGES"], a2["STAGES"]) == (cfg.stages, cfg.final_only_stages)
 
 
 @pytest.mark.parametrize("lengths, block_v", [([70, 0, 130], 64), ([70, 0, 130], 128), ([1], None)])
@@ -155,7 +162,7 @@ def test_saves_states_through_their_descriptors(monkeypatch, lengths, block_v):
     for desc, buf, cols in zip(args[4:6], states, (D, 64)):
         assert desc.base is buf and list(desc.shape) == [NT * H * D, cols] and list(desc.strides) == [cols, 1]
         assert list(desc.block_shape) == [width, cols] and desc.layout == gluon_walk.tile_layout(buf.dtype, width, cols)
-    assert torch.equal(args[11], info.chunks(64).chunk_offsets) and args[16] is True
+    assert torch.equal(named(args)["chunk_offsets"], info.chunks(64).chunk_offsets) and named(args)["SAVE_STATES"]
 
 
 def test_refuses_states_it_cannot_save():
@@ -211,5 +218,46 @@ def test_residual_form_launch(monkeypatch, B, T, H, block_v):
     width = args2[1].block_shape[1]
     assert_same_descriptors(args2[:4], reshaped_descriptors(((tb, D), (x["v"], width), (x["k"], D), (x["q"], D)),
                                                             B * T, H))
-    assert (args[17], args2[17]) == (False, True) and grid2 == grid and kwargs2 == kwargs
-    assert args2[18:] == args[18:] and args2[12:17] == args[12:17]
+    a, a2 = named(args), named(args2)
+    assert (a["RESIDUAL"], a2["RESIDUAL"]) == (False, True) and grid2 == grid and kwargs2 == kwargs
+    assert all(a2[n] == a[n] for n in ARG_NAMES[ARG_NAMES.index("H"):] if n not in ("RESIDUAL", "num_warps"))
+
+
+@pytest.mark.parametrize("Hk, H", [(2, 4), (3, 3), (1, 5)])
+def test_gated_grouped_launch(monkeypatch, Hk, H):
+    # the gate and grouped value heads: q, k's descriptors over their Hk heads ([TT, Hk * 128]), w, u's over H, γ
+    # passed with USE_G, HK the key heads; the same grid (value heads) as without the gate
+    from .test_reverse import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
+    B, T = 2, 70
+    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
+    w, u = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
+    gam = -torch.rand(B, T, H)
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    o, s = gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, True, info, block_v=64, gam=gam)
+    gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, True, info, block_v=64)
+    (grid, args, kwargs), (grid2, args2, _) = kernel.launches
+    a, a2 = named(args), named(args2)
+    assert_same_descriptors(args[:2], reshaped_descriptors(((w, D), (u, 64)), B * T, H))
+    assert_same_descriptors(args[2:4], reshaped_descriptors(((k, D), (q, D)), B * T, Hk))
+    assert a["gam"] is gam and (a["USE_G"], a["H"], a["HK"], a["RESIDUAL"]) == (True, H, Hk, False)
+    assert a2["gam"] is None and a2["USE_G"] is False and grid == grid2 == (B * H * 2, )
+    assert o.shape == u.shape and s.shape == (B, H, D, D)
+
+
+def test_refuses_gated_and_grouped_misuse():
+    B, T, Hk, H = 1, 64, 2, 4
+    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
+    w, u = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    gam = -torch.rand(B, T, H)
+    with pytest.raises(ValueError, match="key heads"):  # 3 key heads do not divide 4 value heads
+        gluon_walk.gluon_state_output_fwd(q[:, :, :1].expand(B, T, 3, D).contiguous(), k[:, :, :1].expand(
+            B, T, 3, D).contiguous(), w, u, 0.1, None, False, info)
+    with pytest.raises(ValueError, match="gam"):
+        gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam[..., :2].contiguous())
+    with pytest.raises(ValueError, match="gam"):
+        gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam.double())
+    with pytest.raises(ValueError, match="neither the residual form nor kept states"):
+        gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam, residual=True)
