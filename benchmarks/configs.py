@@ -5,8 +5,8 @@ work() (docs/performance.md derives them; work() says what the gate and grouped 
 
 Two families of rows: the delta rule (deltatron's forms, fla's chunk_delta_rule, FlashQLA with g = 0) and the
 gated delta rule (GATED: deltatron's, fla's and FlashQLA's chunk_gated_delta_rule with a real gate, called as
-Qwen3-Next calls it, deltatron's and fla's gated decode step, fused_recurrent_gated_delta_rule, and KDA's chunk_kda
-with a gate per key channel). A
+Qwen3-Next calls it, deltatron's and fla's gated decode step, fused_recurrent_gated_delta_rule, deltatron's
+speculative-decoding verify step, and KDA's chunk_kda with a gate per key channel). A
 configuration's H is its value heads (v, beta, g, the state), Hk its query/key heads: Hk < H is grouped value heads
 (GVA), which only the gated rows time."""
 from __future__ import annotations
@@ -44,6 +44,7 @@ IMPLS = (
     "deltatron.fused_recurrent",
     "fla.fused_recurrent_gated",        # decode rows only: the gated decode step, the state in place (GATED)
     "deltatron.fused_recurrent_gated",  # decode rows only
+    "deltatron.verify_gated",  # verify rows only: fused_recurrent_gated_delta_rule with per-token state slots
     "deltatron.chunk_kda",    # chunk_kda with a real per-channel gate (KDA); T <= 4096 (token-serial on Triton)
     "fla.chunk_kda",
     "deltatron.fused_chunk",
@@ -53,10 +54,13 @@ OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
 # ratios against the gated competitors (report.baseline_impl).
 GATED_CHUNK = ("deltatron.chunk_gated", "fla.chunk_gated", "flash_qla.gated")
 GATED_DECODE = ("fla.fused_recurrent_gated", "deltatron.fused_recurrent_gated")
+# The speculative verify step as vLLM and SGLang call it: num_accepted_tokens picks each sequence's starting state
+# among the previous step's per-token slots, and the state after every token goes to its own slot
+VERIFY = ("deltatron.verify_gated",)
 KDA = ("deltatron.chunk_kda", "fla.chunk_kda")  # Kimi Delta Attention: a gate per key channel, g [B, T, H, K]
-GATED = GATED_CHUNK + GATED_DECODE + KDA
+GATED = GATED_CHUNK + GATED_DECODE + VERIFY + KDA
 # The token-serial decode forms: the only ones the decode rows time, and they time nothing else (but ours, ungated)
-DECODE_IMPLS = ("fla.fused_recurrent", "deltatron.fused_recurrent") + GATED_DECODE
+DECODE_IMPLS = ("fla.fused_recurrent", "deltatron.fused_recurrent") + GATED_DECODE + VERIFY
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class Config:
     V: int
     seqlens: Optional[Tuple[int, ...]] = None   # packed sequences: B = 1, T = sum(seqlens)
     decode: bool = False                        # one token per sequence, from a given fp32 state
+    verify: bool = False                        # decode of T draft tokens per sequence (VERIFY): a state slot each
     Hk: Optional[int] = None                    # query/key heads (default H); Hk < H: grouped value heads
 
     def __post_init__(self):
@@ -108,6 +113,11 @@ def qwen3next_decode(B: int) -> Config:
     return Config(f"qwen3next-decode-b{B}", B, 1, 32, 128, 128, decode=True, Hk=16)
 
 
+def qwen3next_verify(B: int, S: int) -> Config:
+    """A speculative verify step of Qwen3-Next's layer: B sequences of S draft tokens each."""
+    return Config(f"qwen3next-verify-b{B}-s{S}", B, S, 32, 128, 128, decode=True, Hk=16, verify=True)
+
+
 CONFIGS = (
     dense(8, 2048, 16, 128),
     dense(4, 4096, 16, 128),
@@ -121,8 +131,10 @@ CONFIGS = (
     qwen3next(1, 32768),
     decode(64, 16, 128),
     *(qwen3next_decode(B) for B in (1, 8, 64, 256)),
+    *(qwen3next_verify(B, 4) for B in (8, 64)),
 )
-SMOKE_CONFIGS = (dense(2, 40, 1, 16), varlen(40, 3, 1, 16, seed=0), decode(2, 1, 16), grouped(2, 40, 1, 2, 16))
+SMOKE_CONFIGS = (dense(2, 40, 1, 16), varlen(40, 3, 1, 16, seed=0), decode(2, 1, 16), grouped(2, 40, 1, 2, 16),
+                 Config("verify-b2-s3-hk1-hv2-k16", 2, 3, 2, 16, 16, decode=True, Hk=1, verify=True))
 
 
 def by_name(names: Sequence[str], smoke: bool = False) -> List[Config]:
@@ -138,6 +150,9 @@ def by_name(names: Sequence[str], smoke: bool = False) -> List[Config]:
 def skip_reason(impl: str, cfg: Config) -> Optional[str]:
     """Why the run does not time this (implementation, configuration) pair, or None where it does. Skipped pairs
     are not rows at all; the report's legend states these rules."""
+    if cfg.verify != (impl in VERIFY):
+        return ("verify rows time deltatron's verify step only (the per-token state slots and num_accepted_tokens "
+                "of vLLM's and SGLang's calls)" if cfg.verify else f"{impl} times the verify rows only")
     if cfg.decode and impl not in DECODE_IMPLS:
         return "decode rows time the token-serial fused_recurrent forms only"
     if not cfg.decode and impl in DECODE_IMPLS and impl != "deltatron.fused_recurrent":
@@ -186,13 +201,15 @@ def work(cfg: Config, gated: bool = False, per_channel: bool = False) -> Dict[st
     could share are counted once per value head). The gated rule adds its fp32 log decay g: read by the
     forward (4 bytes a value token-head), read again and its gradient written by the backward (12 in all); its
     exp and cumulative sums are a few FLOPs a token against thousands, not counted. beta (2 bytes) is not
-    counted either. KDA's gate (per_channel) has K of them a value token-head."""
+    counted either. KDA's gate (per_channel) has K of them a value token-head. A decode step reads and writes each
+    sequence's fp32 state; a verify step reads it once and writes one state a token."""
     n = cfg.B * cfg.T * cfg.H          # value token-heads
     nk = cfg.B * cfg.T * cfg.Hk        # query/key token-heads
     C, K, V = CHUNK, cfg.K, cfg.V
-    if cfg.decode:  # read and write the fp32 state; S^T k, k v'^T, S^T q; q, k per key head, v, o (and g) per value
+    if cfg.decode:  # the fp32 states; S^T k, k v'^T, S^T q; q, k per key head, v, o (and g) per value head
+        states = cfg.B * cfg.H + (n if cfg.verify else cfg.B * cfg.H)
         return dict(flops_fwd=n * 6 * K * V,
-                    bytes_fwd=n * (8 * K * V + 2 * 2 * V + (4 if gated else 0)) + nk * 2 * 2 * K)
+                    bytes_fwd=states * 4 * K * V + n * (2 * 2 * V + (4 if gated else 0)) + nk * 2 * 2 * K)
     fwd = 2 * (3 * C * K + 2 * C * V + 3 * K * V)
     bwd = 2 * (7 * C * K + 4 * C * V + 6 * K * V + 2 * C * C)
     width = K if per_channel else 1
@@ -226,7 +243,7 @@ def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool 
 def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = False,
                 per_channel: bool = False) -> Dict[str, torch.Tensor]:
     """bf16 q and k (unit-norm) with Hk heads, v with H; beta = sigmoid(randn); do for the backward; decode: an fp32
-    state h. g: zeros (FlashQLA's log decay for the plain delta rule), or with gated the real gate of gate()
+    state h; verify: a state pool with a slot per token and the accepted tokens of the previous step. g: zeros (FlashQLA's log decay for the plain delta rule), or with gated the real gate of gate()
     (fp32, a leaf that takes a gradient), drawn after everything else so the other inputs are the same."""
     gen = torch.Generator(device=device).manual_seed(seed)
     B, T, H, Hk, K, V = cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V
@@ -237,8 +254,14 @@ def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = Fals
     bf16 = torch.bfloat16
     x = dict(q=randn(B, T, Hk, K).to(bf16), k=F.normalize(randn(B, T, Hk, K), dim=-1).to(bf16),
              v=randn(B, T, H, V).to(bf16), beta=randn(B, T, H).sigmoid().to(bf16))
-    if cfg.decode:
+    if cfg.verify:  # a pool of B T slots: sequence b's token t writes slot b T + t, and starts from its token
+        # accepted[b] - 1's slot of the previous step
+        x["pool"] = randn(B * T, H, K, V)
+        x["slots"] = torch.arange(B * T, dtype=torch.int32, device=device).view(B, T)
+        x["accepted"] = torch.randint(1, T + 1, (B,), generator=gen, device=device, dtype=torch.int32)
+    elif cfg.decode:
         x["h"] = randn(B, H, K, V)
+    if cfg.decode:
         if gated:
             x["g"] = gate(B, T, H, gen, device)
         return x

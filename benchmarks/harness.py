@@ -156,6 +156,14 @@ def _ours_gated_decode() -> Callable:
     return call
 
 
+def _ours_gated_verify() -> Callable:
+    def call(x):
+        return api.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["pool"],
+                                                    inplace_final_state=True, ssm_state_indices=x["slots"],
+                                                    num_accepted_tokens=x["accepted"], **GATED_OPTIONS)[0]
+    return call
+
+
 def _fla_gated_decode() -> Callable:
     fn = importlib.import_module("fla.ops.gated_delta_rule").fused_recurrent_gated_delta_rule
 
@@ -180,6 +188,8 @@ def resolve(impl: str, smoke: bool) -> Callable:
         return _ours_gated()
     if impl == "deltatron.fused_recurrent_gated":
         return _ours_gated_decode()
+    if impl == "deltatron.verify_gated":
+        return _ours_gated_verify()
     if impl == "deltatron.chunk_kda":
         return _kda(api.chunk_kda)
     if package == "deltatron":
@@ -211,6 +221,8 @@ def identity(impl: str, cfg: Config) -> dict:
         row["seqlens"] = list(cfg.seqlens)
     if cfg.decode:
         row["decode"] = True
+    if cfg.verify:
+        row["verify"] = True
     return row
 
 
@@ -430,7 +442,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         for c in table:
             print(f"{c.name:<24} B={c.B} T={c.T} H={c.H} K={c.K} V={c.V}" + (f" Hk={c.Hk}" if c.Hk != c.H else "")
-                  + (f" seqlens={list(c.seqlens)}" if c.seqlens else "") + (" decode" if c.decode else ""))
+                  + (f" seqlens={list(c.seqlens)}" if c.seqlens else "") + (" verify" if c.verify else " decode" if c.decode else ""))
         print("implementations: " + ", ".join(IMPLS))
         reasons: Dict[str, List[str]] = {}
         for impl in IMPLS:

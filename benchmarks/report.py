@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from benchmarks.configs import GATED, IMPLS, KDA, RECURRENT_MAX_T
+from benchmarks.configs import GATED, IMPLS, KDA, RECURRENT_MAX_T, VERIFY
 
 
 def baseline_impl(competitor: str, row: dict) -> Optional[str]:
@@ -19,6 +19,8 @@ def baseline_impl(competitor: str, row: dict) -> Optional[str]:
     g = 0)."""
     if row["impl"] in KDA:  # FlashQLA has no KDA: no ratio against it
         return "fla.chunk_kda" if competitor == "fla" else None
+    if row.get("verify"):  # no competitor's verify step is timed
+        return None
     if row["impl"] in GATED:
         if competitor == "fla":
             return "fla.fused_recurrent_gated" if row.get("decode") else "fla.chunk_gated"
@@ -69,7 +71,8 @@ def table_cells(rows: Sequence[dict]) -> List[Tuple[str, ...]]:
         fwd = f"{r['step_us']:.1f} us" if r.get("decode") else f"{r['fwd_ms']:.3f}"
         fwdbwd = f"{r['fwdbwd_ms']:.3f}" if "fwdbwd_ms" in r else ""
         ratios = [_pair(speedup(rows, r, c, "fwd"), speedup(rows, r, c, "fwdbwd"), ".2f") for c in ("fla", "flash_qla")]
-        note = r.get("error") or ("decode: one token per step" if r.get("decode") else "")
+        note = r.get("error") or (f"verify: {r['T']} tokens per sequence, a state slot each" if r.get("verify") else
+                                  "decode: one token per step" if r.get("decode") else "")
         out.append((r["impl"], r["config"], fwd, fwdbwd, *ratios,
                     _pair(r.get("tflops_fwd"), r.get("tflops_fwdbwd"), ".1f"),
                     _pair(r.get("pct_floor_fwd"), r.get("pct_floor_fwdbwd"), ".1f"),
@@ -116,6 +119,11 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
                  "and their floor counts the fp32 gate's bytes. KDA rows (" + ", ".join(KDA) + "): a gate per key "
                  "channel drawn the same way, compared with fla.chunk_kda; ours runs the token-serial kernels on the "
                  f"Triton backend (T <= {RECURRENT_MAX_T}).")
+    if any(r.get("verify") for r in rows):
+        text += (" Verify rows (" + ", ".join(VERIFY) + "): a speculative-decoding verify step as vLLM and SGLang "
+                 "call it, T draft tokens per sequence from the state slot num_accepted_tokens picks, the state "
+                 "after every token written to its own slot of an fp32 pool (the floor: one state read a sequence "
+                 "and one written a token); no competitor's verify step is timed.")
     if any("Hk" in r for r in rows):
         text += (" Configurations with fewer query/key heads (Hk) than value heads (H; qwen3next-*: 16 and 32) "
                  "have rows of the gated ops only: fla's and FlashQLA's ungated delta rule take one head count for "

@@ -319,8 +319,10 @@ def test_grouped_configurations_time_only_the_gated_ops():
         assert [i for i in configs.IMPLS if configs.applies(i, cfg)] == list(configs.GATED_CHUNK)
         assert "grouped value heads" in configs.skip_reason("deltatron.chunk", cfg)
     for cfg in configs.CONFIGS:
-        if cfg.decode:  # the gated decode step's rows, on grouped heads too
-            assert not any(configs.applies(i, cfg) for i in configs.GATED_CHUNK)
+        if cfg.verify:  # deltatron's verify step only
+            assert [i for i in configs.IMPLS if configs.applies(i, cfg)] == list(configs.VERIFY)
+        elif cfg.decode:  # the gated decode step's rows, on grouped heads too
+            assert not any(configs.applies(i, cfg) for i in configs.GATED_CHUNK + configs.VERIFY)
             assert all(configs.applies(i, cfg) for i in configs.GATED_DECODE)
         else:
             assert configs.applies("deltatron.chunk_gated", cfg) and configs.applies("fla.chunk_gated", cfg)
@@ -352,7 +354,8 @@ def test_existing_configuration_names_are_kept():
     known = {c.name: c for c in configs.CONFIGS}
     for row in results["rows"]:
         cfg = known[row["config"]]
-        assert (cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V) == tuple(row[n] for n in ("B", "T", "H", "H", "K", "V"))
+        assert (cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V) == (row["B"], row["T"], row["H"], row.get("Hk", row["H"]),
+                                                               row["K"], row["V"])
 
 
 def _fake_module(monkeypatch, name, **attrs):
@@ -473,3 +476,23 @@ def test_merge_adds_gated_rows_to_an_earlier_run():
     assert [(r["impl"], r["config"], r["fwd_ms"]) for r in merged] == [
         ("deltatron.chunk", "b8", 1.0), ("fla.chunk", "b8", 2.0), ("deltatron.chunk_gated", "qwen", 5.0),
         ("fla.chunk_gated", "b8", 6.0), ("deltatron.fused_recurrent", "b8", 9.0)]
+
+
+def test_verify_rows(smoke):
+    """The speculative verify step (deltatron.verify_gated) is timed on the verify configurations only, from a pool
+    with a slot per token and accepted tokens in [1, T]; its floor reads one state a sequence and writes one a token."""
+    _, results = smoke
+    cfg = next(c for c in configs.SMOKE_CONFIGS if c.verify)
+    rows = [r for r in results["rows"] if r["config"] == cfg.name]
+    assert [r["impl"] for r in rows] == list(configs.VERIFY)
+    row = rows[0]
+    assert "error" not in row and row["verify"] is True and row["decode"] is True and row["step_us"] > 0
+    B, T, H, Hk, K, V = cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V
+    assert row["bytes_fwd"] == (B * H + B * T * H) * 4 * K * V + B * T * H * (2 * 2 * V + 4) + B * T * Hk * 2 * 2 * K
+    x = configs.make_inputs(cfg, torch.device("cpu"), seed=0, gated=True)
+    assert x["pool"].shape == (B * T, H, K, V) and x["slots"].tolist() == [[b * T + t for t in range(T)]
+                                                                           for b in range(B)]
+    assert x["accepted"].dtype == torch.int32 and ((x["accepted"] >= 1) & (x["accepted"] <= T)).all()
+    assert "h" not in x and x["g"].shape == (B, T, H)
+    assert "verify: 3 tokens per sequence" in report.table_cells(rows)[0][-1]
+    assert report.speedup(results["rows"], row, "fla", "fwd") is None
