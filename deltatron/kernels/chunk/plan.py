@@ -456,9 +456,10 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                     "value heads"))
 
     # -- WY form
-    if walk != "hopper" or p.gated:
+    if walk != "hopper" or p.gated or p.grouped:
         residual, why = False, ("the residual form is the ungated rule's (W carries the decays)" if p.gated else
-                                "the residual form runs on the Hopper walk only")
+                                "grouped value heads take W, U (the end-to-end tests' path)"
+                                if p.grouped else "the residual form runs on the Hopper walk only")
         if o.residual:
             raise ValueError(f"overrides(residual=True): {why}")
     elif keep:

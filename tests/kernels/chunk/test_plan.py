@@ -343,7 +343,7 @@ def test_gated_and_grouped_calls_take_the_hopper_walk_unsplit(gated, key_heads):
     # portable backward
     p = plan_for_shape(1, 32768, 16, 128, 128, bf16, gated=gated, key_heads=key_heads)
     assert p.walk == "hopper" and (p.reverse, p.segments, p.residual, p.split, p.keep_states) == (
-        "portable", 1, not gated, False, False)
+        "portable", 1, False, False, False)
     assert "takes neither the gate nor grouped value heads" in p.reason("split")
     assert "takes neither the gate nor grouped value heads" in p.reason("reverse")
     fwd, bwd = plan.kernels(p)
@@ -351,7 +351,7 @@ def test_gated_and_grouped_calls_take_the_hopper_walk_unsplit(gated, key_heads):
     assert "hopper.walk" in fwd
     problem = plan.Problem(bf16, 16, 128, 128, 1, 32768, gated=gated, key_heads=key_heads)
     refused = (dict(hopper_reverse=True), dict(segments=2), dict(split_partitions=3), dict(keep_states=True))
-    for forced in refused + ((dict(residual=True),) if gated else ()):
+    for forced in refused + (dict(residual=True),):
         with pytest.raises(ValueError):
             plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(**forced))
     assert plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(hopper_walk=False)).walk != "hopper"

@@ -164,20 +164,21 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
 def tinv_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
     """Tinv = (I + A)^{-1} per chunk [B, T, H, C] fp32, from K on chip (kkt and solve_tril in one launch,
     A never written): the same Tinv as wy_fwd's."""
-    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32)
+    tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32)  # per value head (beta's)
     _wy(k, None, beta, tinv, True, info, chunk_size)
     return tinv
 
 
 def tinv_pair_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int,
                   store_tinv: bool = True, cfg: Optional[Launch] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(Tinv [B, T, H, C] fp32, or None without store_tinv, Tb [B, T, H, 2C] in k's dtype): wy_fwd's Tinv, and
+    """(Tinv [B, T, H, C] fp32, or None without store_tinv, Tb [B, T, H, 2C] in k's dtype; H beta's value heads):
+    wy_fwd's Tinv, and
     Tb = Tinv diag(beta) as the 16-bit pair hi + lo that wy_fwd applies to K and V (tinv_beta_pair, the same
     bits), hi in columns [0, C) and lo in [C, 2C). In a short last chunk the columns past the sequence end are
     zero (beta reads as 0 there). 16-bit inputs only: fp32 has no pair."""
     if k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"tinv_pair_fwd: 16-bit k only (Tinv diag(beta) as a pair of k's dtype), got {k.dtype}")
-    tinv = k.new_empty(*k.shape[:3], chunk_size, dtype=torch.float32) if store_tinv else None
-    tb = k.new_empty(*k.shape[:3], 2 * chunk_size)
+    tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32) if store_tinv else None  # per value head
+    tb = k.new_empty(*beta.shape, 2 * chunk_size)
     _wy(k, None, beta, tinv, True, info, chunk_size, tb=tb, cfg=cfg)
     return tinv, tb

@@ -194,26 +194,33 @@ def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
 @pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gates, Hk, lengths", [("soft", 2, None), ("strong", 4, None), ("soft", 1, (1500, 0, 1)),
-                                                ("strong", 2, (0, 1, C - 1, C, C + 1, 700, 0, 1333))])
+                                                ("strong", 2, (0, 1, C - 1, C, C + 1, 700, 0, 1333)),
+                                                (None, 2, None), ("residual", 1, (0, 1, C + 1, 700))])
 def test_gluon_walk_gated_grouped(poison, gluon_walk, dtype, gates, Hk, lengths, block_v):
     """The gate (USE_G) with grouped value heads (Hv = 4 reading Hk key heads) against the portable fused walk on the
     same W, U and γ: soft and strong gates (down to -20 a token: γ reaches about -640 in a chunk), partial chunks,
-    empty sequences; two runs the same bits."""
+    empty sequences; grouped heads without the gate, on W, U (None) and in the residual form (Tb and V in W's and
+    U's slots); two runs the same bits."""
     B, T = (3, 1000) if lengths is None else (1, sum(lengths))
     N = B if lengths is None else len(lengths)
-    x = {n: t.cuda() for n, t in make_gated_inputs(B, T, Hk, 4, D, D, dtype, N=N, gates=gates, seed=Hk).items()}
+    gated = gates in ("soft", "strong")
+    x = {n: t.cuda() for n, t in make_gated_inputs(B, T, Hk, 4, D, D, dtype, N=N, gates=gates if gated else "soft",
+                                                   seed=Hk).items()}
     if lengths is not None:
         cu = random_cu_seqlens(list(lengths), "cuda")
         info = seq_info(1, T, torch.device("cuda"), cu, cu.cpu())
     else:
         info = seq_info(B, T, torch.device("cuda"), None, None)
         x = packed(x, B, T, 4)
-    gam = chunk_gamma(x["g"], info, C)
+    gam = chunk_gamma(x["g"], info, C) if gated else None
     _, w, u = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C, gam=gam)
     h0 = x["initial_state"]
     o_ref, s_ref = portable_walk.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info, C, gam=gam)
-    (o, s), (o2, s2) = (gluon_walk.gluon_state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info,
-                                                          block_v=block_v, gam=gam) for _ in range(2))
+    slots, form = (w, u), dict(gam=gam)
+    if gates == "residual":
+        slots, form = (wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False)[1], x["v"]), dict(residual=True)
+    (o, s), (o2, s2) = (gluon_walk.gluon_state_output_fwd(x["q"], x["k"], *slots, D ** -0.5, h0, True, info,
+                                                          block_v=block_v, **form) for _ in range(2))
     err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
     print(f"gated gluon walk, {gates} gates, Hk {Hk} (block_v {block_v}): o {err_o:.2e}, final state {err_s:.2e}")
     assert torch.isfinite(o).all() and torch.isfinite(s).all()

@@ -74,3 +74,15 @@ def test_tinv_pair_refuses_fp32():
     inp, info, _ = packed([16], 1, 16, 16, torch.float32, seed=3)
     with pytest.raises(ValueError, match="16-bit k only"):
         wy.tinv_pair_fwd(inp["k"], inp["beta"], info, 16)
+
+
+def test_tinv_pair_grouped_heads(poison):
+    # grouped value heads (k with 1 head, beta with 3): Tinv and Tb per value head, the same bits as with k repeated
+    # for each value head
+    inp, info, _ = packed([70, 0, 5], 3, 32, 16, torch.float16, seed=13)
+    k1 = inp["k"][:, :, :1].contiguous()
+    tinv, tb = wy.tinv_pair_fwd(k1, inp["beta"], info, 64)
+    assert tinv.shape == (*inp["beta"].shape, 64) and tb.shape == (*inp["beta"].shape, 128)
+    want_tinv, want_tb = wy.tinv_pair_fwd(k1.expand(inp["k"].shape).contiguous(), inp["beta"], info, 64)
+    assert torch.equal(tinv, want_tinv) and torch.equal(tb, want_tb)
+    assert torch.equal(wy.tinv_fwd(k1, inp["beta"], info, 64), want_tinv)
