@@ -8,7 +8,11 @@ the same specialization a GPU launch would get, by whatever triton is importable
 (nothing runs), so a host step that reads them is not meaningful; the kernels are what is looked at.
 
     python tools/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
-        [--kernels wy_kernel ...] [--sass-lines N]
+        [--kernels wy_kernel ...] [--gated] [--hopper] [--sass-lines N]
+
+--hopper plans the chunk form with the Hopper Gluon walk and reverse pass forced (16-bit, K = V = 128; --gated and
+--key-heads for their variants, on the walk) and compiles those kernels too, from their Gluon source: with the
+GPU's triton 3.6 first on PYTHONPATH (the Gluon API differs in other versions).
 
 --sass-lines N also lists, per compiled kernel, the N source lines with the most SASS instructions (nvdisasm's
 line table) and their commonest opcodes. A kernel without loops over chunks or tiles (the WY forward) runs each
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -37,6 +42,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+try:  # the Gluon kernels (hopper/) compile from their own AST source
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+except ImportError:
+    GluonASTSource = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's deltatron
 
@@ -125,8 +135,9 @@ class OfflineLaunches:
                    maxnreg=options.maxnreg)
         start = time.perf_counter()
         try:
-            compiled = triton_compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs), target=H200,
-                                      options=options.__dict__)
+            gluon = GluonASTSource is not None and getattr(fn, "is_gluon", lambda: False)()
+            source = (GluonASTSource if gluon else triton.compiler.ASTSource)(fn, signature, constexprs, attrs)
+            compiled = triton_compile(source, target=H200, options=options.__dict__)
         except Exception as e:  # reported: a compile failure is what this tool is for
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
         else:
@@ -200,21 +211,22 @@ def usage(row: dict) -> str:
             f"blocks/SM {row['blocks']}")
 
 
-def pretend_h200_plans() -> None:
+def pretend_h200_plans(gluon: bool = False) -> None:
     """The chunk form plans its calls as on the H200 (sm_90, H200_SMS SMs: the launches' V-blocks depend on the SM
-    count) without the Hopper Gluon stages (compiled by Gluon, not by this script): every module of
-    deltatron.kernels.chunk that took plan.device_capabilities answers so."""
+    count), with the Hopper Gluon stages only where gluon is set: every module of deltatron.kernels.chunk that took
+    plan.device_capabilities answers so."""
     caps = plan.Capabilities("sm_90 (offline compile)", cuda=True, interpret=False, sm=(9, 0), num_sms=H200_SMS,
-                             gluon=False)
+                             gluon=gluon)
     for name, module in list(sys.modules.items()):
         if name.startswith(chunk.__name__) and getattr(module, "device_capabilities", None) is not None:
             module.device_capabilities = lambda device: caps
 
 
-def inputs(B, T, H, K, V, dtype):
+def inputs(B, T, H, K, V, dtype, key_heads=None):
     g = torch.Generator().manual_seed(0)
+    Hk = key_heads or H
     x = {n: torch.randn(*shape, generator=g).to(dtype) for n, shape in
-         dict(q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), do=(B, T, H, V)).items()}
+         dict(q=(B, T, Hk, K), k=(B, T, Hk, K), v=(B, T, H, V), do=(B, T, H, V)).items()}
     x["beta"] = torch.rand(B, T, H, generator=g).to(dtype)
     x["h0"] = torch.randn(B, H, K, V, generator=g)
     x["g"] = -torch.nn.functional.softplus(torch.randn(B, T, H, generator=g))  # the gated rule's log decays
@@ -239,18 +251,28 @@ def main() -> int:
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
     parser.add_argument("--gated", action="store_true", help="the gated rule (chunk and fused_recurrent forms)")
+    parser.add_argument("--key-heads", type=int, help="heads of q and k (grouped value heads: fewer than H)")
+    parser.add_argument("--hopper", action="store_true",
+                        help="the chunk form on the Hopper Gluon walk and reverse pass (16-bit, K = V = 128)")
     parser.add_argument("--sass-lines", type=int, default=0, metavar="N",
                         help="also list each kernel's N source lines with the most SASS instructions")
     args = parser.parse_args()
     fused_recurrent.num_sms = lambda device: H200_SMS  # its V-blocks depend on the SM count
-    pretend_h200_plans()
+    pretend_h200_plans(gluon=args.hopper)
+    if args.hopper:
+        from deltatron.kernels.chunk.hopper import reverse, walk
+        walk.num_sms = reverse.num_sms = lambda device: H200_SMS
     B, H = args.batch_heads
     failed = False
+    # the Hopper reverse pass takes neither the gate nor grouped heads (the plan refuses it there)
+    plain = not args.gated and args.key_heads in (None, H)
+    forced = (plan.overrides(hopper_walk=True, hopper_reverse=True if plain else None) if args.hopper else
+              contextlib.nullcontext())
     for D in args.heads:
-        x = inputs(B, 128, H, D, D, DTYPES[args.dtype])
+        x = inputs(B, 128, H, D, D, DTYPES[args.dtype], args.key_heads)
         info = seq_info(B, 128, torch.device("cpu"), None, None)
         for name in args.forms:
-            with OfflineLaunches(args.kernels, args.sass_lines) as offline:
+            with OfflineLaunches(args.kernels, args.sass_lines) as offline, forced:
                 run_form(FORMS[name], x, info, args.gated)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
@@ -264,7 +286,8 @@ def main() -> int:
                           f"({r['seconds']:.0f} s)", flush=True)
                     if "sass" in r:
                         print_sass_lines(r["sass"], args.sass_lines)
-    print(f"triton {triton.__version__}, target sm_90, {args.dtype}{', gated' if args.gated else ''}")
+    variant = (", gated" if args.gated else "") + (f", {args.key_heads} key heads" if args.key_heads else "")
+    print(f"triton {triton.__version__}, target sm_90, {args.dtype}{variant}{', Hopper' if args.hopper else ''}")
     return 1 if failed else 0
 
 
