@@ -202,24 +202,30 @@ def prefill_then_steps(model, ids, prefill: int = 20):
     return torch.cat(logits, 1)
 
 
+def check_cached_decoding(model, model_type, calls, ids):
+    """A cached prefill (the chunk op, writing the cache) and 4 cached steps (the recurrent op, from the cache) with
+    deltatron enabled for model_type give the logits of transformers' own fallback; returns them."""
+    ref = prefill_then_steps(model, ids)
+    dt_hf.enable([model_type])
+    got = prefill_then_steps(model, ids)
+    assert len(calls["chunk"]) == 1 and len(calls["recurrent"]) == 4
+    assert_close(got, ref, "decoded logits")
+    return got
+
+
 def test_cached_decoding_matches_transformers_fallback(calls):
     """Prefill (the chunk op, writing the cache) then token-by-token steps (the recurrent op, from the cache)."""
     model = build("qwen3_next").eval()
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
-
-    ref = prefill_then_steps(model, ids)
-    dt_hf.enable(["qwen3_next"])
-    got = prefill_then_steps(model, ids)
-    assert len(calls["chunk"]) == 1 and len(calls["recurrent"]) == 4
-    assert_close(got, ref, "decoded logits")
+    got = check_cached_decoding(model, "qwen3_next", calls, ids)
     with torch.no_grad():  # and the steps agree with one pass over the whole sequence
         assert_close(got, model(ids, use_cache=False).logits, "decoded vs. full-sequence logits")
 
 
 def test_packed_sequences_match_separate_runs(calls):
     """transformers hands the op `cu_seqlens` from the `cu_seq_lens_q` keyword, which its PyTorch fallback refuses
-    (transformers 5.20; 5.16 ignored it); deltatron keeps the sequences apart (and enable()'s convolution wrapper keeps the causal conv from leaking across
-    them); the full-attention layer finds the boundaries in position_ids."""
+    (transformers 5.20; 5.16 ignored it); deltatron keeps the sequences apart (and enable()'s convolution wrapper
+    keeps the causal conv from leaking across them); the full-attention layer finds the boundaries in position_ids."""
     model = build("qwen3_next")
     assert model.config.linear_conv_kernel_dim == 4
     lengths = (13, 1, 30)
@@ -384,13 +390,8 @@ def test_kimi_linear_logits_and_gradients_match_transformers_fallback(calls):
 def test_kimi_linear_cached_decoding_matches_transformers_fallback(calls):
     modeling("kimi_linear")
     model = build_kimi().eval()
-    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
-
-    ref = prefill_then_steps(model, ids)
-    dt_hf.enable(["kimi_linear"])
-    got = prefill_then_steps(model, ids)
-    assert len(calls["chunk"]) == 1 and len(calls["recurrent"]) == 4
-    assert_close(got, ref, "decoded logits")
+    check_cached_decoding(model, "kimi_linear", calls, torch.randint(0, 64, (2, 24),
+                                                                   generator=torch.Generator().manual_seed(2)))
 
 
 def test_kimi_linear_packed_sequences_match_separate_runs(calls):
