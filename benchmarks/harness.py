@@ -442,7 +442,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         for c in table:
             print(f"{c.name:<24} B={c.B} T={c.T} H={c.H} K={c.K} V={c.V}" + (f" Hk={c.Hk}" if c.Hk != c.H else "")
-                  + (f" seqlens={list(c.seqlens)}" if c.seqlens else "") + (" verify" if c.verify else " decode" if c.decode else ""))
+                  + (f" seqlens={list(c.seqlens)}" if c.seqlens else "")
+                  + (" verify" if c.verify else " decode" if c.decode else ""))
         print("implementations: " + ", ".join(IMPLS))
         reasons: Dict[str, List[str]] = {}
         for impl in IMPLS:
