@@ -59,23 +59,26 @@ def _memory(n: Optional[int]) -> str:
 
 
 TABLE_HEADER = ("impl", "config", "fwd ms", "fwd+bwd ms", "vs fla f / fb", "vs FlashQLA f / fb",
-                "TFLOP/s f / fb", "% floor f / fb", "peak mem", "note")
+                "TFLOP/s f / fb", "% floor f / fb", "host ms f / fb", "peak mem", "note")
 
 
 def table_cells(rows: Sequence[dict]) -> List[Tuple[str, ...]]:
     out = []
     for r in rows:
         if "fwd_ms" not in r:
-            out.append((r["impl"], r["config"], "", "", "", "", "", "", "", r["error"]))
+            out.append((r["impl"], r["config"], "", "", "", "", "", "", "", "", r["error"]))
             continue
         fwd = f"{r['step_us']:.1f} us" if r.get("decode") else f"{r['fwd_ms']:.3f}"
         fwdbwd = f"{r['fwdbwd_ms']:.3f}" if "fwdbwd_ms" in r else ""
         ratios = [_pair(speedup(rows, r, c, "fwd"), speedup(rows, r, c, "fwdbwd"), ".2f") for c in ("fla", "flash_qla")]
         note = r.get("error") or (f"verify: {r['T']} tokens per sequence, a state slot each" if r.get("verify") else
                                   "decode: one token per step" if r.get("decode") else "")
+        if r.get("eager_step_us") is not None:
+            note += f"; eager step {r['eager_step_us']:.1f} us"
         out.append((r["impl"], r["config"], fwd, fwdbwd, *ratios,
                     _pair(r.get("tflops_fwd"), r.get("tflops_fwdbwd"), ".1f"),
                     _pair(r.get("pct_floor_fwd"), r.get("pct_floor_fwdbwd"), ".1f"),
+                    _pair(r.get("host_fwd_ms"), r.get("host_fwdbwd_ms"), ".3f"),
                     _memory(r.get("peak_mem_bytes")), note))
     return out
 
@@ -109,7 +112,10 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
     text = (f"bf16. f = forward (no_grad), fb = forward+backward. vs X = X's time / this row's time (> 1: faster "
             f"than X; fla's decode baseline is its fused_recurrent, gated or not). Floor = max(FLOPs / {tflops} "
             f"TFLOP/s, bytes / {tbps} TB/s) ({peaks}; counts in docs/performance.md); % floor = "
-            "floor / time. Peak mem: one forward+backward's (decode: one step's) allocation above its inputs. "
+            "floor / time. Host ms: the host's time of one call (back-to-back calls, benchmarks/timing.py host_ms); "
+            "a row whose host time exceeds its GPU time is host-bound for eager callers. Decode and verify rows time "
+            "the step's GPU work as a replayed CUDA graph, as engines run it; the note gives an eager call's step "
+            "time. Peak mem: one forward+backward's (decode: one step's) allocation above its inputs. "
             f"fused_recurrent runs T <= {RECURRENT_MAX_T} only; FlashQLA K = V = 128 only.")
     if has_gated(rows):
         text += (" Gated rows (" + ", ".join(GATED) + "): the gated delta rule with Qwen3-Next's gate "

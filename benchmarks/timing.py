@@ -1,7 +1,10 @@
-"""The benchmark's timers: one call's median time, its peak memory, and the run's matmul and copy ceilings.
+"""The benchmark's timers: one call's median time, its host time, its peak memory, and the run's matmul and copy
+ceilings.
 
 On the GPU a time is triton's do_bench median (L2 flushed before every timed call) after SETTLE_S of
-back-to-back calls; in smoke mode (CPU) it is a wall clock over SMOKE_REPS calls."""
+back-to-back calls; in smoke mode (CPU) it is a wall clock over SMOKE_REPS calls. A decode step is timed as a
+replayed CUDA graph (graph_time_ms): its GPU work lasts microseconds, less than the host's launch cost, so an
+eager call's events would time the host. The host's cost per call is timed apart (host_ms)."""
 from __future__ import annotations
 
 import gc
@@ -23,6 +26,7 @@ SMOKE_INPUT_SETS = 2
 # not cure it (H200: b8-t2048-h16-k128's forward read 0.378 ms as a run's first row against 0.275 ms once
 # warm, fla's 0.733 against 0.520, the decode step 69.8 us against 44.2).
 SETTLE_S = 0.3
+HOST_CALLS = 20  # calls per host-time measurement
 
 
 @dataclass
@@ -61,6 +65,39 @@ def time_ms(fn: Callable[[], object], opts: Options) -> float:
         fn()
         torch.cuda.synchronize()  # not queued far ahead: the loop ends SETTLE_S from now, not seconds later
     return do_bench(fn, warmup=opts.warmup_ms, rep=opts.rep_ms, return_mode="median")
+
+
+def graph_time_ms(step: Callable[[dict], object], sets: Sequence[dict], opts: Options) -> float:
+    """Median GPU time of step in ms: one CUDA graph per input set, captured after a warm-up call on a side stream
+    (as torch.cuda.graphs asks), replayed in turn under time_ms. Smoke mode: time_ms of the eager calls."""
+    if opts.smoke:
+        return time_ms(cycling(sets, step), opts)
+    graphs = []
+    for x in sets:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(x)
+        graphs.append(graph)
+    replays = itertools.cycle(graphs)
+    return time_ms(lambda: next(replays).replay(), opts)
+
+
+def host_ms(fn: Callable[[], object], opts: Options, calls: int = HOST_CALLS) -> float:
+    """The host's time of one call in ms: the wall time of `calls` back-to-back calls (fn already warm) started on
+    an idle GPU, over `calls`. They queue far fewer launches than the launch queue holds, so the host waits on the
+    GPU only where a call itself synchronizes; then this is the slower of the two."""
+    sync(opts)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync(opts)
+    return 1e3 * elapsed / calls
 
 
 def peak_memory(fn: Callable[[], object], opts: Options) -> Optional[int]:
