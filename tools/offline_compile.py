@@ -11,7 +11,7 @@ the same specialization a GPU launch would get, by whatever triton is importable
         [--kernels wy_kernel ...] [--gated] [--hopper] [--sass-lines N]
 
 --hopper plans the chunk form with the Hopper Gluon walk and reverse pass forced (16-bit, K = V = 128; --gated and
---key-heads for their variants, on the walk) and compiles those kernels too, from their Gluon source: with the
+--key-heads for their variants of both) and compiles those kernels too, from their Gluon source: with the
 GPU's triton 3.6 first on PYTHONPATH (the Gluon API differs in other versions).
 
 --sass-lines N also lists, per compiled kernel, the N source lines with the most SASS instructions (nvdisasm's
@@ -264,10 +264,7 @@ def main() -> int:
         walk.num_sms = reverse.num_sms = lambda device: H200_SMS
     B, H = args.batch_heads
     failed = False
-    # the Hopper reverse pass takes neither the gate nor grouped heads (the plan refuses it there)
-    plain = not args.gated and args.key_heads in (None, H)
-    forced = (plan.overrides(hopper_walk=True, hopper_reverse=True if plain else None) if args.hopper else
-              contextlib.nullcontext())
+    forced = plan.overrides(hopper_walk=True, hopper_reverse=True) if args.hopper else contextlib.nullcontext()
     for D in args.heads:
         x = inputs(B, 128, H, D, D, DTYPES[args.dtype], args.key_heads)
         info = seq_info(B, 128, torch.device("cpu"), None, None)

@@ -27,15 +27,14 @@ from .schedule import segments as seg
 
 
 def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None):
-    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ (the portable
-    pass's)."""
+    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ."""
     C = plan.problem.chunk_size
     if plan.reverse == "hopper":
         from .hopper.reverse import gluon_state_bwd
         if do.data_ptr() % 16:  # TMA needs 16-byte aligned rows (q, k, w are the call's own or fresh)
             do = do.clone()
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
-                               checked=True)
+                               checked=True, gam=gam)
     return state_bwd(q, k, w, do, None, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam)
 
 

@@ -501,9 +501,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
 
     if not p.training:
         reverse, why = "none", "inference: no backward"
-    elif not hopper_fits or p.gated or p.grouped:
-        reverse, why = "portable", ("the Hopper pass takes neither the gate nor grouped value heads" if hopper_fits else
-                                    "the Hopper pass needs what the Hopper walk needs")
+    elif not hopper_fits:
+        reverse, why = "portable", "the Hopper pass needs what the Hopper walk needs"
         if o.hopper_reverse:
             raise ValueError(f"overrides(hopper_reverse=True): {why}")
     else:

@@ -117,13 +117,15 @@ def test_split_on_the_hopper_walk_unless_forced(gpu, dtype, forced, expected):
     (2, 8192, 32, None, True), (1, 32768, 16, None, True), (1, 8192, 132, None, True), (16, 8192, 1, None, True),
     (1, 8192, 15, None, False), (1, 8192, 133, None, False), (20, 8192, 16, None, False),
     (4, 4096, 16, None, True), (8, 2048, 16, None, True), (16, 2047, 8, None, False), (8, 1024, 16, None, False),
-    (4, 4096, 16, True, True), (2, 8192, 32, False, False)])
-def test_hopper_reverse_from_16_to_one_wave_on_long_sequences(N, T, H, forced, expected):
+    (4, 4096, 16, True, True), (8, 1024, 16, True, True), (2, 8192, 32, False, False)])
+@pytest.mark.parametrize("gated, key_heads", [(False, 0), (True, 0), (False, 1), (True, 1)])
+def test_hopper_reverse_from_16_to_one_wave_on_long_sequences(N, T, H, forced, expected, gated, key_heads):
     # where the Hopper reverse pass fits (what the Hopper walk needs, and a backward), from 16 sequences x heads (the
     # fewest measured) while one program a sequence and head fits one wave of the 132 SMs, on sequences of 2,048
-    # tokens or more on average, unless forced either way; its V-block as the Hopper walk's (hopper_block_v)
+    # tokens or more on average, unless forced either way; its V-block as the Hopper walk's (hopper_block_v). The
+    # gate and grouped value heads (one key head here; H counts the value heads) take the same rule and overrides
     with plan.overrides(hopper_reverse=forced):
-        p = plan_for_shape(N, T, H, 128, 128, bf16)
+        p = plan_for_shape(N, T, H, 128, 128, bf16, gated=gated, key_heads=key_heads)
     assert p.reverse == ("hopper" if expected else "portable")
     if expected:
         assert p.reverse_launch.block_v == plan.hopper_block_v(N * H, 132)
@@ -339,18 +341,17 @@ def test_explain_inference_has_no_backward():
 @pytest.mark.parametrize("gated, key_heads", [(True, 0), (False, 8), (True, 8)])
 def test_gated_and_grouped_calls_take_the_hopper_walk_unsplit(gated, key_heads):
     # on sm90, where the ungated call of this shape runs the Hopper walk split, the Hopper reverse pass and segments:
-    # the gate and grouped heads take the Hopper walk (the gate without the residual form), whole sequences, and the
-    # portable backward
+    # the gate and grouped heads take the Hopper walk without the residual form and the Hopper reverse pass, whole
+    # sequences, one segment
     p = plan_for_shape(1, 32768, 16, 128, 128, bf16, gated=gated, key_heads=key_heads)
     assert p.walk == "hopper" and (p.reverse, p.segments, p.residual, p.split, p.keep_states) == (
-        "portable", 1, False, False, False)
+        "hopper", 1, False, False, False)
     assert "takes neither the gate nor grouped value heads" in p.reason("split")
-    assert "takes neither the gate nor grouped value heads" in p.reason("reverse")
     fwd, bwd = plan.kernels(p)
     assert (fwd[0] == "portable.gate (γ)") == gated and (bwd[-1] == "portable.gate (dg)") == gated
     assert "hopper.walk" in fwd
     problem = plan.Problem(bf16, 16, 128, 128, 1, 32768, gated=gated, key_heads=key_heads)
-    refused = (dict(hopper_reverse=True), dict(segments=2), dict(split_partitions=3), dict(keep_states=True))
+    refused = (dict(segments=2), dict(split_partitions=3), dict(keep_states=True))
     for forced in refused + (dict(residual=True),):
         with pytest.raises(ValueError):
             plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(**forced))

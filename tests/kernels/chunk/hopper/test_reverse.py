@@ -18,6 +18,7 @@ pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
 from deltatron.kernels.chunk.hopper import reverse as gluon_reverse  # noqa: E402
 
 D = gluon_reverse.D_WALK
+REVERSE_ARGS = gluon_reverse.gluon_reverse_kernel.arg_names  # (the recorder that stands in for the kernel has none)
 
 
 @pytest.mark.parametrize("block_v", [None, 64, 128])
@@ -130,3 +131,27 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() if torch.is_tensor(a) else a == b
                for a, b in zip(args[4:], args2[4:]) if a is not None or b is not None)
     assert args[5].is_contiguous() and args[5].shape == x["v"].shape  # dv, from empty_like(do)
+
+
+@pytest.mark.parametrize("Hk, H", [(2, 4), (1, 3)])
+def test_gated_grouped_launch(monkeypatch, Hk, H):
+    # the gate and grouped value heads: q, k's descriptors over their Hk heads, w, dO's over H, γ with USE_G, HK the
+    # key heads, dh and dh0 per value head; the same grid as without the gate
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
+    B, T = 2, 70
+    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
+    w, do = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
+    gam = -torch.rand(B, T, H)
+    info = seq_info(B, T, torch.device("cpu"), None, None)
+    dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, w, do, None, 0.1, True, info, block_v=64, gam=gam)
+    gluon_reverse.gluon_state_bwd(q, k, w, do, None, 0.1, True, info, block_v=64)
+    (grid, args, _), (grid2, args2, _) = kernel.launches
+    names = dict(zip(REVERSE_ARGS, args))
+    assert_same_descriptors(args[:2], reshaped_descriptors(((w, D), (do, 64)), B * T, H))
+    assert_same_descriptors(args[2:4], reshaped_descriptors(((k, D), (q, D)), B * T, Hk))
+    assert names["gam"] is gam and (names["USE_G"], names["H"], names["HK"]) == (True, H, Hk)
+    assert dict(zip(REVERSE_ARGS, args2))["gam"] is None and grid == grid2 == (B * H * 2, )
+    assert dh.shape == (info.chunks(64).num_chunks, H, D, D) and dh0.shape == (B, H, D, D) and dv.shape == do.shape
+    with pytest.raises(ValueError, match="gam"):
+        gluon_reverse.gluon_state_bwd(q, k, w, do, None, 0.1, True, info, gam=gam[..., :1].contiguous())

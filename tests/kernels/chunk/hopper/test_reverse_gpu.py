@@ -18,9 +18,11 @@ from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
 from deltatron.kernels.chunk.portable import reverse as state_bwd
 from deltatron.kernels.chunk.portable import wy
+from deltatron.kernels.chunk.portable.gate import chunk_gamma
 from deltatron.kernels.utils import seq_info
 
-from ....helpers import BOUNDS, gluon_smoke, make_inputs, random_cu_seqlens, rel_rms, require_smoke_passed
+from ....helpers import (BOUNDS, gluon_smoke, make_gated_inputs, make_inputs, random_cu_seqlens, rel_rms,
+                         require_smoke_passed)
 
 pytestmark = pytest.mark.gpu
 
@@ -37,9 +39,12 @@ q, k, w, do = (torch.randn(B, T, H, 128, generator=g, device="cuda").to(torch.bf
 dht = torch.randn(B, H, 128, 128, generator=g, device="cuda")
 info = seq_info(B, T, torch.device("cuda"), None, None)
 dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, w, do, dht, 128 ** -0.5, True, info, block_v=block_v)
+gam = -torch.rand(B, T, H, generator=g, device="cuda").cumsum(1)
+gated = gluon_reverse.gluon_state_bwd(q[:, :, :1].contiguous(), k[:, :, :1].contiguous(), w, do, dht, 128 ** -0.5,
+                                      True, info, block_v=block_v, gam=gam)
 torch.cuda.synchronize()
-print(f"gluon reverse smoke call (block_v {block_v}) done, finite:",
-      all(bool(torch.isfinite(x).all()) for x in (dh, dv, dh0)))
+print(f"gluon reverse smoke calls (block_v {block_v}; gated with grouped heads) done, finite:",
+      all(bool(torch.isfinite(x).all()) for x in (dh, dv, dh0, *gated)))
 """
 
 
@@ -144,6 +149,38 @@ def test_backward_runs_hopper_reverse_where_forced(gluon_reverse):
     backward = importlib.import_module("deltatron.kernels.chunk.backward")
     dispatched = backward.reverse_pass(call_plan, q, k, w, do, dht, D ** -0.5, True, info)
     assert all(torch.equal(x, y) for x, y in zip(direct, dispatched))
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gates, Hk, lengths", [("soft", 2, None), ("strong", 4, None), ("soft", 1, (1500, 0, 1)),
+                                                ("strong", 2, (0, 1, C - 1, C, C + 1, 700, 0, 1333))])
+def test_gluon_reverse_gated_grouped(poison, gluon_reverse, dtype, gates, Hk, lengths, block_v):
+    """The gate (USE_G) with grouped value heads (Hv = 4 reading Hk key heads) against the portable pass on the same
+    q, k, W, dO and γ: soft and strong gates (down to -20 a token), partial chunks, empty sequences, with dht and
+    dh0; a second run the same bits."""
+    B, T = (3, 1000) if lengths is None else (1, sum(lengths))
+    N = B if lengths is None else len(lengths)
+    x = {n: t.cuda() for n, t in make_gated_inputs(B, T, Hk, 4, D, D, dtype, N=N, gates=gates, seed=Hk).items()}
+    q, k, v, beta, g = (x[n].reshape(1, B * T, *x[n].shape[2:]) for n in ("q", "k", "v", "beta", "g"))
+    if lengths is None:
+        info = seq_info(B, T, torch.device("cuda"), None, None)
+    else:
+        cu = random_cu_seqlens(list(lengths), "cuda")
+        info = seq_info(1, T, torch.device("cuda"), cu, cu.cpu())
+    gam = chunk_gamma(g, info, C)
+    _, w, _ = wy.wy_fwd(k, v, beta, info, C, gam=gam)
+    gen = torch.Generator().manual_seed(Hk + 1)
+    do = torch.randn(v.shape, generator=gen).to(device="cuda", dtype=dtype)
+    dht = torch.randn(N, 4, D, D, generator=gen).cuda()
+    ref = state_bwd.state_bwd(q, k, w, do, None, dht, D ** -0.5, True, info, C, gam=gam)
+    got, again = (gluon_reverse.gluon_state_bwd(q, k, w, do, dht, D ** -0.5, True, info, block_v=block_v, gam=gam)
+                  for _ in range(2))
+    for name, x_, r in zip(("dh", "dv", "dh0"), got, ref):
+        assert x_.shape == r.shape and x_.dtype == r.dtype and torch.isfinite(x_).all(), name
+        print(f"gated gluon reverse, {gates} gates, Hk {Hk} (block_v {block_v}): {name} {rel_rms(x_, r):.2e}")
+        assert close(x_, r, BOUNDS[dtype]), f"{name}: rel RMS {rel_rms(x_, r):.2e} above {BOUNDS[dtype]}"
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 def test_gluon_reverse_refuses_other_shapes(gluon_reverse):
