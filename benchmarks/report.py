@@ -73,7 +73,9 @@ def table_cells(rows: Sequence[dict]) -> List[Tuple[str, ...]]:
         ratios = [_pair(speedup(rows, r, c, "fwd"), speedup(rows, r, c, "fwdbwd"), ".2f") for c in ("fla", "flash_qla")]
         note = r.get("error") or (f"verify: {r['T']} tokens per sequence, a state slot each" if r.get("verify") else
                                   "decode: one token per step" if r.get("decode") else "")
-        if r.get("eager_step_us") is not None:
+        if r.get("graph_error"):
+            note += f"; eager time (no CUDA graph: {r['graph_error']})"
+        elif r.get("eager_step_us") is not None:
             note += f"; eager step {r['eager_step_us']:.1f} us"
         out.append((r["impl"], r["config"], fwd, fwdbwd, *ratios,
                     _pair(r.get("tflops_fwd"), r.get("tflops_fwdbwd"), ".1f"),
