@@ -5,7 +5,8 @@ state updated in place) for every (V-block, warps) of the fused_recurrent forwar
 
 Each time is benchmarks/timing.graph_time_ms: the step captured in a CUDA graph per input set and replayed, L2
 flushed before each replay, so the host's launch cost is out of it. A configuration whose program would hold fewer
-than 4 state elements a thread is skipped.
+than 4 state elements a thread is skipped. The fixed cost beside them: one launch of a kernel that stores one
+number, timed the same way (the least any one-launch step can read).
 
     python tools/decode_launch_sweep.py [--batches 1 8 64 256] [--out F.json]
     python tools/decode_launch_sweep.py --smoke   # CPU, interpreter, tiny sizes, eager wall clock
@@ -25,6 +26,8 @@ if "--smoke" in sys.argv:
     os.environ["DELTATRON_BACKEND"] = "triton"  # the kernel in the interpreter, not the PyTorch backend
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: deltatron and benchmarks
 
@@ -33,6 +36,16 @@ from deltatron.kernels import fused_recurrent  # noqa: E402
 
 V_BLOCKS = (8, 16, 32, 64, 128)
 WARPS = (1, 2, 4, 8)
+
+
+@triton.jit
+def store_one(x):
+    tl.store(x, 1.0)
+
+
+def fixed_cost_us(opts: timing.Options) -> float:
+    x = torch.empty(1, device=opts.device)
+    return 1e3 * timing.graph_time_ms(lambda _: store_one[(1,)](x), [{}], opts)
 
 
 @contextmanager
@@ -85,8 +98,9 @@ def main() -> int:
         choices = [(bv, w) for bv, w in itertools.product(V_BLOCKS, WARPS) if 128 * bv // (32 * w) >= 4]
         tbps = timing.copy_tbps(opts)
         torch.cuda.empty_cache()
-    results = {}
-    print(f"copy rate {tbps:.2f} TB/s; step µs (% of floor) per V-block/warps")
+    results = {"fixed_cost_us": fixed_cost_us(opts)}
+    print(f"copy rate {tbps:.2f} TB/s; one launch of a one-store kernel {results['fixed_cost_us']:.1f} µs; "
+          f"step µs (% of floor) per V-block/warps")
     for cfg in cfgs:
         r = results[cfg.name] = sweep(cfg, opts, tbps, choices)
         best = min(r["times"].items(), key=lambda kv: kv[1][0])

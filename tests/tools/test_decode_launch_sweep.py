@@ -14,7 +14,8 @@ def test_decode_launch_sweep_smoke(tmp_path):
                           text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(out.read_text())
-    assert sorted(results) == ["decode-smoke-b1", "decode-smoke-b2"]
+    assert sorted(results) == ["decode-smoke-b1", "decode-smoke-b2", "fixed_cost_us"]
+    assert results.pop("fixed_cost_us") > 0
     for r in results.values():
         labels = list(r["times"])
         assert labels[0].startswith("plan ") and labels[1:] == ["8/1", "16/1"]
