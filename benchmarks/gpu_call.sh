@@ -8,7 +8,8 @@
 # times: tools/stage_times.py, each stage of the chunk forward and backward and the decode step timed apart
 #        (~1 min);
 # suite: the GPU tests (pytest's `gpu` marker) with 6 workers, one line per test in gpu_suite.log so that a
-#        cut-off run still names its failures; 540 s when it is the only step, else 420. SUITE_CMD replaces the
+#        cut-off run still names its failures, and each failure's traceback in failures.txt as it happens
+#        (tests/conftest.py, DELTATRON_FAILURE_LOG); 540 s when it is the only step, else 420. SUITE_CMD replaces the
 #        command (default: python -m pytest -m gpu -n 6 -p no:cacheprovider -v), SUITE_ARGS adds
 #        to it (e.g. a subset of test files);
 # train: `deltatron check` (cut at 300 s: with an empty Triton cache it needs longer), then `deltatron train`
@@ -40,7 +41,7 @@ for step in "${steps[@]}"; do
     suite)
         suite_limit=$([[ ${#steps[@]} -eq 1 ]] && echo 540 || echo 420)  # alone it may use the whole call
         # shellcheck disable=SC2086  # SUITE_CMD and SUITE_ARGS are lists of words
-        PYTHONUNBUFFERED=1 timeout "$suite_limit" \
+        DELTATRON_FAILURE_LOG="$OUT/failures.txt" PYTHONUNBUFFERED=1 timeout "$suite_limit" \
             ${SUITE_CMD:-python -m pytest -m gpu -n 6 -p no:cacheprovider -v} ${SUITE_ARGS:-} \
             > "$OUT/gpu_suite.log" 2>&1
         summary+=("suite: exit $? ($(tail -1 "$OUT/gpu_suite.log"))") ;;

@@ -45,3 +45,13 @@ def pytest_runtest_teardown(item, nextitem):
     except Exception as error:  # noqa: BLE001 (any CUDA error: the context cannot be trusted any more)
         print(f"\n{item.nodeid} left a CUDA error, ending this test process: {error}", flush=True)
         os._exit(3)
+
+
+def pytest_runtest_logreport(report):
+    """With DELTATRON_FAILURE_LOG set, each failure's report goes to that file as it happens (from the controlling
+    process under pytest-xdist), so that a run cut short by a time limit keeps its tracebacks: pytest prints them only
+    at the end."""
+    path = os.environ.get("DELTATRON_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -14,7 +14,8 @@ tests/kernels/test_fused_chunk_gpu.py, tests/test_layers_gpu.py, tests/kernels/c
 (297 s).
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
-(default tests/gpu/LAST_RUN.md); the full pytest log and junit XML go beside it.
+(default tests/gpu/LAST_RUN.md); the full pytest log, the junit XML and failures.txt (each failure's traceback,
+written as it happens) go beside it.
 
 Workers (`-n`) share the GPU, and each keeps PyTorch's cache of freed blocks. On one 141 GiB H200, 6 workers
 ran clean (288 s). With 14, eight tests ended in CUDA out-of-memory errors."""
@@ -53,8 +54,11 @@ def main() -> int:
     log_path = os.path.join(args.out, "gpu_suite.log")
     paths = [os.path.join(ROOT, p) for p in args.paths]
     cmd = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rf", f"--junitxml={junit}", *pytest_args]
+    failures = os.path.join(args.out, "failures.txt")
+    open(failures, "w").close()  # this run's tracebacks only, appended as they come
+    env = dict(os.environ, DELTATRON_FAILURE_LOG=failures)
     with open(log_path, "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
