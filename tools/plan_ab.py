@@ -1,8 +1,9 @@
-"""Two plans of chunk_delta_rule against each other: time and agreement of the forward and the forward+backward.
+"""Two plans of chunk_delta_rule (or, with --gated, chunk_gated_delta_rule) against each other: time and agreement
+of the forward and the forward+backward.
 
 For each benchmark configuration, the API call on the benchmark's bf16 inputs runs under plan A's and plan B's
 overrides (deltatron.kernels.chunk.plan.overrides; an empty side is the shipped plan): first the outputs o and the
-gradients dq, dk, dv, dbeta of both are compared (bitwise, or within --bound of B's relative norm), then the
+gradients dq, dk, dv, dbeta (and dg) of both are compared (bitwise, or within --bound of B's relative norm), then the
 forward (no_grad) and the forward+backward are timed, the readings of A and B interleaved --readings times (against
 drift), and a short table prints each phase's fastest reading of A and B and their ratio. With --explain, each side's
 plan as chunk.plan.explain words it. The exit status is 1 where a configuration's results disagree.
@@ -10,10 +11,12 @@ plan as chunk.plan.explain words it. The exit status is 1 where a configuration'
     python tools/plan_ab.py --a split_partitions=1 --b split_partitions=4 --configs b1-t32768-h16-k128
     python tools/plan_ab.py --a hopper_walk=0 --b "" --bound 1e-2 --configs b8-t2048-h16-k128
     python tools/plan_ab.py --smoke --a keep_states=0 --b keep_states=1    # CPU, interpreter, tiny sizes
+    python tools/plan_ab.py --gated --a wy_maxnreg=168 --b wy_maxnreg=0 --configs qwen3next-b8-t4096
 
 Overrides are name=value pairs separated by commas: hopper_walk, residual, keep_states, overlap, hopper_reverse,
-fused_output (0/1, true/false), split_partitions, split_min_tokens, segments (integers), or none for the rule's
-own choice. Times: triton's do_bench medians in ms (L2 flushed per call); smoke: one wall-clock call."""
+fused_output (0/1, true/false), split_partitions, split_min_tokens, segments, wy_maxnreg (integers), or none for
+the rule's own choice. --gated runs the benchmark's gated rows' call: its gate g (Qwen3-Next's), q and k
+L2-normalized in the op, gradients to g too. Times: triton's do_bench medians in ms (L2 flushed per call); smoke: one wall-clock call."""
 from __future__ import annotations
 
 import argparse
@@ -30,14 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 import torch  # noqa: E402
 
 import deltatron  # noqa: E402
-from benchmarks import configs  # noqa: E402
+from benchmarks import configs, harness  # noqa: E402
 from deltatron.kernels.chunk import plan, plan_call  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 from stage_times import timer  # noqa: E402
 
 BOOLEAN = ("hopper_walk", "residual", "keep_states", "overlap", "hopper_reverse", "fused_output")
-INTEGER = ("split_partitions", "split_min_tokens", "segments")
-RESULTS = ("o", "dq", "dk", "dv", "dbeta")
+INTEGER = ("split_partitions", "split_min_tokens", "segments", "wy_maxnreg")
 
 
 def parse_overrides(text: str) -> Dict[str, object]:
@@ -58,18 +60,27 @@ def parse_overrides(text: str) -> Dict[str, object]:
     return choices
 
 
-def calls(cfg: configs.Config, device: torch.device):
-    """(the benchmark's inputs, the no_grad forward, the forward+backward returning (o, dq, dk, dv, dbeta))."""
-    x = configs.make_inputs(cfg, device, seed=0)
-    grads_of = [x[n] for n in configs.GRAD_INPUTS]
+def result_names(gated: bool) -> tuple:
+    return ("o", *(f"d{n}" for n in (configs.GATED_GRAD_INPUTS if gated else configs.GRAD_INPUTS)))
+
+
+def calls(cfg: configs.Config, device: torch.device, gated: bool = False):
+    """(the benchmark's inputs, the no_grad forward, the forward+backward returning (o, and the gradients of
+    result_names)): chunk_delta_rule(q, k, v, beta), or gated chunk_gated_delta_rule(q, k, v, g, beta) as the
+    benchmark's gated rows call it."""
+    x = configs.make_inputs(cfg, device, seed=0, gated=gated)
+    grads_of = [x[n] for n in (configs.GATED_GRAD_INPUTS if gated else configs.GRAD_INPUTS)]
     kwargs = dict(cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=x["cu_seqlens_cpu"]) if cfg.seqlens else {}
+    op = deltatron.chunk_delta_rule
+    if gated:
+        op, kwargs = deltatron.chunk_gated_delta_rule, dict(kwargs, **harness.GATED_OPTIONS)
 
     def forward():
         with torch.no_grad():
-            return deltatron.chunk_delta_rule(*(t.detach() for t in grads_of), **kwargs)[0]
+            return op(*(t.detach() for t in grads_of), **kwargs)[0]
 
     def forward_backward():
-        o = deltatron.chunk_delta_rule(*grads_of, **kwargs)[0]
+        o = op(*grads_of, **kwargs)[0]
         return (o.detach(), *torch.autograd.grad(o, grads_of, x["do"]))
 
     return x, forward, forward_backward
@@ -81,10 +92,11 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff / norm if norm > 0 else diff)
 
 
-def compare(results_a: Sequence[torch.Tensor], results_b: Sequence[torch.Tensor], bound: Optional[float]) -> tuple:
+def compare(results_a: Sequence[torch.Tensor], results_b: Sequence[torch.Tensor], bound: Optional[float],
+            names: Sequence[str] = result_names(False)) -> tuple:
     """({result name: 'bitwise' or its relative difference}, whether all agree: bitwise, or within bound)."""
     words, agree = {}, True
-    for name, a, b in zip(RESULTS, results_a, results_b):
+    for name, a, b in zip(names, results_a, results_b):
         if torch.equal(a, b):
             words[name] = "bitwise"
             continue
@@ -96,19 +108,20 @@ def compare(results_a: Sequence[torch.Tensor], results_b: Sequence[torch.Tensor]
 
 def probe(cfg: configs.Config, device: torch.device, sides: Dict[str, dict], args, measure) -> bool:
     """Compares and times cfg under both sides' overrides; prints its lines and table; whether the results agree."""
-    x, forward, forward_backward = calls(cfg, device)
+    x, forward, forward_backward = calls(cfg, device, args.gated)
     print(f"\n{cfg.name}  A: {args.a or 'shipped plan'}  B: {args.b or 'shipped plan'}")
     if args.explain:
         q, k, v = (x[n].detach() for n in ("q", "k", "v"))
         info = seq_info(cfg.B, cfg.T, device, x.get("cu_seqlens"), x.get("cu_seqlens_cpu"))
         for side, choices in sides.items():
             with plan.overrides(**choices):
-                print(f"  plan {side}:\n    " + plan.explain(plan_call(q, k, v, info, True)).replace("\n", "\n    "))
+                chosen = plan_call(q, k, v, info, True, g=x["g"].detach() if args.gated else None)
+                print(f"  plan {side}:\n    " + plan.explain(chosen).replace("\n", "\n    "))
     results = {}
     for side, choices in sides.items():
         with plan.overrides(**choices):
             results[side] = forward_backward()
-    words, agree = compare(results["A"], results["B"], args.bound)
+    words, agree = compare(results["A"], results["B"], args.bound, result_names(args.gated))
     within = "bitwise" if args.bound is None else f"within {args.bound:g}"
     print("  A against B: " + ", ".join(f"{n} {w}" for n, w in words.items())
           + (f"  OK ({within})" if agree else f"  DIFFER (expected {within})"))
@@ -137,19 +150,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--readings", type=int, default=3, help="interleaved readings of each side (default 3)")
     parser.add_argument("--explain", action="store_true", help="print each side's plan")
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, the smoke configurations")
+    parser.add_argument("--gated", action="store_true", help="chunk_gated_delta_rule as the benchmark's gated rows")
     args = parser.parse_args(argv)
     try:
         sides = {"A": parse_overrides(args.a), "B": parse_overrides(args.b)}
     except ValueError as e:
         parser.error(str(e))
     names = args.configs if not args.smoke or args.configs != parser.get_default("configs") else \
-        [c.name for c in configs.SMOKE_CONFIGS if not c.decode and c.Hk == c.H]
+        [c.name for c in configs.SMOKE_CONFIGS if not c.decode and (args.gated or c.Hk == c.H)]
     try:
         chosen = configs.by_name(names, smoke=args.smoke)
     except KeyError as e:
         parser.error(e.args[0])
     if any(c.decode for c in chosen):
-        parser.error("decode configurations do not run chunk_delta_rule")
+        parser.error("decode configurations do not run the chunk form")
+    if not args.gated and any(c.Hk != c.H for c in chosen):
+        parser.error("grouped value heads (Hk < H) run the gated rows only: add --gated")
     device = torch.device("cpu" if args.smoke else "cuda")
     measure = timer(args.smoke)
     agree = [probe(cfg, device, sides, args, measure) for cfg in chosen]

@@ -49,3 +49,16 @@ def test_smoke_plain_walk_against_fused_output():
                "--configs", "b2-t40-h1-k16", "--readings", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "plan A:" in proc.stdout and "plan B:" in proc.stdout and "OK (" in proc.stdout
+
+
+def test_smoke_gated_register_caps():
+    """--gated: chunk_gated_delta_rule on a grouped configuration under two register caps of the WY kernel, the
+    gate's gradient among the results compared (the interpreter ignores the cap: bitwise equal)."""
+    proc = run("--smoke", "--gated", "--a", "wy_maxnreg=168", "--b", "wy_maxnreg=0", "--configs",
+               "b2-t40-hk1-hv2-k16", "--readings", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dg bitwise" in proc.stdout and "OK (bitwise)" in proc.stdout
+
+
+def test_grouped_configuration_needs_gated():
+    assert run("--smoke", "--configs", "b2-t40-hk1-hv2-k16").returncode == 2

@@ -156,6 +156,7 @@ class Overrides:
     segments: Optional[int] = None
     overlap: Optional[bool] = None
     hopper_reverse: Optional[bool] = None
+    wy_maxnreg: Optional[int] = None  # the forward WY kernel's register cap (0: none), for A/B of the rule's
 
 
 _OVERRIDES: contextvars.ContextVar[Overrides] = contextvars.ContextVar("deltatron_plan_overrides", default=Overrides())
@@ -274,6 +275,16 @@ def wy_bwd_launch(K: int, V: int, element_size: int) -> Launch:
     if max(K, V) > 64:
         BK, BV = min(32, BK), min(32, BV)
     return Launch(warps=4, maxnreg=168, tile_k=BK, tile_v=BV)
+
+
+def _wy_forward_launch(p: Problem, o: Overrides) -> Launch:
+    """wy_launch's for the forward (it inverts), with the register cap overrides(wy_maxnreg=...) forces."""
+    rule = wy_launch(p.K, p.V, p.element_size, True)
+    if o.wy_maxnreg is None:
+        return rule
+    if o.wy_maxnreg < 0:
+        raise ValueError(f"overrides(wy_maxnreg={o.wy_maxnreg}): a register cap is >= 0 (0: none)")
+    return dataclasses.replace(rule, maxnreg=o.wy_maxnreg)
 
 
 def wy_on_chip(K: int, V: int, num_states: int, element_size: int, interpret: bool = INTERPRET) -> bool:
@@ -520,7 +531,7 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
 
     return ChunkPlan(problem=p, caps=caps, walk=walk, residual=residual, split_partitions=partitions,
                      split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch,
-                     wy_launch=wy_launch(p.K, p.V, p.element_size, True), recompute=recompute,
+                     wy_launch=_wy_forward_launch(p, o), recompute=recompute,
                      recompute_launch=recompute_launch, recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False),
                      overlap=overlap, segments=segments, reverse=reverse, reverse_launch=rev_launch,
                      wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size), reasons=tuple(reasons))

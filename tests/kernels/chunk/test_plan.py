@@ -224,6 +224,20 @@ def test_overrides_apply_to_the_plans_made_inside():
     assert plan_for_shape(1, 32768, 16, 128, 128, bf16) is before
 
 
+def test_wy_register_cap_override():
+    """The forward WY kernel's register cap: the rule's 168 for 16-bit heads up to 128, any cap forced (0: none) for
+    that kernel alone, a negative one refused."""
+    assert plan_for_shape(8, 2048, 16, 128, 128, bf16).wy_launch.maxnreg == 168
+    for cap in (0, 232):
+        with plan.overrides(wy_maxnreg=cap):
+            p = plan_for_shape(8, 2048, 16, 128, 128, bf16)
+        assert p.wy_launch.maxnreg == cap and p.wy_launch.options() == ({"maxnreg": cap} if cap else {})
+        assert p.recompute_wy_launch.maxnreg == 0 and p.wy_bwd_launch.maxnreg == 168
+    with pytest.raises(ValueError, match="wy_maxnreg=-1"):
+        with plan.overrides(wy_maxnreg=-1):
+            plan_for_shape(8, 2048, 16, 128, 128, bf16)
+
+
 def test_unknown_override_raises_type_error():
     with pytest.raises(TypeError, match="unknown choices"):
         with plan.overrides(gluon_walk=True):
