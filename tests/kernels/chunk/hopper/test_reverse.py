@@ -133,6 +133,14 @@ def test_descriptors_and_launch_as_before(monkeypatch, B, T, H, block_v):
     assert args[5].is_contiguous() and args[5].shape == x["v"].shape  # dv, from empty_like(do)
 
 
+def gated_grouped_inputs(Hk, H, B=2, T=70):
+    """(q, k over Hk key heads, two bf16 [B, T, H, D] tensors over the value heads, γ, the batch's SeqInfo): a
+    gated, grouped launch's inputs."""
+    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
+    x, y = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
+    return q, k, x, y, -torch.rand(B, T, H), seq_info(B, T, torch.device("cpu"), None, None)
+
+
 @pytest.mark.parametrize("Hk, H", [(2, 4), (1, 3)])
 def test_gated_grouped_launch(monkeypatch, Hk, H):
     # the gate and grouped value heads: q, k's descriptors over their Hk heads, w, dO's over H, γ with USE_G, HK the
@@ -140,10 +148,7 @@ def test_gated_grouped_launch(monkeypatch, Hk, H):
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_reverse, "gluon_reverse_kernel", kernel)
     B, T = 2, 70
-    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
-    w, do = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
-    gam = -torch.rand(B, T, H)
-    info = seq_info(B, T, torch.device("cpu"), None, None)
+    q, k, w, do, gam, info = gated_grouped_inputs(Hk, H, B, T)
     dh, dv, dh0 = gluon_reverse.gluon_state_bwd(q, k, w, do, None, 0.1, True, info, block_v=64, gam=gam)
     gluon_reverse.gluon_state_bwd(q, k, w, do, None, 0.1, True, info, block_v=64)
     (grid, args, _), (grid2, args2, _) = kernel.launches

@@ -227,14 +227,11 @@ def test_residual_form_launch(monkeypatch, B, T, H, block_v):
 def test_gated_grouped_launch(monkeypatch, Hk, H):
     # the gate and grouped value heads: q, k's descriptors over their Hk heads ([TT, Hk * 128]), w, u's over H, γ
     # passed with USE_G, HK the key heads; the same grid (value heads) as without the gate
-    from .test_reverse import LaunchRecorder, assert_same_descriptors, reshaped_descriptors
+    from .test_reverse import LaunchRecorder, assert_same_descriptors, gated_grouped_inputs, reshaped_descriptors
     kernel = LaunchRecorder()
     monkeypatch.setattr(gluon_walk, "gluon_walk_kernel", kernel)
     B, T = 2, 70
-    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
-    w, u = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
-    gam = -torch.rand(B, T, H)
-    info = seq_info(B, T, torch.device("cpu"), None, None)
+    q, k, w, u, gam, info = gated_grouped_inputs(Hk, H, B, T)
     o, s = gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, True, info, block_v=64, gam=gam)
     gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, True, info, block_v=64)
     (grid, args, kwargs), (grid2, args2, _) = kernel.launches
@@ -247,11 +244,9 @@ def test_gated_grouped_launch(monkeypatch, Hk, H):
 
 
 def test_refuses_gated_and_grouped_misuse():
-    B, T, Hk, H = 1, 64, 2, 4
-    q, k = (torch.randn(B, T, Hk, D).to(torch.bfloat16) for _ in range(2))
-    w, u = (torch.randn(B, T, H, D).to(torch.bfloat16) for _ in range(2))
-    info = seq_info(B, T, torch.device("cpu"), None, None)
-    gam = -torch.rand(B, T, H)
+    from .test_reverse import gated_grouped_inputs
+    B, T = 1, 64
+    q, k, w, u, gam, info = gated_grouped_inputs(2, 4, B, T)
     with pytest.raises(ValueError, match="key heads"):  # 3 key heads do not divide 4 value heads
         gluon_walk.gluon_state_output_fwd(q[:, :, :1].expand(B, T, 3, D).contiguous(), k[:, :, :1].expand(
             B, T, 3, D).contiguous(), w, u, 0.1, None, False, info)
