@@ -113,6 +113,7 @@ def main() -> int:
             if rank == 0:
                 print(f"step {step + 1}: loss {loss.item():.3f}, held-out accuracy {counts[0] / counts[1]:.3f}",
                       flush=True)
+    dist.barrier(group=group)  # no rank tears its group down while another still reads from it (gloo aborted so)
     dist.destroy_process_group()
     return status
 
