@@ -196,15 +196,16 @@ def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int, shards: int = 1
                 f"cu_seqlens_cpu must match cu_seqlens, got shapes {_shape(cu_seqlens_cpu)} and {_shape(cu_seqlens)}"
             )
         cu_seqlens_cpu = cu_seqlens_cpu.detach().to("cpu", torch.int64)
-    if cu_seqlens_cpu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens_cpu[0])}")
-    if bool((cu_seqlens_cpu[1:] < cu_seqlens_cpu[:-1]).any()):
+    values = cu_seqlens_cpu.numpy()  # the checks in numpy: a torch op on a tiny tensor costs the host microseconds
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(values[0])}")
+    if (values[1:] < values[:-1]).any():
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens_cpu.tolist()}")
-    if cu_seqlens_cpu[-1] != T * shards:
+    if values[-1] != T * shards:
         packed = (f"T = {T} (the packed length)" if shards == 1 else
                   f"{shards} * T = {shards * T} (the stream's length: each of the {shards} context-parallel ranks "
                   f"holds T = {T} tokens)")
-        raise ValueError(f"cu_seqlens must end at {packed}, got {int(cu_seqlens_cpu[-1])}")
+        raise ValueError(f"cu_seqlens must end at {packed}, got {int(values[-1])}")
     return cu_seqlens_cpu
 
 

@@ -9,8 +9,9 @@ max_tokens tokens in all, refilled in place by update() between replays, so that
 lengths from the same addresses. This module needs only torch (the PyTorch backend takes it too)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,11 +49,19 @@ class SeqInfo:
         return self._chunks[chunk_size]
 
     def _chunk_index(self, chunk_size: int) -> ChunkIndex:
-        seq, local, offsets = chunk_table(self.cu_seqlens_cpu, chunk_size)
+        indices, offsets, num_chunks = host_chunk_index(self.cu_seqlens_cpu.numpy().tobytes(), chunk_size)
         device = self.cu_seqlens.device
-        indices = torch.stack([seq, local], dim=1).to(torch.int32)
-        return ChunkIndex(indices.to(device, non_blocking=True),
-                          offsets.to(torch.int32).to(device, non_blocking=True), len(seq))
+        return ChunkIndex(indices.to(device, non_blocking=True), offsets.to(device, non_blocking=True), num_chunks)
+
+
+@functools.lru_cache(maxsize=64)
+def host_chunk_index(cu_seqlens_cpu: bytes, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(chunk_indices int32 [NT, 2], chunk_offsets int32 [N+1], NT) on the host for the packed offsets given as the
+    bytes of an int64 CPU tensor: cached by their value, as a training loop repeats a few length patterns and
+    building the table costs the host about 50 µs a call. The tensors are shared by every call with these lengths:
+    read-only (the device copies made from them per call are the kernels')."""
+    seq, local, offsets = chunk_table(torch.frombuffer(bytearray(cu_seqlens_cpu), dtype=torch.int64), chunk_size)
+    return torch.stack([seq, local], dim=1).to(torch.int32), offsets.to(torch.int32), len(seq)
 
 
 def chunk_table(cu_seqlens_cpu: torch.Tensor, chunk_size: int):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deltatron
-from deltatron.varlen import SeqInfo, chunk_table
+from deltatron.varlen import SeqInfo, chunk_table, host_chunk_index
 
 from .test_state_pool import _device, _inputs, backend  # noqa: F401 (backend: the fixture, both backends)
 
@@ -72,6 +72,24 @@ def test_update_refills_the_same_buffers(backend):
         assert index[len(seq):] == [[3, 0]] * (meta.chunks(16).num_chunks - len(seq))
         assert meta.chunks(16).chunk_offsets.tolist() == offsets.tolist()
         _check_against_packed("chunk_gated", backend, meta, lengths, 3, 24 - sum(lengths), seed=len(lengths))
+
+
+def test_host_chunk_index_is_cached_by_the_lengths():
+    # one host table per (lengths, chunk size), whichever tensor carries the lengths; bounded
+    def index(cu, chunk_size=16):
+        return SeqInfo(cu.to(torch.int32), cu, len(cu) - 1, int(cu[-1])).chunks(chunk_size)
+
+    host_chunk_index.cache_clear()
+    a, b = torch.tensor([0, 5, 5, 40]), torch.tensor([0, 5, 5, 40])
+    first = host_chunk_index(a.numpy().tobytes(), 16)
+    assert host_chunk_index(b.numpy().tobytes(), 16) is first
+    assert index(a).chunk_indices.tolist() == [[0, 0], [2, 0], [2, 1], [2, 2]]
+    assert index(torch.tensor([0, 5, 6, 40])).chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2]]
+    assert index(a, 32).chunk_indices.tolist() == [[0, 0], [2, 0], [2, 1]]
+    assert host_chunk_index(a.numpy().tobytes(), 32) is not first
+    for n in range(host_chunk_index.cache_info().maxsize + 10):
+        index(torch.tensor([0, n + 1]))
+    assert host_chunk_index.cache_info().currsize == host_chunk_index.cache_info().maxsize
 
 
 def test_plain_seq_info_is_not_prepared():
