@@ -379,12 +379,34 @@ def check_inputs(kernel: str, tensors: Dict[str, torch.Tensor], info: SeqInfo) -
         raise ValueError(f"{kernel}: {names} must start 16-byte aligned (TMA)")
 
 
+@functools.lru_cache(maxsize=256)
+def descriptor_template(dtype: torch.dtype, rows: int, cols: int, block_rows: int, block_cols: int) -> TensorDescriptor:
+    """A TMA descriptor of a contiguous [rows, cols] view of dtype with block [block_rows, block_cols], built (so
+    checked by TensorDescriptor) once per shape, with no base (base None: the cache holds no tensor)."""
+    d = TensorDescriptor(torch.empty(0, dtype=dtype), [rows, cols], [cols, 1], [block_rows, block_cols],
+                         tile_layout(dtype, block_rows, block_cols))
+    d.base = None
+    return d
+
+
+def tma_descriptor(x: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> TensorDescriptor:
+    """TensorDescriptor(x, [rows, cols], [cols, 1], [block_rows, block_cols], tile_layout(..)) for a contiguous x of
+    rows * cols elements: descriptor_template's fields with x as the base. TensorDescriptor's constructor checks its
+    arguments in Python (about 2.5 µs a descriptor); all but the base's alignment depend on the shape only, checked
+    once by the template; the alignment is checked here."""
+    if x.data_ptr() % 16:
+        raise ValueError(f"gluon_walk: a TMA descriptor's base must be 16-byte aligned, got {x.data_ptr():#x}")
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(descriptor_template(x.dtype, rows, cols, block_rows, block_cols).__dict__)
+    d.base = x
+    return d
+
+
 def tma_descriptors(tensors, TT: int) -> list:
     """The TMA descriptors of contiguous [.., heads, 128] tensors viewed as [TT, heads * 128] (all B * T rows,
     whatever B is), each with its block [C_WALK, width] of (tensor, width) pairs: the shape and strides of that view
     given directly (the descriptor uses only its base's address and dtype), no reshape."""
-    return [TensorDescriptor(x, [TT, x.shape[2] * D_WALK], [x.shape[2] * D_WALK, 1], [C_WALK, width],
-                             tile_layout(x.dtype, C_WALK, width)) for x, width in tensors]
+    return [tma_descriptor(x, TT, x.shape[2] * D_WALK, C_WALK, width) for x, width in tensors]
 
 
 def pass_state_through(out: Optional[torch.Tensor], state: Optional[torch.Tensor]) -> None:
@@ -446,9 +468,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     st_desc = vt_desc = chunk_offsets = None
     if states is not None:  # rows of block_v S^T (V'^T) rows, as the hand-off buffers hold them
         st, vt = states
-        st_desc, vt_desc = (TensorDescriptor(x, [x.shape[0] * H * D, x.shape[3]], [x.shape[3], 1],
-                                             [block_v, x.shape[3]], tile_layout(x.dtype, block_v, x.shape[3]))
-                            for x in (st, vt))
+        st_desc, vt_desc = (tma_descriptor(x, x.shape[0] * H * D, x.shape[3], block_v, x.shape[3]) for x in (st, vt))
         chunk_offsets = info.chunks(C_WALK).chunk_offsets
     cfg = WALK_CONFIGS[block_v]
     grid = (N * H * (D // block_v), )

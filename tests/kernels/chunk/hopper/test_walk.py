@@ -256,3 +256,30 @@ def test_refuses_gated_and_grouped_misuse():
         gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam.double())
     with pytest.raises(ValueError, match="neither the residual form nor kept states"):
         gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam, residual=True)
+
+
+def test_tma_descriptor_is_the_constructed_one():
+    # tma_descriptor: TensorDescriptor's fields with the checks of the shape made once (descriptor_template, one per
+    # shape, holding no tensor, bounded); the base's alignment checked on every call
+    import dataclasses
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    gluon_walk.descriptor_template.cache_clear()
+    x = torch.randn(70, 3, D, dtype=torch.bfloat16)
+    got = gluon_walk.tma_descriptor(x, 70, 3 * D, 64, 64)
+    want = TensorDescriptor(x, [70, 3 * D], [3 * D, 1], [64, 64], gluon_walk.tile_layout(x.dtype, 64, 64))
+    assert type(got) is TensorDescriptor and got.base is x
+    assert {f.name: getattr(got, f.name) for f in dataclasses.fields(got) if f.name != "base"} == \
+        {f.name: getattr(want, f.name) for f in dataclasses.fields(want) if f.name != "base"}
+    template = gluon_walk.descriptor_template(x.dtype, 70, 3 * D, 64, 64)
+    assert template.base is None and gluon_walk.descriptor_template.cache_info().currsize == 1
+    assert gluon_walk.tma_descriptor(torch.randn_like(x), 70, 3 * D, 64, 64).base is not x
+    assert gluon_walk.descriptor_template(x.dtype, 70, 3 * D, 64, 64) is template
+    assert gluon_walk.descriptor_template(torch.float16, 70, 3 * D, 64, 64) is not template
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gluon_walk.tma_descriptor(misaligned(x), 70, 3 * D, 64, 64)
+    with pytest.raises((AssertionError, ValueError), match="power of 2"):  # TensorDescriptor's checks, by the template
+        gluon_walk.tma_descriptor(x, 70, 3 * D, 64, 48)
+    for rows in range(gluon_walk.descriptor_template.cache_info().maxsize + 5):
+        gluon_walk.descriptor_template(x.dtype, rows + 1, 3 * D, 64, 64)
+    assert gluon_walk.descriptor_template.cache_info().currsize == gluon_walk.descriptor_template.cache_info().maxsize
