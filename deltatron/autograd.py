@@ -38,7 +38,7 @@ def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_
     if use_qk_l2norm and getattr(form, "NORMALIZES_QK", False):  # in the form's kernel: two launches fewer
         options = dict(options, qk_l2norm=True)
     elif use_qk_l2norm:
-        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+        q, _, k, _ = l2norm_fwd(q, k)
     o, final_state, _, extras = form.forward(q, k, v, beta, scale, initial_state, output_final_state, info,
                                              needs_backward=False, **options, **gate)
     return (o, final_state, *extras)
@@ -49,8 +49,7 @@ class DeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, beta, initial_state, g, form, scale, output_final_state, use_qk_l2norm, info, options):
         q_rstd = k_rstd = None
         if use_qk_l2norm:
-            q, q_rstd = l2norm_fwd(q)
-            k, k_rstd = l2norm_fwd(k)
+            q, q_rstd, k, k_rstd = l2norm_fwd(q, k)
         gate = {} if g is None else {"g": g}
         o, final_state, saved, extras = form.forward(
             q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True, **options, **gate
@@ -72,8 +71,7 @@ class DeltaRuleFunction(torch.autograd.Function):
         )
         dg = dg[0] if dg and g is not None else None
         if ctx.use_qk_l2norm:
-            dq = l2norm_bwd(q, q_rstd, dq)
-            dk = l2norm_bwd(k, k_rstd, dk)
+            dq, dk = l2norm_bwd(q, q_rstd, dq, k, k_rstd, dk)
         dh0 = _in_dtype(dh0, initial_state.dtype) if dh0 is not None and initial_state is not None else None
         dg = _in_dtype(dg, g.dtype) if dg is not None else None
         return (_in_dtype(dq, q.dtype), _in_dtype(dk, k.dtype), _in_dtype(dv, v.dtype), _in_dtype(dbeta, beta.dtype),
