@@ -92,7 +92,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     dg = None if g is None else gate_grad(dgam, dg_shares, info, chunk_size)
     HK, H = k.shape[2], v.shape[2]
     if HK != H:  # a key head's gradient is the sum over its group of value heads
-        dq, dk = group_sum(dq, HK, q.dtype), group_sum(dk, HK, k.dtype)
+        dq, dk = group_sum(dq, HK, q.dtype, dk)  # (q and k share one dtype)
     return (dq, dk, dv, dbeta, dh0) + (() if g is None else (dg,))
 
 

@@ -15,13 +15,15 @@ head's group of them in one pass, rounded once.
 Every output element is written by exactly one program (deterministic)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from ...launch import launch
 from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
-                     state_offsets, store_rows)
+                     next_power_of_2, state_offsets, store_rows)
 from .gate import decay_matrix, load_gamma
 
 
@@ -173,8 +175,8 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
 
 
 @triton.jit
-def group_sum_kernel(x, out, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
-                     BK: tl.constexpr):
+def group_sum_rows(x, out, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                   BK: tl.constexpr):
     i_r, i_hk = tl.program_id(0), tl.program_id(1)
     rows = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
     ck = tl.arange(0, BK)
@@ -185,15 +187,28 @@ def group_sum_kernel(x, out, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constex
     tl.store(out + rows[:, None] * (HK * K) + i_hk * K + ck[None, :], b_sum.to(out.dtype.element_ty), mask=mask)
 
 
-def group_sum(x: torch.Tensor, key_heads: int, dtype: torch.dtype) -> torch.Tensor:
+@triton.jit
+def group_sum_kernel(x, out, x2, out2, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                     BK: tl.constexpr):
+    # grid axis 2: the tensor (x, or x2 where two are summed by one launch)
+    if tl.program_id(2) == 0:
+        group_sum_rows(x, out, R, HK, G, K, BR, BK)
+    else:
+        group_sum_rows(x2, out2, R, HK, G, K, BR, BK)
+
+
+def group_sum(x: torch.Tensor, key_heads: int, dtype: torch.dtype, x2: Optional[torch.Tensor] = None):
     """x [.., H, K] fp32 (contiguous; a gradient per value head) summed over each key head's group of H / key_heads
     value heads (value head h reads key head h // (H / key_heads)): [.., key_heads, K] in dtype, added in fp32 and
-    rounded once, in one pass over x (a reduction over the group dimension and a cast are two)."""
+    rounded once, in one pass over x (a reduction over the group dimension and a cast are two). x2: a second tensor
+    of x's shape (dK beside dQ), summed by the same launch: then (out, out2)."""
     H, K = x.shape[-2], x.shape[-1]
     out = x.new_empty((*x.shape[:-2], key_heads, K), dtype=dtype)
+    out2 = out if x2 is None else torch.empty_like(out)
     R = x.numel() // (H * K)
-    BK = triton.next_power_of_2(K)
+    BK = next_power_of_2(K)
     BR = max(1, 4096 // BK)
     if R:
-        launch(group_sum_kernel, (cdiv(R, BR), key_heads), x, out, R, key_heads, H // key_heads, K, BR, BK)
-    return out
+        launch(group_sum_kernel, (cdiv(R, BR), key_heads, 1 if x2 is None else 2), x, out, x if x2 is None else x2,
+               out2, R, key_heads, H // key_heads, K, BR, BK)
+    return out if x2 is None else (out, out2)

@@ -89,10 +89,15 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
 @pytest.mark.parametrize("H, key_heads, K", [(6, 2, 100), (6, 3, 64), (4, 1, 128), (5, 5, 16)])
 def test_group_sum(dtype, H, key_heads, K):
     """Each key head's sum over its group of value heads' gradients (grouped value heads), fp32 in, rounded once to
-    dtype: against the float64 sum, within one rounding; the same bits on a second call. 37 rows: a partial block."""
+    dtype: against the float64 sum, within one rounding; the same bits on a second call and beside a second tensor
+    summed by the same launch. 37 rows: a partial block."""
     x = torch.randn(1, 37, H, K, dtype=torch.float64)
     got = grads.group_sum(x.float().to(DEVICE), key_heads, dtype)
     want = x.float().double().unflatten(2, (key_heads, H // key_heads)).sum(3)
     assert got.dtype == dtype and got.shape == (1, 37, key_heads, K)
     assert rel_rms(got.cpu(), want) <= ONE_ROUNDING_BWD.get(dtype, BOUNDS[dtype])
     assert torch.equal(got, grads.group_sum(x.float().to(DEVICE), key_heads, dtype))
+    # two tensors (dQ and dK) by one launch: each the same bits as alone
+    x2 = torch.randn(1, 37, H, K).to(DEVICE)
+    got_pair = grads.group_sum(x.float().to(DEVICE), key_heads, dtype, x2)
+    assert torch.equal(got_pair[0], got) and torch.equal(got_pair[1], grads.group_sum(x2, key_heads, dtype))
