@@ -49,7 +49,8 @@ class SeqInfo:
         return self._chunks[chunk_size]
 
     def _chunk_index(self, chunk_size: int) -> ChunkIndex:
-        indices, offsets, num_chunks = host_chunk_index(self.cu_seqlens_cpu.numpy().tobytes(), chunk_size)
+        lengths = self.cu_seqlens_cpu.to(torch.int64).numpy().tobytes()  # the cache's key: the offsets' value
+        indices, offsets, num_chunks = host_chunk_index(lengths, chunk_size)
         device = self.cu_seqlens.device
         return ChunkIndex(indices.to(device, non_blocking=True), offsets.to(device, non_blocking=True), num_chunks)
 
