@@ -1,9 +1,10 @@
-"""`deltatron explain`: which kernels chunk_delta_rule (or chunk_gated_delta_rule) runs for a shape, and why (the
-call's plan).
+"""`deltatron explain`: which kernels chunk_delta_rule (or chunk_gated_delta_rule, or chunk_kda's inference calls)
+runs for a shape, and why (the call's plan).
 
     deltatron explain --batch 8 --seqlen 2048 --heads 16 --head-dim 128 --dtype bf16 --gpu sm90
     deltatron explain --lengths 4096 100 0 --heads 16 --gpu sm80 --inference
     deltatron explain --batch 8 --seqlen 4096 --heads 32 --key-heads 16 --gated     # Qwen3-Next's layout
+    deltatron explain --batch 1 --seqlen 8192 --heads 32 --kda --inference            # a KDA prefill
 
 Runs on any machine: the plan is made for the named GPU's capabilities (--gpu), or this machine's (--gpu here)."""
 from __future__ import annotations
@@ -29,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--key-heads", type=int, default=None,
                    help="heads of q and k, dividing --heads: grouped value heads (default: as many as --heads)")
     p.add_argument("--gated", action="store_true", help="the gated delta rule (chunk_gated_delta_rule)")
+    p.add_argument("--kda", action="store_true",
+                   help="KDA's per-channel gate (chunk_kda; its chunk kernels run with --inference only: training "
+                        "calls run fused_recurrent)")
     p.add_argument("--head-dim", "-K", type=int, default=128, help="key head size K (default 128)")
     p.add_argument("--value-dim", "-V", type=int, default=None, help="value head size V (default: K)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16", help="input dtype (default bf16)")
@@ -61,6 +65,10 @@ def main(argv=None) -> int:
     if max(args.head_dim, V) > 256:
         print(f"deltatron explain: head sizes up to 256, got K = {args.head_dim}, V = {V}", file=sys.stderr)
         return 2
+    if args.kda and not args.inference:
+        print("deltatron explain: --kda plans inference calls only (chunk_kda trains on fused_recurrent): add "
+              "--inference", file=sys.stderr)
+        return 2
     if args.gpu == "here":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         caps = chunk_plan.device_capabilities(device)
@@ -69,7 +77,7 @@ def main(argv=None) -> int:
     lengths = tuple(args.lengths) if args.lengths else None
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (args.batch, args.batch * args.seqlen)
     problem = chunk_plan.Problem(DTYPES[args.dtype], args.heads, args.head_dim, V, num_seqs, tokens,
-                                 args.chunk_size, not args.inference, args.save_states, True, args.gated,
-                                 0 if key_heads == args.heads else key_heads)
+                                 args.chunk_size, not args.inference, args.save_states, True, args.gated or args.kda,
+                                 0 if key_heads == args.heads else key_heads, per_channel=args.kda)
     print(chunk_plan.explain(chunk_plan.make_plan(problem, caps)))
     return 0

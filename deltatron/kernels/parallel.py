@@ -78,7 +78,7 @@ def parallel_fwd_tinv_kernel(k, beta, tinv, cu_seqlens, chunk_indices, H: tl.con
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # FROM_K=True: A_ii is built on chip from k and beta, the a and gam arguments are unused (k stands in)
     b_t = tril_inverse(k, k + start * H * K + i_h * K, beta + start * H + i_h, k, n, H, H, BT, K, BK, True, False,
-                       KKT_PREC, TRIL_PREC, NEWTON)
+                       False, KKT_PREC, TRIL_PREC, NEWTON)
     rows = tl.arange(0, BT)
     tl.store(tinv + (start + rows[:, None]) * (H * BT) + i_h * BT + rows[None, :], b_t, mask=rows[:, None] < n)
 

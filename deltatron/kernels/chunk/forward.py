@@ -5,7 +5,10 @@
                (schedule/seq_split.py), and the walk below runs on the partitions
     walk:      hopper.walk or portable.walk with the output fused in, or portable.walk then portable.output
 The gated rule (g given, DESIGN.md §11) first sums g along each chunk into γ (portable.gate), which every stage takes
-under its USE_G constexpr; grouped value heads (v's heads a multiple of q's and k's) run per value head.
+under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12) is inference-only here (the
+plan refuses a training call: those run fused_recurrent): the stages take g itself under USE_GK and form its sums
+within sub-chunks on chip, with no γ stage. Grouped value heads (v's heads a multiple of q's and k's) run per value
+head.
 Saved for the backward: T~ (the backward recomputes the rest), or, where the plan keeps states, T~, W and the walk's
 per-chunk S^T and V'^T."""
 from __future__ import annotations
@@ -31,20 +34,20 @@ def plan_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: SeqInfo, 
     aligned = q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
     return call_plan(q.dtype, v.shape[2], k.shape[3], v.shape[3], info.num_seqs, info.total_tokens, chunk_size,
                      needs_backward, save_states, aligned, q.device, g is not None, k.shape[2], output_chunk_states,
-                     info.prepared)
+                     info.prepared, g is not None and g.dim() == 4)
 
 
 def walk_with_output(plan: ChunkPlan, q, k, w, u, scale, initial_state, output_final_state, info, states=None,
-                     gam=None):
+                     gam=None, gk=None):
     """The plan's fused walk: (o, final_state or None). states: the buffers the Hopper walk stores S^T, V'^T in;
-    gam: the gated rule's γ."""
+    gam: the gated rule's γ; gk: KDA's g (the portable walk only: the plan says so)."""
     if plan.walk == "hopper":
         from .hopper.walk import gluon_state_output_fwd
         return gluon_state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info,
                                       plan.problem.chunk_size, block_v=plan.walk_launch.block_v, checked=True,
                                       states=states, residual=plan.residual, gam=gam)
     return state_output_fwd(q, k, w, u, scale, initial_state, output_final_state, info, plan.problem.chunk_size,
-                            cfg=plan.walk_launch, gam=gam)
+                            cfg=plan.walk_launch, gam=gam, gk=gk)
 
 
 def walk_final_states(plan: ChunkPlan, q, k, w, u, initial_state, info) -> torch.Tensor:
@@ -62,16 +65,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             needs_backward: bool = True, chunk_size: int = 64, save_states: bool = False,
             plan: Optional[ChunkPlan] = None, g: Optional[torch.Tensor] = None, output_chunk_states: bool = False):
     """(o, final_state, saved, extras) by deltatron.autograd's contract; plan: the call's (made here if None);
-    g: the gated rule's log decays [.., TT, H] (the backward sums them again rather than keep γ). extras: () or, with
+    g: the gated rule's log decays [.., TT, H] (the backward sums them again rather than keep γ), or KDA's
+    [.., TT, H, K] (inference only: the plan says so). extras: () or, with
     output_chunk_states, (the state entering every chunk [NT, H, K, V] fp32,), from the walk that stores them."""
     if plan is None:
         plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g, output_chunk_states)
-    gam = None if g is None else chunk_gamma(g, info, chunk_size)
+    gk = g if g is not None and g.dim() == 4 else None  # the stages read KDA's g as it is
+    gam = None if g is None or gk is not None else chunk_gamma(g, info, chunk_size)
     if plan.residual:  # the walks' W and U slots take Tb and V
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
         u = v
     else:
-        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam)
+        tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam,
+                             gk=gk)
     split = (split_plan_for(info, plan.split_partitions, plan.split_min_tokens, chunk_size, k.device)
              if plan.split else None)
     if split is not None:
@@ -87,13 +93,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if plan.walk == "portable":
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size,
                                           cfg=plan.walk_launch, gam=gam, states_dtype=torch.float32 if
-                                          plan.problem.chunk_states else None)
+                                          plan.problem.chunk_states else None, gk=gk)
         del w, u  # not needed by the output: its peak is h, v_new and o
-        o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam)
+        o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam, gk=gk)
         if plan.problem.chunk_states:
             return o, final_state, (tinv,) if needs_backward else (), (h,)
     else:
-        o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info, gam=gam)
+        o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info, gam=gam,
+                                          gk=gk)
     if split is not None and final_state is not None:  # each sequence's last partition's
         final_state = final_state.index_select(0, split.last_part)
     return o, final_state, (tinv,) if needs_backward else (), ()

@@ -105,7 +105,8 @@ def device_capabilities(device: torch.device) -> Capabilities:
 @dataclass(frozen=True)
 class Problem:
     """The call's shape: q, k [.., key_heads, K], v [.., heads, V], num_seqs sequences of total_tokens tokens in all;
-    gated: the gated rule (a log decay per token and head, DESIGN.md §11)."""
+    gated: the gated rule (a log decay per token and head, DESIGN.md §11); per_channel: with KDA's gate instead (a log
+    decay per token, head and key channel, DESIGN.md §12; gated is then set too)."""
 
     dtype: torch.dtype
     heads: int
@@ -121,6 +122,7 @@ class Problem:
     key_heads: int = 0  # heads of q and k (0: as many as v's); fewer: grouped value heads
     chunk_states: bool = False  # the caller asked for the state entering every chunk (output_chunk_states)
     prepared: bool = False  # prepare_varlen's metadata: a CUDA graph may replay the call on other lengths
+    per_channel: bool = False  # KDA's per-channel gate: inference only (training calls run fused_recurrent)
 
     @property
     def grouped(self) -> bool:
@@ -357,18 +359,19 @@ _MAX_CALL_PLANS = 4096
 
 def call_plan(dtype: torch.dtype, heads: int, K: int, V: int, num_seqs: int, total_tokens: int, chunk_size: int,
               training: bool, save_states: bool, tma_aligned: bool, device: torch.device, gated: bool = False,
-              key_heads: int = 0, chunk_states: bool = False, prepared: bool = False) -> ChunkPlan:
+              key_heads: int = 0, chunk_states: bool = False, prepared: bool = False,
+              per_channel: bool = False) -> ChunkPlan:
     """make_plan for a call on `device` under the calling context's overrides, from the call's facts (a dict lookup
     where the same call was planned before: building a Problem costs the host more than the lookup)."""
     forced = _OVERRIDES.get()
     key = (dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned, device, forced,
-           gated, key_heads, chunk_states, prepared)
+           gated, key_heads, chunk_states, prepared, per_channel)
     plan = _CALL_PLANS.get(key)
     if plan is None:
         if len(_CALL_PLANS) >= _MAX_CALL_PLANS:
             _CALL_PLANS.clear()
         problem = Problem(dtype, heads, K, V, num_seqs, total_tokens, chunk_size, training, save_states, tma_aligned,
-                          gated, 0 if key_heads == heads else key_heads, chunk_states, prepared)
+                          gated, 0 if key_heads == heads else key_heads, chunk_states, prepared, per_channel)
         plan = _CALL_PLANS[key] = _make_plan(problem, device_capabilities(device), forced)
     return plan
 
@@ -383,12 +386,18 @@ def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] 
 def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons = []
     nh = f"sequences x heads {p.states}"
+    if p.per_channel and p.training:
+        raise ValueError("the chunk form's per-channel gate (KDA) has no backward: training calls run fused_recurrent "
+                         "(deltatron.chunk_kda dispatches them there)")
+    if p.per_channel and p.chunk_states:
+        raise ValueError("output_chunk_states is not offered for the per-channel gate (KDA)")
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
-                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states)
+                   and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states and not p.per_channel)
     if not hopper_fits:
         hopper = False
         why = ("the states entering each chunk come from the portable walk" if p.chunk_states else
+               "the Hopper walk takes the per-head gate only, not KDA's per-channel gate" if p.per_channel else
                "the Hopper walk needs sm_90 with Gluon, 16-bit, K = V = 128, chunk 64 and 16-byte aligned q, k, v")
         if o.hopper_walk:
             raise ValueError(f"overrides(hopper_walk=True): {why}")
@@ -547,9 +556,11 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
             "portable": "portable.walk"}[plan.walk]
     if plan.residual:
         wy = "portable.wy (T~ and its Tb pair)"
+    elif p.per_channel:
+        wy = "portable.wy (T~, W, U; KDA's per-channel decays summed on chip)"
     else:
         wy = "portable.wy (T~, W, U)"
-    fwd = ["portable.gate (γ)", wy] if p.gated else [wy]
+    fwd = ["portable.gate (γ)", wy] if p.gated and not p.per_channel else [wy]
     if plan.split:
         fwd += [f"{walk} pass 1 without output, on U (and on W beside it, side stream)", "combine (torch)",
                 f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
@@ -582,7 +593,8 @@ def explain(plan: ChunkPlan) -> str:
     """The plan as text: the problem, the device, each choice with its reason, and the launches."""
     p = plan.problem
     heads = f"{p.key_heads} key heads, {p.heads} value heads" if p.grouped else f"{p.heads} heads"
-    lines = [f"problem: {'gated, ' if p.gated else ''}{p.num_seqs} sequences, {p.total_tokens} tokens, {heads}, "
+    gate = "per-channel gate (KDA), " if p.per_channel else "gated, " if p.gated else ""
+    lines = [f"problem: {gate}{p.num_seqs} sequences, {p.total_tokens} tokens, {heads}, "
              f"K = {p.K}, V = {p.V}, {_DTYPES.get(p.dtype, p.dtype)}, chunk {p.chunk_size}, "
              f"{'training' if p.training else 'inference'}" + (", save_states" if p.save_states else ""),
              f"device:  {plan.caps.name}", "choices:"]
@@ -610,10 +622,11 @@ def explain(plan: ChunkPlan) -> str:
 
 def plan_for_shape(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, gpu: str = "sm90",
                    lengths: Optional[Tuple[int, ...]] = None, chunk_size: int = 64, training: bool = True,
-                   save_states: bool = False, gated: bool = False, key_heads: int = 0) -> ChunkPlan:
+                   save_states: bool = False, gated: bool = False, key_heads: int = 0,
+                   per_channel: bool = False) -> ChunkPlan:
     """The plan of a call on a named GPU (named_capabilities): [B, T] sequences, or packed `lengths` (B = 1); H value
-    heads, key_heads of q and k (0: H)."""
+    heads, key_heads of q and k (0: H); per_channel: KDA's gate (inference only)."""
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (B, B * T)
-    problem = Problem(dtype, H, K, V, num_seqs, tokens, chunk_size, training, save_states, True, gated,
-                      0 if key_heads == H else key_heads)
+    problem = Problem(dtype, H, K, V, num_seqs, tokens, chunk_size, training, save_states, True, gated or per_channel,
+                      0 if key_heads == H else key_heads, per_channel=per_channel)
     return make_plan(problem, named_capabilities(gpu))

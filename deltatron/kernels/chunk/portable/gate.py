@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import SeqInfo, chunk_span
+from ...utils import SeqInfo, chunk_span, mm
 
 
 @triton.jit
@@ -85,3 +85,102 @@ def gate_grad(dgam: torch.Tensor, shares, info: SeqInfo, chunk_size: int) -> tor
                chunks.chunk_indices, info.total_tokens, chunks.num_chunks, dgam.shape[-1], chunk_size,
                dg_rows.shape[0], dg_chunks.shape[-1], num_warps=1)
     return dg
+
+
+# KDA's per-channel gate (USE_GK, DESIGN.md §12): g [.., TT, H, K], a log decay per token, head and key channel. A
+# chunk's cumulative sums reach -1280 under strong gates, where a difference of two of them carries ~1e-4 of fp32
+# rounding in the exponent even when the difference is near 0. So every exponent here is a running sum of g over its
+# own span, or a sum of such sums (one sign throughout: the rounding is relative to the result): the chunk is cut into
+# sub-chunks of SUB tokens, each with its prefix sums, its suffix sums and its total, and a span that crosses
+# sub-chunks adds the totals of those it passes. Every exponent is <= 0.
+SUB: tl.constexpr = 16
+# the channel tile of channel_scores (16-wide product tiles gave wrong results on the H200 with triton 3.6: wy_launch)
+SCORE_TILE: tl.constexpr = 32
+
+
+@triton.jit
+def channel_sums(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
+    """Channels [d0, d0 + BD) of one chunk's gate as sums within its sub-chunks, fp32, rows grouped by sub-chunk:
+    (g [NS, SUB, BD]; P: g summed from the row's sub-chunk start through the row; X: g summed over the rows after it
+    to its sub-chunk's end; T [NS, BD]: each sub-chunk's total). g points at the chunk's first token and its head,
+    GS apart a row; rows from n on and channels from D on read as 0."""
+    NS: tl.constexpr = C // SUB
+    r = tl.arange(0, C)
+    c = d0 + tl.arange(0, BD)
+    b_g = tl.load(g + r[:, None] * GS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0).to(tl.float32)
+    # the next row's g inside the sub-chunk: X as a running sum of its own terms, not as T - P
+    nxt = r + 1
+    b_gn = tl.load(g + nxt[:, None] * GS + c[None, :], mask=((nxt < n) & (nxt % SUB != 0))[:, None] & (c[None, :] < D),
+                   other=0.0).to(tl.float32)
+    g3 = tl.reshape(b_g, (NS, SUB, BD))
+    p3 = tl.cumsum(g3, axis=1)
+    x3 = tl.cumsum(tl.reshape(b_gn, (NS, SUB, BD)), axis=1, reverse=True)
+    t = tl.sum(tl.where((tl.arange(0, SUB) == SUB - 1)[None, :, None], p3, 0.0), axis=1)
+    return g3, p3, x3, t
+
+
+@triton.jit
+def totals_between(t, NS: tl.constexpr):
+    """[NS, NS, BD]: for row sub-chunk I and column sub-chunk J < I, the totals t [NS, BD] of the sub-chunks strictly
+    between them (0 where J >= I)."""
+    s = tl.arange(0, NS)
+    inside = (s[None, :, None] < s[None, None, :]) & (s[None, None, :] < s[:, None, None])  # [I, J, J'] J < J' < I
+    return tl.sum(tl.where(inside[:, :, :, None], t[None, None, :, :], 0.0), axis=2)
+
+
+@triton.jit
+def channel_decays(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
+    """Channels [d0, d0 + BD) of one chunk's decay exponents, fp32: (Γ [C, BD], g summed from the chunk's start
+    through the row: exp(Γ) scales Q and W's K; B [C, BD], g summed over the rows after it to the chunk's end:
+    exp(B) scales K in the state's update; Γ_C [BD], the whole chunk's sum: exp(Γ_C) decays the state). Arguments as
+    channel_sums'."""
+    NS: tl.constexpr = C // SUB
+    _, p3, x3, t = channel_sums(g, n, GS, d0, D, C, BD)
+    s = tl.arange(0, NS)
+    before = tl.sum(tl.where((s[None, :] < s[:, None])[:, :, None], t[None, :, :], 0.0), axis=1)
+    after = tl.sum(tl.where((s[None, :] > s[:, None])[:, :, None], t[None, :, :], 0.0), axis=1)
+    gam = tl.reshape(before[:, None, :] + p3, (C, BD))
+    rest = tl.reshape(x3 + after[:, None, :], (C, BD))
+    return gam, rest, tl.sum(t, axis=0)
+
+
+@triton.jit
+def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.constexpr, K: tl.constexpr,
+                   C: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
+    """[C, C] fp32 scores of one chunk under the per-channel gate: sum_c x_ic k_jc exp(Γ_i - Γ_j)[c] for j < i (DIAG:
+    j <= i), 0 elsewhere: A's (x = k) and the output's P (x = q). x, k, g point at the chunk's first token and their
+    heads, XS, KS, GS apart a row; rows from n on are 0.
+
+    A row i of sub-chunk I and a column j of an earlier sub-chunk J: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals
+    between J and I), both factors <= 1, so those blocks are products of the scaled rows and columns (one batched
+    product, a [SUB, C] block of columns per row sub-chunk). Within a sub-chunk the decay stays inside the sum over
+    channels: D_ij = exp(g summed over (j, i]) [SUB, SUB, channels], a running sum from j, then the sum over c."""
+    NS: tl.constexpr = C // SUB
+    BK: tl.constexpr = SCORE_TILE
+    r = tl.arange(0, C)
+    s = tl.arange(0, SUB)
+    sub = tl.arange(0, NS)
+    dt = x.dtype.element_ty
+    cross = tl.zeros([NS, SUB, C], dtype=tl.float32)
+    diag = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
+    if DIAG:
+        lower = s[:, None] >= s[None, :]
+    else:
+        lower = s[:, None] > s[None, :]
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        m = (r[:, None] < n) & (c[None, :] < K)
+        x3 = tl.reshape(tl.load(x + r[:, None] * XS + c[None, :], mask=m, other=0.0).to(tl.float32), (NS, SUB, BK))
+        k3 = tl.reshape(tl.load(k + r[:, None] * KS + c[None, :], mask=m, other=0.0).to(tl.float32), (NS, SUB, BK))
+        g3, p3, x3g, t = channel_sums(g, n, GS, k0, K, C, BK)
+        # columns of J < I scaled by exp(X_j + totals between): [I, J, SUB, BK] -> [I, C, BK]
+        col = tl.exp(x3g[None, :, :, :] + totals_between(t, NS)[:, :, None, :])
+        col = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], col, 0.0) * k3[None, :, :, :]
+        rows = (x3 * tl.exp(p3)).to(dt)
+        cross += mm(rows, tl.permute(tl.reshape(col, (NS, C, BK)).to(dt), (0, 2, 1)), PRECISION)
+        # within a sub-chunk: exponents g summed over (j, i], a running sum down the rows from j
+        span = tl.cumsum(tl.where((s[:, None] > s[None, :])[None, :, :, None], g3[:, :, None, :], 0.0), axis=1)
+        decay = tl.where(lower[None, :, :, None], tl.exp(span), 0.0)
+        diag += tl.sum(x3[:, :, None, :] * k3[:, None, :, :] * decay, axis=3)
+    same = sub[:, None, None, None] == sub[None, None, :, None]
+    return tl.reshape(cross, (C, C)) + tl.reshape(tl.where(same, tl.expand_dims(diag, 2), 0.0), (C, C))

@@ -1,41 +1,47 @@
 """A = tril(diag(beta) K K^T, -1) per chunk (DESIGN.md §2).
 
-Gated (USE_G, DESIGN.md §11): A_ij = beta_i exp(γ_i - γ_j) k_i^T k_j. Grouped value heads: A is per value head (beta
-and γ are), from the keys of its key head. A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of a chunk holds
-A[i, :] at the row of token i. The forward does not launch this stage: wy.wy_fwd builds A on chip through kkt_tile and never stores it (the tests launch it
-apart to check each stage: tests/kernels/chunk/portable/stages.py)."""
+Gated (USE_G, DESIGN.md §11): A_ij = beta_i exp(γ_i - γ_j) k_i^T k_j; per-channel gate (USE_GK, KDA, DESIGN.md §12):
+A_ij = beta_i sum_c k_ic k_jc exp(Γ_i - Γ_j)[c], by gate.channel_scores over sub-chunks. Grouped value heads: A is per
+value head (beta and γ are), from the keys of its key head. A is [B, T, H, C] fp32 (packed: [1, TT, H, C]): row i of
+a chunk holds A[i, :] at the row of token i. The forward does not launch this stage: wy.wy_fwd builds A on chip
+through kkt_tile and never stores it (the tests launch it apart to check each stage:
+tests/kernels/chunk/portable/stages.py)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from ...utils import mm
-from .gate import decay_matrix
+from .gate import channel_scores, decay_matrix
 
 
 @triton.jit
 def kkt_tile(k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, I0: tl.constexpr, J0: tl.constexpr,
              BI: tl.constexpr, BJ: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-             USE_G: tl.constexpr):
+             USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """Rows I0..I0+BI, columns J0..J0+BJ of A = tril(diag(beta) K K^T, -1) of one chunk, fp32 (USE_G: times
-    exp(γ_i - γ_j)).
+    exp(γ_i - γ_j); USE_GK: the per-channel decays inside the sum over channels, gam then pointing at g).
 
     k points at the chunk's first token and its key head (HK heads), beta and gam (γ, USE_G) at its value head (H
     heads); rows and columns at or past n (the end of the sequence) are zero, so a short last chunk leaves A zero
     there. Diagonal tiles (I0 == J0) keep i > j."""
     i = I0 + tl.arange(0, BI)
     j = J0 + tl.arange(0, BJ)
-    acc = tl.zeros([BI, BJ], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        b_ki = tl.load(k + i[:, None] * (HK * K) + cols[None, :], mask=(i[:, None] < n) & (cols[None, :] < K),
-                       other=0.0)
-        if I0 == J0:
-            b_kj = b_ki
-        else:
-            b_kj = tl.load(k + j[:, None] * (HK * K) + cols[None, :],
-                           mask=(j[:, None] < n) & (cols[None, :] < K), other=0.0)
-        acc += mm(b_ki, tl.trans(b_kj), PRECISION)
+    if USE_GK:
+        tl.static_assert(I0 == 0 and J0 == 0 and BI == BJ, "the per-channel gate's A is built a whole chunk at once")
+        acc = channel_scores(k, k, gam, n, HK * K, HK * K, H * K, K, BI, False, PRECISION)
+    else:
+        acc = tl.zeros([BI, BJ], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            b_ki = tl.load(k + i[:, None] * (HK * K) + cols[None, :], mask=(i[:, None] < n) & (cols[None, :] < K),
+                           other=0.0)
+            if I0 == J0:
+                b_kj = b_ki
+            else:
+                b_kj = tl.load(k + j[:, None] * (HK * K) + cols[None, :],
+                               mask=(j[:, None] < n) & (cols[None, :] < K), other=0.0)
+            acc += mm(b_ki, tl.trans(b_kj), PRECISION)
     # beta scales rows after the fp32 dot, so 16-bit inputs are not rounded twice
     b_beta = tl.load(beta + i * H, mask=i < n, other=0.0).to(tl.float32)
     acc = acc * b_beta[:, None]

@@ -2,8 +2,10 @@
 each chunk) and V'. Every (chunk, head, V-block) is independent.
 
 Gated (USE_G, DESIGN.md §11): O = scale (exp(γ) ⊙ Q S + (Q K^T ⊙ E ⊙ M) V'); q, k are read from the value head's
-key head. The forward launches this stage only where the plan runs the walk without its output (K = 256, fp32, narrow
-V-blocks; DESIGN.md §6); elsewhere the walk computes O itself through causal_output, so both round alike."""
+key head. Per-channel gate (USE_GK, KDA, DESIGN.md §12): O = scale ((exp(Γ) ⊙ Q) S + P V'), P from
+gate.channel_scores (the decay inside the sum over channels). The forward launches this stage only where the plan runs
+the walk without its output (K = 256, fp32, narrow V-blocks; DESIGN.md §6); elsewhere the walk computes O itself
+through causal_output, so both round alike."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +14,7 @@ import triton.language as tl
 
 from ...launch import launch
 from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, chunk_span, dot_precision, head_tile, mm
-from .gate import decay_matrix, load_gamma
+from .gate import channel_decays, channel_scores, decay_matrix, load_gamma
 
 
 @triton.jit
@@ -28,7 +30,7 @@ def causal_output(b_qs, b_qk, b_vn, scale, C: tl.constexpr, PRECISION: tl.conste
 @triton.jit
 def output_fwd_kernel(q, k, gam, v_new, h, o, scale, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_G: tl.constexpr, PRECISION: tl.constexpr):
+                      USE_G: tl.constexpr, USE_GK: tl.constexpr, PRECISION: tl.constexpr):
     # V-blocks of one chunk are neighbours in the grid: they share the Q and K tiles in L2
     NV = (V + BV - 1) // BV
     i_cv, i_h = tl.program_id(0), tl.program_id(1)
@@ -39,21 +41,30 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scale, cu_seqlens, chunk_indices, 
     cv = i_v * BV + tl.arange(0, BV)
     m_rows = rows < n
     h_c = h + (i_c.to(tl.int64) * H + i_h) * K * V
+    q_c = q + start * HK * K + i_hk * K
+    k_c = k + start * HK * K + i_hk * K
+    if USE_GK:
+        g_c = gam + start * H * K + i_h * K
 
     b_qs = tl.zeros([C, BV], dtype=tl.float32)
     b_qk = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         m_k = ck < K
-        b_q = tl.load(q + (start + rows[:, None]) * (HK * K) + i_hk * K + ck[None, :],
-                      mask=m_rows[:, None] & m_k[None, :], other=0.0)
-        b_kt = tl.load(k + (start + rows[None, :]) * (HK * K) + i_hk * K + ck[:, None],
-                       mask=m_k[:, None] & m_rows[None, :], other=0.0)
+        b_q = tl.load(q_c + rows[:, None] * (HK * K) + ck[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)
         # (h may be fp32, output_chunk_states: rounded here as the walk rounds it into an input-dtype h)
         b_s = tl.load(h_c + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & (cv[None, :] < V),
                       other=0.0).to(b_q.dtype)
-        b_qs += mm(b_q, b_s, PRECISION)
-        b_qk += mm(b_q, b_kt, PRECISION)
+        if USE_GK:  # (exp(Γ) ⊙ Q) S, the decayed Q rounded as Q is
+            b_gam, _, _ = channel_decays(g_c, n, H * K, k0, K, C, BK)
+            b_qs += mm((b_q.to(tl.float32) * tl.exp(b_gam)).to(b_q.dtype), b_s, PRECISION)
+        else:
+            b_kt = tl.load(k_c + rows[None, :] * (HK * K) + ck[:, None], mask=m_k[:, None] & m_rows[None, :],
+                           other=0.0)
+            b_qs += mm(b_q, b_s, PRECISION)
+            b_qk += mm(b_q, b_kt, PRECISION)
+    if USE_GK:
+        b_qk = channel_scores(q_c, k_c, g_c, n, HK * K, HK * K, H * K, K, C, True, PRECISION)
 
     o_v = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
     m_v = m_rows[:, None] & (cv[None, :] < V)
@@ -67,9 +78,9 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scale, cu_seqlens, chunk_indices, 
 
 
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, scale: float,
-               info: SeqInfo, chunk_size: int, gam=None) -> torch.Tensor:
+               info: SeqInfo, chunk_size: int, gam=None, gk=None) -> torch.Tensor:
     """o [B, T, H, V] in the input dtype from q, k [B, T, HK, K], v_new [B, T, H, V] and the per-chunk
-    states h [NT, H, K, V]; gam: the gated rule's γ."""
+    states h [NT, H, K, V]; gam: the gated rule's γ; gk: KDA's per-channel g [.., H, K]."""
     HK, H, K, V = q.shape[2], v_new.shape[2], q.shape[3], v_new.shape[3]
     o = torch.empty_like(v_new)
     chunks = info.chunks(chunk_size)
@@ -77,7 +88,8 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     if chunks.num_chunks:
         launch(
             output_fwd_kernel, (chunks.num_chunks * cdiv(V, BV), H),
-            q, k, gam, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V, chunk_size,
-            head_tile(K), BV, gam is not None, dot_precision(q.dtype), num_warps=4, num_stages=PIPELINE_STAGES,
+            q, k, gk if gam is None else gam, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
+            chunk_size, head_tile(K), BV, gam is not None, gk is not None, dot_precision(q.dtype), num_warps=4,
+            num_stages=PIPELINE_STAGES,
         )
     return o

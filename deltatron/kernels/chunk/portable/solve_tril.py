@@ -62,15 +62,15 @@ def merge_diagonal_blocks(t, a, C: tl.constexpr, S: tl.constexpr, PRECISION: tl.
 
 @triton.jit
 def tril_inverse(a, k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr, FROM_K: tl.constexpr, USE_G: tl.constexpr, KKT_PREC: tl.constexpr,
-                 TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
-    """(I + A)^{-1} of one chunk as a [C, C] fp32 tile (C = 16, 32 or 64). a (or k, beta and, USE_G, gam: FROM_K)
-    point at the chunk's first token and its head (k: its key head of HK); n = tokens in the chunk: rows past n come
-    out as identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the doubling products;
-    NEWTON: one Newton step after them (tril_precision gives both)."""
+                 BK: tl.constexpr, FROM_K: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
+                 KKT_PREC: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
+    """(I + A)^{-1} of one chunk as a [C, C] fp32 tile (C = 16, 32 or 64). a (or k, beta and, USE_G, gam: γ; USE_GK,
+    gam: KDA's g: FROM_K) point at the chunk's first token and its head (k: its key head of HK); n = tokens in the
+    chunk: rows past n come out as identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the
+    doubling products; NEWTON: one Newton step after them (tril_precision gives both)."""
     tl.static_assert(C == 16 or C == 32 or C == 64, "chunk size must be 16, 32 or 64")
     if FROM_K:
-        b_a = kkt_tile(k, beta, gam, n, H, HK, 0, 0, C, C, K, BK, KKT_PREC, USE_G)
+        b_a = kkt_tile(k, beta, gam, n, H, HK, 0, 0, C, C, K, BK, KKT_PREC, USE_G, USE_GK)
     else:
         r = tl.arange(0, C)
         b_a = tl.load(a + r[:, None] * (H * C) + r[None, :],

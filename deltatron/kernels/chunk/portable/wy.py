@@ -8,8 +8,10 @@ One kernel, four entry points:
     tinv_fwd(k, beta, ...) -> T~                    fused_chunk's input;
     recompute_w_u(k, v, beta, T~, ...) -> (W, U)    from a stored T~: the backward's two-launch recompute.
 Gated (USE_G, DESIGN.md §11): A carries exp(γ_i - γ_j) and W = T~ (beta exp(γ) K), so W's pair is T~ diag(beta
-exp(γ)) while U's stays T~ diag(beta); grouped value heads: W, U and T~ per value head, K read from its key head.
-W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
+exp(γ)) while U's stays T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12, inference): A from
+gate.channel_scores and W = T~ diag(beta) (exp(Γ) ⊙ K), the per-channel factor on K's columns (rounded with K to the
+input dtype for the product), T~'s pair as the ungated rule's. Grouped value heads: W, U and T~ per value head, K read
+from its key head. W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
 walk.state_wy_fwd, goes through tinv_beta_pair and wy_product, so they agree bit for bit. The plan chooses the form
 (plan.residual); the launch comes from plan.wy_launch."""
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import WY_PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, load_rows, mm, store_rows, tril_precision
 from ..plan import Launch, wy_launch
-from .gate import load_gamma
+from .gate import channel_decays, load_gamma
 from .solve_tril import tril_inverse
 
 
@@ -57,10 +59,11 @@ def wy_product(t_hi, t_lo, b_x, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def apply_tinv(t_hi, t_lo, x, y, n, HX: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-               C: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+def apply_tinv(t_hi, t_lo, x, y, g, n, HX: tl.constexpr, H: tl.constexpr, GS: tl.constexpr, D: tl.constexpr,
+               BD: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """y = (t_hi + t_lo) x for one chunk, BD columns of the head dimension D at a time (t_lo only with
-    SPLIT). x and y point at the chunk's first token and its head (of HX and H heads: K of a key head makes W of a
+    SPLIT); GK: y = (t_hi + t_lo) (exp(Γ) ⊙ x), Γ from KDA's g (g at the chunk's first token and its head, GS apart a
+    row). x and y point at the chunk's first token and its head (of HX and H heads: K of a key head makes W of a
     value head); t_hi, t_lo have x's dtype."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, BD)
@@ -71,6 +74,9 @@ def apply_tinv(t_hi, t_lo, x, y, n, HX: tl.constexpr, H: tl.constexpr, D: tl.con
     for d0 in range(0, D, BD):
         mask = (rows[:, None] < n) & (d0 + cols[None, :] < D)
         b_x = tl.load(x + d0 + x_offs, mask=mask, other=0.0)
+        if GK:
+            b_gam, _, _ = channel_decays(g, n, GS, d0, D, C, BD)
+            b_x = (b_x.to(tl.float32) * tl.exp(b_gam)).to(b_x.dtype)
         b_y = wy_product(t_hi, t_lo, b_x, SPLIT, PRECISION)
         tl.store(y + d0 + y_offs, b_y.to(y.dtype.element_ty), mask=mask)
 
@@ -79,14 +85,16 @@ def apply_tinv(t_hi, t_lo, x, y, n, HX: tl.constexpr, H: tl.constexpr, D: tl.con
 def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
               FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr, STORE_PAIR: tl.constexpr,
-              USE_G: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr,
-              NEWTON: tl.constexpr):
+              USE_G: tl.constexpr, USE_GK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+              TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U.
     STORE_PAIR: Tinv diag(beta) as its 16-bit pair into tb [.., H, 2C], hi in columns [0, C), lo in [C, 2C)
     (one [C, 2C] row block a chunk and head, so a TMA box of W's shape [64, 128] takes both halves).
     Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators). H value heads
-    (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam), which the residual form's pair does not take."""
-    tl.static_assert(not (USE_G and STORE_PAIR), "the residual form's pair is the ungated rule's")
+    (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam), which the residual form's pair does not take;
+    USE_GK: by KDA's per-channel g (gam [.., H, K])."""
+    tl.static_assert(not ((USE_G or USE_GK) and STORE_PAIR), "the residual form's pair is the ungated rule's")
+    tl.static_assert(not (USE_G and USE_GK), "one gate: per head (USE_G) or per channel (USE_GK)")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     k_c = k + start * HK * K + (i_h // (H // HK)) * K
@@ -97,9 +105,12 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.
         b_gam, _ = load_gamma(gam, start, n, i_h, H, C)
         b_decay = tl.exp(b_gam)
         gam_c = gam + start * H + i_h
+    if USE_GK:
+        gam_c = gam + start * H * K + i_h * K
     if FUSED:
         # (A comes from K here: the first argument, A's address, is not read)
-        b_t = tril_inverse(k_c, k_c, beta_c, gam_c, n, H, HK, C, K, BK, True, USE_G, PRECISION, TRIL_PREC, NEWTON)
+        b_t = tril_inverse(k_c, k_c, beta_c, gam_c, n, H, HK, C, K, BK, True, USE_G, USE_GK, PRECISION, TRIL_PREC,
+                           NEWTON)
         if STORE_TINV:
             store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
     else:
@@ -111,18 +122,19 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.
         store_rows(tb, b_tb_lo, start, n, i_h, C, H, 2 * C, C, C)
     if APPLY:
         b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, False)
-        apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, n, H, H, V, BV,
-                   C, SPLIT, PRECISION)
+        apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, gam_c, n, H, H, H * K,
+                   V, BV, C, False, SPLIT, PRECISION)
         if USE_G:  # W's pair takes the decay exp(γ) beside beta
             b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, True)
-        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, n, HK, H, K, BW, C, SPLIT, PRECISION)
+        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, gam_c, n, HK, H, H * K, K, BW, C, USE_GK,
+                   SPLIT, PRECISION)
 
 
 def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, cfg: Optional[Launch] = None,
-        gam: Optional[torch.Tensor] = None):
+        gam: Optional[torch.Tensor] = None, gk: Optional[torch.Tensor] = None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
     no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd). gam: the gated rule's
-    γ (gate.chunk_gamma). Value heads are beta's, key heads k's."""
+    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] instead. Value heads are beta's, key heads k's."""
     HK, K = k.shape[2], k.shape[3]
     H = beta.shape[2]
     V = K if v is None else v.shape[3]
@@ -134,9 +146,10 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
-            k, v, beta, gam, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V, chunk_size,
-            cfg.tile_k, cfg.tile_k, cfg.tile_v,
-            fused, tinv is not None, v is not None, tb is not None, gam is not None, split, dot_precision(k.dtype),
+            k, v, beta, gk if gam is None else gam, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
+            chunk_size, cfg.tile_k, cfg.tile_k, cfg.tile_v,
+            fused, tinv is not None, v is not None, tb is not None, gam is not None, gk is not None, split,
+            dot_precision(k.dtype),
             *tril_precision(k.dtype),
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
@@ -152,12 +165,12 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: to
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
-           chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
-           ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+           chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None,
+           gk: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
-    (inference: nothing needs it after W and U), w, u). gam: the gated rule's γ."""
+    (inference: nothing needs it after W and U), w, u). gam: the gated rule's γ; gk: KDA's per-channel g."""
     tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32) if store_tinv else None
-    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam)
+    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
     return tinv, w, u
 
 

@@ -21,7 +21,7 @@ def chunk_kkt_kernel(k, beta, a, cu_seqlens, chunk_indices, H: tl.constexpr, K: 
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     b_a = kkt_tile(k + start * H * K + i_h * K, beta + start * H + i_h, beta, n, H, H, 0, 0, C, C, K, BK, PRECISION,
-                   False)
+                   False, False)
     rows = tl.arange(0, C)
     tl.store(a + (start + rows[:, None]) * (H * C) + i_h * C + rows[None, :], b_a, mask=rows[:, None] < n)
 
@@ -48,7 +48,7 @@ def solve_tril_kernel(a, tinv, cu_seqlens, chunk_indices, H: tl.constexpr, C: tl
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     offset = start * H * C + i_h * C
     # FROM_K=False: k, beta, gam and K are unused, a stands in for them
-    b_t = tril_inverse(a + offset, a, a, a, n, H, H, C, 16, 16, False, False, "ieee", TRIL_PREC, NEWTON)
+    b_t = tril_inverse(a + offset, a, a, a, n, H, H, C, 16, 16, False, False, False, "ieee", TRIL_PREC, NEWTON)
     store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
 
 

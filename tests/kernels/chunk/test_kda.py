@@ -1,0 +1,117 @@
+"""Kimi Delta Attention's per-channel gate (DESIGN.md §12) in the chunk form's Triton kernels: the inference forward
+(USE_GK of portable/: wy, walk, output, and gate.py's sums within sub-chunks), called as the form is:
+forward(..., needs_backward=False, g=g) with g [B, T, Hv, K].
+
+o and the final state are checked against the float64 recurrence on the same inputs after rounding to the test dtype,
+within the relative-RMS bounds of tests/helpers.py (fp32 and fp16: tl.dot on bf16 is wrong in the interpreter); both
+walks (the output fused in and apart) are forced. The plan refuses a training call and a forced Hopper walk."""
+import pytest
+import torch
+
+from deltatron.kernels import chunk
+from deltatron.kernels.chunk import plan
+from deltatron.kernels.utils import seq_info
+from deltatron.reference.gated import recurrent_gated_delta_rule
+
+from ...helpers import BOUNDS, DEVICE, INTERPRET, make_gated_inputs, random_cu_seqlens, rel_rms
+
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+
+
+def check(B, T, Hk, Hv, K, V, dtype, chunk_size, lengths=None, gates="soft", initial_state=True,
+          output_final_state=True, seed=0, g=None):
+    """chunk.forward's o and final state against the float64 recurrence; g: a gate [B, T, Hv, K] to use instead of
+    make_gated_inputs' (fp32)."""
+    N = None if lengths is None else len(lengths)
+    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed,
+                            per_channel=True)
+    if g is not None:
+        inp["g"] = g
+    cu = None if lengths is None else random_cu_seqlens(lengths)
+    info = seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
+    scale = K ** -0.5
+    dev = {n: x.to(DEVICE) for n, x in inp.items()}
+    o, ht, saved, extras = chunk.forward(dev["q"], dev["k"], dev["v"], dev["beta"], scale, dev.get("initial_state"),
+                                         output_final_state, info, needs_backward=False, chunk_size=chunk_size,
+                                         g=dev["g"])
+    assert saved == () and extras == ()
+    ref = {n: x.double() for n, x in inp.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], scale,
+                                               ref.get("initial_state"), True, cu_seqlens=cu)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    errors = {"o": rel_rms(o, o_ref)}
+    if output_final_state:
+        errors["state"] = rel_rms(ht, ht_ref)
+    else:
+        assert ht is None
+    assert all(e <= BOUNDS[dtype] for e in errors.values()), f"rel RMS above {BOUNDS[dtype]:.0e}: {errors}"
+
+
+WALKS = [dict(fused_output=False), dict(fused_output=True)]
+
+
+# B, T, Hk, Hv, K, V, C: T = 1, partial last chunks, every chunk size, grouped value heads (G = 2, 3) and Hk = Hv,
+# head sizes not powers of two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("B, T, Hk, Hv, K, V, C", [
+    (2, 1, 1, 2, 16, 16, 64),
+    (2, 100, 1, 3, 32, 32, 32),
+    (1, 70, 2, 2, 24, 20, 16),
+    (1, 129, 2, 4, 32, 16, 64),
+])
+def test_matches_float64_oracle(B, T, Hk, Hv, K, V, C, dtype, poison):
+    check(B, T, Hk, Hv, K, V, dtype, C, seed=T + C)
+
+
+@pytest.mark.parametrize("forced", WALKS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_every_walk(forced, dtype):
+    with plan.overrides(**forced):
+        check(1, 90, 1, 2, 32, 32, dtype, 32, seed=31)
+
+
+@pytest.mark.parametrize("forced", WALKS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_strong_gates(forced, dtype):
+    # g uniform in [-20, 0] per channel: a chunk's cumulative sums reach about -640
+    with plan.overrides(**forced):
+        check(1, 130, 1, 2, 32, 32, dtype, 64, gates="strong", seed=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_strongest_gates(dtype):
+    # g in [-20, -19]: a chunk's sums pass -1200, every factor past a few tokens underflows to 0
+    g = -19 - torch.rand(1, 100, 2, 32, generator=torch.Generator().manual_seed(5))
+    check(1, 100, 1, 2, 32, 32, dtype, 64, g=g, seed=33)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_half_the_channels_strong(dtype):
+    # channels alternate between strong (uniform in [-20, 0]) and nearly none (-1e-3): the factors near 1 late in a
+    # chunk are where differences of the chunk's cumulative sums (about -640) would lose fp32 accuracy
+    gen = torch.Generator().manual_seed(6)
+    g = -20 * torch.rand(1, 128, 2, 32, generator=gen)
+    g[..., 1::2] = -1e-3 * torch.rand(1, 128, 2, 16, generator=gen)
+    check(1, 128, 1, 2, 32, 32, dtype, 64, g=g, seed=34)
+
+
+def test_without_initial_or_final_state():
+    check(2, 45, 1, 2, 16, 24, torch.float32, 16, initial_state=False, output_final_state=False, seed=35)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_varlen_with_empty_sequences(dtype, poison):
+    lengths = [0, 37, 1, 0, 70, 16]
+    check(1, sum(lengths), 1, 2, 32, 32, dtype, 32, lengths=lengths, gates="strong", seed=36)
+
+
+def test_plan_refuses_training_and_the_hopper_walk():
+    common = dict(B=1, T=4096, H=8, K=128, V=128, dtype=torch.bfloat16, per_channel=True)
+    with pytest.raises(ValueError, match="per-channel gate .KDA. has no backward"):
+        plan.plan_for_shape(**common)
+    inference = plan.plan_for_shape(**common, training=False)
+    assert inference.walk != "hopper" and "per-head gate only" in inference.reason("walk")
+    fwd, bwd = plan.kernels(inference)
+    assert bwd == () and not any("gate" in stage or "hopper" in stage for stage in fwd)
+    with plan.overrides(hopper_walk=True), pytest.raises(ValueError, match="per-head gate only"):
+        plan.plan_for_shape(**common, training=False)
