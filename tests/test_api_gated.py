@@ -188,3 +188,40 @@ def test_kda_argument_errors_name_the_argument(form, change, match):
     args.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         KDA_ENTRY_POINTS[form](**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_chunk_kda_infers_chunkwise_and_trains_token_serially(dtype, monkeypatch):
+    """On the Triton backend a chunk_kda call that needs no gradient runs the chunk form's kernels, one with an input
+    requiring grad the token-serial fused_recurrent form (forward and backward), every option of fla's signature on."""
+    if DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    ran = []
+    triton_form = deltatron.backends.triton_form
+    monkeypatch.setattr(deltatron.backends, "triton_form", lambda name: ran.append(name) or triton_form(name))
+    lengths = (0, 7, 40, 1)
+    Hk, Hv, K, V = 2, 4, 16, 24
+    x = raw_inputs(1, sum(lengths), Hk, Hv, K, V, len(lengths), seed=3, per_channel=True)
+    x = {n: t.to(DEVICE, dtype) if n in ("q", "k", "v", "a", "b") else t.to(DEVICE) for n, t in x.items()}
+    h0 = x["h0"].transpose(-1, -2).contiguous()
+    cu = random_cu_seqlens(lengths).to(DEVICE)
+
+    def call(q):
+        return deltatron.chunk_kda(q, x["k"], x["v"], x["a"], x["b"], initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_size=16, use_gate_in_kernel=True,
+                                   A_log=x["A_log"], dt_bias=x["dt_bias"], use_beta_sigmoid_in_kernel=True,
+                                   allow_neg_eigval=True, state_v_first=True)
+
+    with torch.no_grad():
+        o, ht = call(x["q"])
+    assert ran == ["chunk"]
+    ref = {n: t.cpu().double() for n, t in x.items()}
+    o_ref, ht_ref = recurrent_gated_delta_rule(
+        l2(ref["q"]), l2(ref["k"]), ref["v"], made_gate(ref["a"], ref["A_log"], ref["dt_bias"]),
+        2 * ref["b"].sigmoid(), K ** -0.5, ref["h0"], True, random_cu_seqlens(lengths))
+    assert rel_rms(o, o_ref) <= BOUNDS[dtype] and rel_rms(ht, ht_ref.transpose(-1, -2)) <= BOUNDS[dtype]
+
+    o_train, ht_train = call(x["q"].clone().requires_grad_())
+    assert ran == ["chunk", "fused_recurrent"] and o_train.requires_grad
+    assert rel_rms(o_train, o_ref) <= BOUNDS[dtype] and rel_rms(ht_train, ht_ref.transpose(-1, -2)) <= BOUNDS[dtype]
