@@ -1,5 +1,7 @@
 """The gated rule's log decays inside a chunk (DESIGN.md §11): γ, the cumulative sum of g from the chunk's start, the
-decay factors the stages take from it under their USE_G constexpr, and the gradient of g back through the sum.
+decay factors the stages take from it under their USE_G constexpr, and the gradient of g back through the sum; and
+KDA's per-channel decays (DESIGN.md §12), which the stages form on chip under USE_GK from the helpers below
+(channel_sums, channel_decays, channel_scores).
 
 The stages write their shares of that gradient per row and per K-tile, and the sums across tiles happen here in a
 fixed order, so that dg is bitwise the same from run to run, as every other gradient is.

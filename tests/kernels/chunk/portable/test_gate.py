@@ -1,0 +1,57 @@
+"""KDA's per-channel decays as the chunk stages form them on chip (portable/gate.py: channel_decays, channel_scores;
+DESIGN.md §12), one chunk at a time in a test kernel, against float64.
+
+The gate that tells the two ways of forming an exponent apart: every channel strong (uniform in [-20, 0]) for the
+first half of the chunk and nearly none (about -5e-4) after, so the factors between late tokens are near 1 while the
+chunk's cumulative sums are near -320. Differences of those sums in fp32 put about 1e-5 of relative error into the
+scores; the sums within sub-chunks keep them within 1e-6 (DESIGN.md §12's error analysis)."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from deltatron.kernels.chunk.portable.gate import channel_decays, channel_scores
+
+from ....helpers import DEVICE, INTERPRET, rel_rms
+
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
+
+
+@triton.jit
+def one_chunk_kernel(x, k, g, scores, gam, rest, total, n, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     DIAG: tl.constexpr):
+    r = tl.arange(0, C)
+    c = tl.arange(0, BK)
+    tl.store(scores + r[:, None] * C + r[None, :], channel_scores(x, k, g, n, K, K, K, K, C, DIAG, "ieee"))
+    b_gam, b_rest, b_total = channel_decays(g, n, K, 0, K, C, BK)
+    tl.store(gam + r[:, None] * BK + c[None, :], b_gam)
+    tl.store(rest + r[:, None] * BK + c[None, :], b_rest)
+    tl.store(total + c, b_total)
+
+
+def strong_then_weak(C, K, gen):
+    g = -5e-4 * torch.rand(C, K, generator=gen)
+    g[:C // 2] = -20 * torch.rand(C // 2, K, generator=gen)
+    return g
+
+
+@pytest.mark.parametrize("C, n, K, diag", [(64, 64, 32, False), (64, 64, 24, True), (64, 41, 40, True),
+                                           (32, 32, 32, False), (16, 9, 8, True)])
+def test_channel_sums_match_float64(C, n, K, diag):
+    gen = torch.Generator().manual_seed(C + n + K)
+    x, k = torch.randn(C, K, generator=gen), torch.randn(C, K, generator=gen)
+    g = strong_then_weak(C, K, gen)
+    BK = triton.next_power_of_2(K)
+    scores = torch.full((C, C), float("nan"))
+    gam, rest, total = torch.empty(C, BK), torch.empty(C, BK), torch.empty(BK)
+    one_chunk_kernel[(1,)](*(t.to(DEVICE) for t in (x, k, g, scores, gam, rest, total)), n, K, C, BK, diag)
+    xd, kd, G = x.double()[:n], k.double()[:n], g.double()[:n].cumsum(0)
+    keep = torch.tril(torch.ones(n, n, dtype=torch.bool), 0 if diag else -1)
+    decay = torch.where(keep[..., None], G[:, None] - G[None], -torch.inf).exp()
+    want = (xd[:, None] * kd[None] * decay).sum(-1)
+    assert rel_rms(scores[:n, :n], want) <= 1e-6
+    assert torch.all(scores[n:] == 0) and torch.all(scores[:n, n:] == 0)
+    # Γ, the rest of the chunk and the chunk's total, each to fp32's relative accuracy
+    assert rel_rms(gam[:n, :K], G) <= 1e-6
+    assert rel_rms(rest[:n, :K], G[-1] - G) <= 1e-6
+    assert rel_rms(total[:K], G[-1]) <= 1e-6
