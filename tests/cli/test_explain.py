@@ -1,4 +1,5 @@
-"""`deltatron explain` (deltatron/cli/explain.py): the plan of a shape, the gated rule and grouped heads included."""
+"""`deltatron explain` (deltatron/cli/explain.py): the plan of a shape, the gated rule, KDA's inference calls and
+grouped heads included."""
 from deltatron.cli import explain
 
 
@@ -12,3 +13,19 @@ def test_gated_grouped_layout(capsys):
 def test_key_heads_must_divide_heads(capsys):
     assert explain.main(["--heads", "32", "--key-heads", "12"]) == 2
     assert "--key-heads must divide --heads (32), got 12" in capsys.readouterr().err
+
+
+def test_kda_inference(capsys):
+    # KDA's per-channel gate: the portable walk (the Hopper walk takes the per-head gate only), no γ stage, no backward
+    assert explain.main(["--batch", "1", "--seqlen", "8192", "--heads", "32", "--key-heads", "16", "--kda",
+                         "--inference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("problem: per-channel gate (KDA), 1 sequences, 8192 tokens, 16 key heads")
+    assert any(line.split()[:2] == ["walk", "portable"] and "per-head gate only" in line for line in lines)
+    assert any(line.startswith("forward:  portable.wy (T~, W, U; KDA's per-channel") for line in lines)
+    assert not any(line.startswith("backward:") for line in lines)
+
+
+def test_kda_plans_inference_only(capsys):
+    assert explain.main(["--kda"]) == 2
+    assert "--kda plans inference calls only" in capsys.readouterr().err
