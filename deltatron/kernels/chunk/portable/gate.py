@@ -95,9 +95,9 @@ def gate_grad(dgam: torch.Tensor, shares, info: SeqInfo, chunk_size: int) -> tor
 # own span, or a sum of such sums (one sign throughout: the rounding is relative to the result): the chunk is cut into
 # sub-chunks of SUB tokens, each with its prefix sums, its suffix sums and its total, and a span that crosses
 # sub-chunks adds the totals of those it passes. Every exponent is <= 0.
-SUB: tl.constexpr = 16
+SUB = tl.constexpr(16)
 # the channel tile of channel_scores (16-wide product tiles gave wrong results on the H200 with triton 3.6: wy_launch)
-SCORE_TILE: tl.constexpr = 32
+SCORE_TILE = tl.constexpr(32)
 
 
 @triton.jit
