@@ -220,15 +220,17 @@ def gated_form_outputs(form, inp, scale, info, do, dht, output_final_state=True,
 
 
 def check_gated_form(form, B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft", initial_state=True, dht=True,
-                     output_final_state=True, seed=0, per_channel=False, **options):
+                     output_final_state=True, seed=0, per_channel=False, g=None, **options):
     """A gated Triton form (a module of deltatron.kernels) against gated_oracle within BOUNDS[dtype], on
-    make_gated_inputs' inputs (per_channel: KDA's gate); lengths: packed sequences (B = 1, T = their sum). Returns
-    the form's outputs."""
+    make_gated_inputs' inputs (per_channel: KDA's gate; g: a gate of that shape to use instead, fp32); lengths:
+    packed sequences (B = 1, T = their sum). Returns the form's outputs."""
     from deltatron.kernels.utils import seq_info
 
     N = None if lengths is None else len(lengths)
     inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed,
                             per_channel=per_channel)
+    if g is not None:
+        inp["g"] = g
     cu = None if lengths is None else random_cu_seqlens(lengths)
     info = seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
     gen = torch.Generator().manual_seed(seed + 1000)

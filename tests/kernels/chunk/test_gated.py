@@ -41,6 +41,13 @@ def test_strong_gates(dtype):
     check(1, 130, 1, 2, 32, 32, dtype, gates="strong", seed=11, chunk_size=64)
 
 
+def test_strongest_gates_with_final_state_gradient():
+    # g in [-20, -19]: dg is ~exp(g) while the last row's share of the state update has the factor 1; summed as the
+    # cumsum less that row's share, dg's last row was 10 % off (gate.gate_grad_kernel)
+    g = -19 - torch.rand(1, 100, 2, generator=torch.Generator().manual_seed(7))
+    check(1, 100, 1, 2, 32, 32, torch.float32, g=g, seed=16, chunk_size=64)
+
+
 def test_without_initial_state_or_final_state_gradient():
     check(2, 45, 1, 2, 16, 24, torch.float32, initial_state=False, dht=False, seed=12, chunk_size=16)
 
