@@ -7,17 +7,18 @@
                portable.reverse)
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
 The gated rule (g given) sums g into γ again and every stage takes it; portable.gate sums dg from the stages'
-shares. With grouped value heads
-dQ and dK come out per value head and are summed over each group here. Where the plan segments the backward, the
-reverse pass and the gradient stage run segment by segment (schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the
-set alive at the widest stage. Deterministic: no atomics."""
+shares. KDA's per-channel g ([.., TT, H, K]) is read by the stages as it is (no γ stage), and dg comes per channel.
+With grouped value heads dQ and dK come out per value head and are summed over each group here. Where the plan
+segments the backward, the reverse pass and the gradient stage run segment by segment (schedule/segments.py). Each
+intermediate is released right after the last stage that reads it, so the peak is the set alive at the widest stage.
+Deterministic: no atomics."""
 from __future__ import annotations
 
 import torch
 
 from ..utils import side_stream
 from .plan import ChunkPlan
-from .portable.gate import chunk_gamma, gate_grad
+from .portable.gate import channel_gate_grad, chunk_gamma, gate_grad
 from .portable.grads import dqkw, group_sum
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
@@ -26,8 +27,9 @@ from .portable.wy_bwd import wy_bwd
 from .schedule import segments as seg
 
 
-def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None):
-    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ."""
+def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None, gk=None):
+    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ; gk: KDA's
+    g (the portable pass only: the plan says so)."""
     C = plan.problem.chunk_size
     if plan.reverse == "hopper":
         from .hopper.reverse import gluon_state_bwd
@@ -35,7 +37,7 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
             do = do.clone()
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
                                checked=True, gam=gam)
-    return state_bwd(q, k, w, do, None, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam)
+    return state_bwd(q, k, w, do, None, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam, gk=gk)
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False,
@@ -61,17 +63,18 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
             return segmented_backward(plan, q, k, v, beta, scale, initial_state, tinv, do, dht, info, segment_plan)
 
     cfg = plan.recompute_launch
-    gam = None if g is None else chunk_gamma(g, info, chunk_size)
+    gk = g if g is not None and g.dim() == 4 else None  # KDA's g, read by the stages as it is
+    gam = None if g is None or gk is not None else chunk_gamma(g, info, chunk_size)
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
     elif plan.overlap:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk)
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # an event after recompute_w_u: the walk waits for W, U, not for the reverse pass
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)  # queued first: its programs
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, gk)  # queued first: its programs
         with torch.cuda.stream(side):
-            h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
+            h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
         main.wait_stream(side)  # grads reads h and v_new
         # The caching allocator hands a released block to the next allocation on the stream it was made on: h and
         # v_new are the side stream's, recorded on main so that their memory waits for main's work queued before
@@ -80,16 +83,17 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         v_new.record_stream(main)
         del u
     else:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam)
-        h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk)
+        h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
         del u
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, gk)
     del w
-    dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam)
+    dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam, gk=gk)
     del h, v_new, dh
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,
-                                 gam=gam)
-    dg = None if g is None else gate_grad(dgam, dg_shares, info, chunk_size)
+                                 gam=gam, gk=gk)
+    dg = (None if g is None else gate_grad(dgam, dg_shares, info, chunk_size) if gk is None else
+          channel_gate_grad(dgam, dg_shares, info, chunk_size))
     HK, H = k.shape[2], v.shape[2]
     if HK != H:  # a key head's gradient is the sum over its group of value heads
         dq, dk = group_sum(dq, HK, q.dtype, dk)  # (q and k share one dtype)

@@ -122,7 +122,7 @@ class Problem:
     key_heads: int = 0  # heads of q and k (0: as many as v's); fewer: grouped value heads
     chunk_states: bool = False  # the caller asked for the state entering every chunk (output_chunk_states)
     prepared: bool = False  # prepare_varlen's metadata: a CUDA graph may replay the call on other lengths
-    per_channel: bool = False  # KDA's per-channel gate: inference only (training calls run fused_recurrent)
+    per_channel: bool = False  # KDA's per-channel gate: portable stages only
 
     @property
     def grouped(self) -> bool:
@@ -353,6 +353,20 @@ def _forced(name: str, value, rule_value, reason: str) -> Tuple[object, str]:
     return (rule_value, reason) if value is None else (value, f"forced by overrides({name}={value!r})")
 
 
+# KDA's chunk kernels take head sizes up to this: at K = V = 256 the walk's per-channel decays, formed on the whole
+# [C, K] tile, need 335,872 B of shared memory on sm_90 (232,448 there; tools/offline_compile.py --kda, triton 3.6)
+KDA_CHUNK_MAX_HEAD = 128
+
+
+def kda_chunk_refusal(K: int, V: int) -> Optional[str]:
+    """Why KDA's per-channel gate cannot run the chunk kernels at these head sizes (chunk_kda then runs the
+    token-serial fused_recurrent kernels, forward and backward), or None where it can."""
+    if max(K, V) <= KDA_CHUNK_MAX_HEAD:
+        return None
+    return (f"KDA's chunk kernels take K, V <= {KDA_CHUNK_MAX_HEAD} (here K = {K}, V = {V}: the walk's per-channel "
+            f"decays overflow sm_90's shared memory at 256), so chunk_kda runs fused_recurrent")
+
+
 _CALL_PLANS: dict = {}  # the plans of recent calls by their key: the host's cost of a call's plan is a lookup
 _MAX_CALL_PLANS = 4096
 
@@ -386,9 +400,8 @@ def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] 
 def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons = []
     nh = f"sequences x heads {p.states}"
-    if p.per_channel and p.training:
-        raise ValueError("the chunk form's per-channel gate (KDA) has no backward: training calls run fused_recurrent "
-                         "(deltatron.chunk_kda dispatches them there)")
+    if p.per_channel and kda_chunk_refusal(p.K, p.V):
+        raise ValueError(kda_chunk_refusal(p.K, p.V))
     if p.per_channel and p.chunk_states:
         raise ValueError("output_chunk_states is not offered for the per-channel gate (KDA)")
     # -- forward walk
@@ -497,6 +510,9 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
         recompute, why = "none", "inference: no backward"
     elif keep:
         recompute, why = "none", "the forward kept its states"
+    elif p.per_channel:
+        recompute, why = "two_launch", "KDA's W, U from portable.wy: the walk's on-chip W, U take the per-head gate " \
+                                       "only"
     elif wy_on_chip(p.K, p.V, p.states, p.element_size, caps.interpret):
         recompute, why = "on_chip", "16-bit, a wide spill-free V-block: W, U made in the walk, U never in HBM"
     else:
@@ -570,7 +586,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         fwd.append("portable.output")
     if not p.training:
         return tuple(fwd), ()
-    bwd = ["portable.gate (γ)"] if p.gated else []
+    bwd = ["portable.gate (γ)"] if p.gated and not p.per_channel else []
     if plan.recompute == "on_chip":
         bwd.append("portable.walk (W, U on chip from T~)")
     elif plan.recompute == "two_launch":
@@ -585,7 +601,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     else:
         bwd += [rev, grads]
     if p.gated:
-        bwd.append("portable.gate (dg)")
+        bwd.append("portable.gate (dg per key channel)" if p.per_channel else "portable.gate (dg)")
     return tuple(fwd), tuple(bwd)
 
 
@@ -625,7 +641,7 @@ def plan_for_shape(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g
                    save_states: bool = False, gated: bool = False, key_heads: int = 0,
                    per_channel: bool = False) -> ChunkPlan:
     """The plan of a call on a named GPU (named_capabilities): [B, T] sequences, or packed `lengths` (B = 1); H value
-    heads, key_heads of q and k (0: H); per_channel: KDA's gate (inference only)."""
+    heads, key_heads of q and k (0: H); per_channel: KDA's gate."""
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (B, B * T)
     problem = Problem(dtype, H, K, V, num_seqs, tokens, chunk_size, training, save_states, True, gated or per_channel,
                       0 if key_heads == H else key_heads, per_channel=per_channel)

@@ -1,10 +1,13 @@
-"""Kimi Delta Attention's per-channel gate (DESIGN.md §12) in the chunk form's Triton kernels: the inference forward
-(USE_GK of portable/: wy, walk, output, and gate.py's sums within sub-chunks), called as the form is:
-forward(..., needs_backward=False, g=g) with g [B, T, Hv, K].
+"""Kimi Delta Attention's per-channel gate (DESIGN.md §12) in the chunk form's Triton kernels (USE_GK of portable/:
+wy, walk, output, reverse, grads, wy_bwd, and gate.py's sums within sub-chunks), called as the form is: forward(...,
+g=g) with g [B, T, Hv, K], and backward(..., g=g).
 
-o and the final state are checked against the float64 recurrence on the same inputs after rounding to the test dtype,
-within the relative-RMS bounds of tests/helpers.py (fp32 and fp16: tl.dot on bf16 is wrong in the interpreter); both
-walks (the output fused in and apart) are forced. The plan refuses a training call and a forced Hopper walk."""
+The inference forward's o and final state are checked against the float64 recurrence on the same inputs after rounding
+to the test dtype, within the relative-RMS bounds of tests/helpers.py (fp32 and fp16); both walks (the output fused in
+and apart) are forced. The training forward and backward (o, the final state, dq, dk, dv, dbeta, dg per channel, dh0)
+are checked against torch.autograd through the float64 recurrence (tests/helpers.check_gated_form), bf16 as the gated
+rule's tests take it. The plan keeps every stage on the portable kernels and refuses a forced Hopper walk or reverse
+pass."""
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from deltatron.kernels.chunk import plan
 from deltatron.kernels.utils import seq_info
 from deltatron.reference.gated import recurrent_gated_delta_rule
 
-from ...helpers import BOUNDS, DEVICE, INTERPRET, make_gated_inputs, random_cu_seqlens, rel_rms
+from ...helpers import BOUNDS, DEVICE, INTERPRET, check_gated_form, make_gated_inputs, random_cu_seqlens, rel_rms
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -105,13 +108,75 @@ def test_varlen_with_empty_sequences(dtype, poison):
     check(1, sum(lengths), 1, 2, 32, 32, dtype, 32, lengths=lengths, gates="strong", seed=36)
 
 
-def test_plan_refuses_training_and_the_hopper_walk():
-    common = dict(B=1, T=4096, H=8, K=128, V=128, dtype=torch.bfloat16, per_channel=True)
-    with pytest.raises(ValueError, match="per-channel gate .KDA. has no backward"):
-        plan.plan_for_shape(**common)
-    inference = plan.plan_for_shape(**common, training=False)
-    assert inference.walk != "hopper" and "per-head gate only" in inference.reason("walk")
-    fwd, bwd = plan.kernels(inference)
-    assert bwd == () and not any("gate" in stage or "hopper" in stage for stage in fwd)
-    with plan.overrides(hopper_walk=True), pytest.raises(ValueError, match="per-head gate only"):
-        plan.plan_for_shape(**common, training=False)
+def test_plan_keeps_kda_on_portable_stages():
+    # a shape where the Hopper walk and reverse pass would run ungated or with the per-head gate: KDA's calls keep
+    # the portable walk, reverse pass and the two-launch recompute (no γ stage), and refuse those forced
+    common = dict(B=1, T=4096, H=16, K=128, V=128, dtype=torch.bfloat16)
+    assert plan.plan_for_shape(**common, gated=True).reverse == "hopper"
+    for training in (False, True):
+        kda = plan.plan_for_shape(**common, per_channel=True, training=training)
+        assert kda.walk != "hopper" and "per-head gate only" in kda.reason("walk")
+        assert kda.reverse == ("portable" if training else "none")
+        assert kda.recompute == ("two_launch" if training else "none")
+        fwd, bwd = plan.kernels(kda)
+        assert not any("hopper" in stage or "γ" in stage for stage in fwd + bwd)
+        assert bwd[-1:] == (("portable.gate (dg per key channel)",) if training else ())
+    for forced in (dict(hopper_walk=True), dict(hopper_reverse=True)):
+        with plan.overrides(**forced), pytest.raises(ValueError, match="Hopper"):
+            plan.plan_for_shape(**common, per_channel=True)
+
+
+def check_training(*args, **kwargs):
+    return check_gated_form(chunk, *args, per_channel=True, **kwargs)
+
+
+# B, T, Hk, Hv, K, V, C as test_matches_float64_oracle's, with bf16 (the gated rule's convention: these paths take it
+# in the interpreter)
+@pytest.mark.parametrize("B, T, Hk, Hv, K, V, C, dtype", [
+    (2, 100, 1, 3, 32, 32, 32, torch.float32),
+    (2, 1, 1, 2, 16, 16, 64, torch.float32),
+    (1, 70, 2, 2, 24, 20, 16, torch.float32),
+    (1, 129, 2, 4, 32, 16, 64, torch.float32),
+    (2, 100, 1, 3, 32, 32, 32, torch.float16),
+    (1, 129, 2, 4, 32, 16, 64, torch.bfloat16),
+], ids=str)
+def test_backward_matches_float64_oracle(B, T, Hk, Hv, K, V, C, dtype, poison):
+    check_training(B, T, Hk, Hv, K, V, dtype, seed=T + C, chunk_size=C)
+
+
+@pytest.mark.parametrize("forced", WALKS, ids=str)
+def test_backward_every_walk(forced):
+    with plan.overrides(**forced):
+        check_training(1, 90, 1, 2, 32, 32, torch.float16, seed=41, chunk_size=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backward_strong_gates(dtype):
+    check_training(1, 130, 1, 2, 32, 32, dtype, gates="strong", seed=42, chunk_size=64)
+
+
+def test_backward_strongest_gates():
+    # g in [-20, -19]: the true dg is tiny; only sums within sub-chunks keep it to fp32 accuracy
+    g = -19 - torch.rand(1, 100, 2, 32, generator=torch.Generator().manual_seed(7))
+    check_training(1, 100, 1, 2, 32, 32, torch.float32, g=g, seed=43, chunk_size=64)
+
+
+def test_backward_half_the_channels_strong():
+    gen = torch.Generator().manual_seed(8)
+    g = -20 * torch.rand(1, 128, 2, 32, generator=gen)
+    g[..., 1::2] = -1e-3 * torch.rand(1, 128, 2, 16, generator=gen)
+    check_training(1, 128, 1, 2, 32, 32, torch.float32, g=g, seed=44, chunk_size=64)
+
+
+def test_backward_without_initial_state_or_final_state_gradient():
+    check_training(2, 45, 1, 2, 16, 24, torch.float32, initial_state=False, dht=False, seed=45, chunk_size=16)
+
+
+def test_backward_without_final_state():
+    check_training(1, 40, 2, 4, 16, 16, torch.float32, output_final_state=False, seed=46, chunk_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backward_varlen_with_empty_sequences(dtype, poison):
+    lengths = [0, 37, 1, 0, 70, 16]
+    check_training(1, sum(lengths), 1, 2, 32, 32, dtype, lengths=lengths, gates="strong", seed=47, chunk_size=32)

@@ -188,3 +188,76 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         diag += tl.sum(x3[:, :, None, :] * k3[:, None, :, :] * decay, axis=3)
     same = sub[:, None, None, None] == sub[None, None, :, None]
     return tl.reshape(cross, (C, C)) + tl.reshape(tl.where(same, tl.expand_dims(diag, 2), 0.0), (C, C))
+
+
+@triton.jit
+def channel_mix(m, x, g, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
+                BD: tl.constexpr, TRANS: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """Channels [d0, d0 + BD) of one chunk's product of a score gradient m [C, C] (fp32, strictly lower: rows i,
+    columns j < i) with rows of x under the per-channel decays, [C, BD] fp32: sum_j m_ij x_jc exp(Γ_i - Γ_j)[c]
+    (row i), or TRANS: sum_i m_ij x_ic exp(Γ_i - Γ_j)[c] (row j). The backward's counterpart of channel_scores,
+    with its sub-chunk factors: across sub-chunks J < I the decay is exp(P_i) exp(X_j + the totals between), one
+    factor on the rows of x (or of the result) per sub-chunk and one batched product with m's blocks in DT; within a
+    sub-chunk it stays inside the sum, exp(g summed over (j, i]) per channel, in fp32. x, g point at the chunk's
+    first token and their heads, XS, GS apart a row; rows from n on and channels from D on read as 0."""
+    NS: tl.constexpr = C // SUB
+    r = tl.arange(0, C)
+    s = tl.arange(0, SUB)
+    sub = tl.arange(0, NS)
+    c = d0 + tl.arange(0, BD)
+    b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0)
+    x3 = tl.reshape(b_x.to(tl.float32), (NS, SUB, BD))
+    g3, p3, q3, t = channel_sums(g, n, GS, d0, D, C, BD)
+    between = totals_between(t, NS)  # [I, J, BD]
+    strict = s[:, None] > s[None, :]
+    span = tl.cumsum(tl.where(strict[None, :, :, None], g3[:, :, None, :], 0.0), axis=1)
+    decay = tl.where(strict[None, :, :, None], tl.exp(span), 0.0)  # [sub-chunk, i, j, BD]
+    same = sub[:, None, None, None] == sub[None, None, :, None]
+    m_diag = tl.sum(tl.where(same, tl.reshape(m, (NS, SUB, NS, SUB)), 0.0), axis=2)  # [sub-chunk, i, j]
+    if TRANS:
+        # result row j of sub-chunk J: the rows i of sub-chunks I > J scaled by exp(P_i + totals between), then exp(X_j)
+        scaled = tl.exp(p3[None, :, :, :] + tl.permute(between, (1, 0, 2))[:, :, None, :])  # [J, I, SUB, BD]
+        scaled = tl.where((sub[None, :] > sub[:, None])[:, :, None, None], scaled, 0.0) * x3[None, :, :, :]
+        m_t = tl.reshape(tl.trans(m), (NS, SUB, C))
+        cross = mm(m_t.to(DT), tl.reshape(scaled, (NS, C, BD)).to(DT), PRECISION) * tl.exp(q3)
+        inner = tl.sum(m_diag[:, :, :, None] * x3[:, :, None, :] * decay, axis=1)
+    else:
+        # result row i of sub-chunk I: the rows j of sub-chunks J < I scaled by exp(X_j + totals between), then exp(P_i)
+        scaled = tl.exp(q3[None, :, :, :] + between[:, :, None, :])  # [I, J, SUB, BD]
+        scaled = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], scaled, 0.0) * x3[None, :, :, :]
+        cross = mm(tl.reshape(m, (NS, SUB, C)).to(DT), tl.reshape(scaled, (NS, C, BD)).to(DT), PRECISION) * tl.exp(p3)
+        inner = tl.sum(m_diag[:, :, :, None] * x3[:, None, :, :] * decay, axis=2)
+    return tl.reshape(cross + inner, (C, BD))
+
+
+@triton.jit
+def channel_gate_grad_kernel(dgam, dg_rows, dg_chunks, dg, cu_seqlens, chunk_indices, TT, H: tl.constexpr,
+                             K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
+    r = tl.arange(0, C)
+    ck = i_k * BK + tl.arange(0, BK)
+    offs = ((start + r)[:, None] * H + i_h) * K + ck[None, :]
+    mask = (r[:, None] < n) & (ck[None, :] < K)
+    b_dgam = (tl.load(dgam + offs, mask=mask, other=0.0) + tl.load(dg_rows + offs, mask=mask, other=0.0))
+    b_x = tl.load(dg_rows + TT * H * K + offs - H * K, mask=mask & (r[:, None] >= 1), other=0.0)  # the row before's
+    b_state = tl.load(dg_chunks + (i_c * H + i_h) * K + ck, mask=ck < K, other=0.0)
+    # dg_j = sum_{i >= j} dΓ_i + exp(Γ_C) ⊙ rowsum(S ⊙ dS_next) + sum_{i < j} x_i, per channel (the last sum as
+    # gate_grad_kernel's: a cumsum of x shifted by a row)
+    b_dg = tl.cumsum(b_dgam, axis=0, reverse=True) + b_state[None, :] + tl.cumsum(b_x, axis=0)
+    tl.store(dg + offs, b_dg, mask=mask)
+
+
+def channel_gate_grad(dgam: torch.Tensor, shares, info: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """dg [.., TT, H, K] fp32, the gradient of KDA's g: gate_grad per key channel (DESIGN.md §12), from wy_bwd's dΓ
+    (dgam [.., TT, H, K]) and grads.dqkw's shares (dg_rows [2, TT, H, K]: dΓ and x_i = exp(Γ_C - Γ_i) ⊙ k_i ⊙
+    (dS_next v'_i); dg_chunks [NT, H, K]: exp(Γ_C) ⊙ rowsum(S ⊙ dS_next))."""
+    dg_rows, dg_chunks = shares
+    dg = torch.empty_like(dgam)
+    chunks = info.chunks(chunk_size)
+    H, K = dgam.shape[-2], dgam.shape[-1]
+    BK = min(64, triton.next_power_of_2(K))
+    if chunks.num_chunks:
+        launch(channel_gate_grad_kernel, (chunks.num_chunks, H, triton.cdiv(K, BK)), dgam, dg_rows, dg_chunks, dg,
+               info.cu_seqlens, chunks.chunk_indices, info.total_tokens, H, K, chunk_size, BK, num_warps=4)
+    return dg

@@ -8,7 +8,9 @@
 
 Gated (USE_G, DESIGN.md §11): dQ's state term takes exp(γ), dK's exp(γ_C - γ), the masked scores E; dqkw also
 writes its share of the log decays' gradient, per K-tile of the program, for wy_bwd to finish: the per-row dγ from
-Q S and the scores, x_i = exp(γ_C - γ_i) k_i^T dS_next v'_i, and exp(γ_C) <S, dS_next> per chunk. Grouped value
+Q S and the scores, x_i = exp(γ_C - γ_i) k_i^T dS_next v'_i, and exp(γ_C) <S, dS_next> per chunk. Per-channel gate
+(USE_GK, KDA, DESIGN.md §12): the same terms per key channel, the scores' products with the decay inside the sum over
+channels (gate.channel_mix), and the shares of dg per channel (each K-tile writes its own channels). Grouped value
 heads: q, k of the value head's key head; dQ and dK come out per value head, in fp32, and group_sum adds each key
 head's group of them in one pass, rounded once.
 
@@ -24,7 +26,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
                      next_power_of_2, state_offsets, store_rows)
-from .gate import decay_matrix, load_gamma
+from .gate import SCORE_TILE, channel_decays, channel_mix, decay_matrix, load_gamma
 
 
 @triton.jit
@@ -57,12 +59,13 @@ def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
 def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunks, chunk_indices, cu_seqlens, scale,
                 TT, NT, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, STATES_T: tl.constexpr,
-                USE_G: tl.constexpr):
+                USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """STATES_T: h and v_new as the forward's Hopper walk keeps them (hopper.walk.states_buffers): S^T [NT, H, V, K]
     and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's). H value heads
     (dq, dk, dw are per value head), HK key heads (q, k). USE_G: gated by γ (gam); the K-tile's shares of the decays'
     gradient go to dg_rows [NK, 2, TT, H] (dγ, x) and dg_chunks [NK, NT, H, BV] (exp(γ_C) <S, dS_next> in BV parts),
-    fp32."""
+    fp32. USE_GK: by KDA's g (gam [.., H, K]); the shares per channel to dg_rows [2, TT, H, K] and dg_chunks
+    [NT, H, K]."""
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
@@ -73,6 +76,7 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
     b_ds = tl.zeros([C, C], dtype=tl.float32)
     b_sds = tl.zeros([BV], dtype=tl.float32)  # <S, dS_next> over this K-tile, by rows of S^T (USE_G)
+    b_sds_k = tl.zeros([BK], dtype=tl.float32)  # rowsum(S ⊙ dS_next) per key channel (USE_GK)
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
         if STATES_T:  # V'^T rows of this V-block, whole: zero past the sequence's end (states_buffers), and a mask
@@ -91,6 +95,8 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
         b_dsn = tl.load(dh + s_offs, mask=s_mask, other=0.0).to(dt)  # gradient of the state leaving it
         if USE_G:
             b_sds += tl.sum(b_st.to(tl.float32) * tl.trans(b_dsn.to(tl.float32)), axis=1)
+        if USE_GK:
+            b_sds_k += tl.sum(b_st.to(tl.float32) * tl.trans(b_dsn.to(tl.float32)), axis=0)
         b_dq += mm(b_do, b_st, PRECISION)
         b_dk += mm(b_vn, tl.trans(b_dsn), PRECISION)
         b_dw -= mm(b_dv, b_st, PRECISION)
@@ -114,10 +120,34 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
         tl.store(dg_rows + ((i_k * 2 + 1) * TT + rows) * H + i_h, b_x, mask=r < n)
         tl.store(dg_chunks + ((i_k * NT + i_t) * H + i_h) * BV + tl.arange(0, BV), b_sds * tl.exp(b_gam_last))
         b_ds = b_ds.to(dt)
+    elif USE_GK:
+        g_c = gam + start * H * K + i_h * K
+        b_gam, b_rest, b_gam_last = channel_decays(g_c, n, H * K, i_k * BK, K, C, BK)
+        b_dq *= tl.exp(b_gam)  # (exp(Γ) ⊙ dO S^T): the entering state's term
+        b_dk *= tl.exp(b_rest)  # (exp(Γ_C - Γ) ⊙ V' dS_next^T): the leaving state's
+        # dP = scale dO V'^T, strictly lower through the decays; the diagonal (decay 1) apart
+        b_dpd = scale * tl.sum(tl.where(r[:, None] == r[None, :], b_ds, 0.0), axis=1)
+        b_dp = tl.where(r[:, None] > r[None, :], b_ds * scale, 0.0)
+        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, False, dt,
+                          PRECISION)
+        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, True, dt,
+                          PRECISION)
+        b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
+        # dΓ_i: through exp(Γ_i) of Q S, and through the scores' decays (row i as the later token, minus as the
+        # earlier); x_i through exp(Γ_C - Γ_i) of the state update; exp(Γ_C) rowsum(S ⊙ dS_next) for the chunk
+        c_offs = ((start + r)[:, None] * H + i_h) * K + i_k * BK + tl.arange(0, BK)[None, :]
+        c_mask = (r[:, None] < n) & (i_k * BK + tl.arange(0, BK)[None, :] < K)
+        tl.store(dg_rows + c_offs, scale * b_qf * b_dq + b_qf * b_y - b_kf * b_z, mask=c_mask)
+        tl.store(dg_rows + TT * H * K + c_offs, b_kf * b_dk, mask=c_mask)
+        ck = i_k * BK + tl.arange(0, BK)
+        tl.store(dg_chunks + (i_t * H + i_h) * K + ck, b_sds_k * tl.exp(b_gam_last), mask=ck < K)
+        b_dq = b_dq * scale + b_y + b_dpd[:, None] * b_kf
+        b_dk += b_z + b_dpd[:, None] * b_qf
     else:
         b_ds = tl.where(r[:, None] >= r[None, :], b_ds * scale, 0.0).to(dt)
-    b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
-    b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
+    if not USE_GK:
+        b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
+        b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
     store_rows(dq, b_dq, start, n, i_h, i_k * BK, H, K, C, BK)
     store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
     store_rows(dw, b_dw, start, n, i_h, i_k * BK, H, K, C, BK)
@@ -138,9 +168,10 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
 
 
 def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False,
-         gam=None):
+         gam=None, gk=None):
     """(dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward), dW (q's dtype), and for the gated
-    rule (gam: γ) the decays' gradient shares (dg_rows, dg_chunks) for wy_bwd, else None). With grouped value heads
+    rule (gam: γ) or KDA's (gk: g) the decays' gradient shares (dg_rows, dg_chunks) for gate.gate_grad or
+    gate.channel_gate_grad, else None). With grouped value heads
     dQ and dK are per value head, in fp32 (the caller sums each group).
 
     The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its HBM round trip (written here,
@@ -158,18 +189,21 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
         dq = q.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(q)
     dk = k.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(k)
     dw = k.new_empty(per_value_head)
-    BK = head_tile(K)
+    # KDA: channel_mix holds [C/16, 16, 16, BK] fp32 within sub-chunks, so K-tiles as channel_scores' channel tile
+    BK = head_tile(K) if gk is None else min(head_tile(K), SCORE_TILE.value)
     TT, NT = info.total_tokens, chunks.num_chunks
     dg = None
-    if gam is not None:
+    if gk is not None:
+        dg = (q.new_empty(2, TT, H, K, dtype=torch.float32), q.new_empty(NT, H, K, dtype=torch.float32))
+    elif gam is not None:
         dg = (q.new_empty(cdiv(K, BK), 2, TT, H, dtype=torch.float32),
               q.new_empty(cdiv(K, BK), NT, H, head_tile(V), dtype=torch.float32))
     if chunks.num_chunks:
         launch(
             dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
-            q, k, gam, v_new, h, dh, do, dv, dq, dk, dw, *(dg or (None, None)), chunks.chunk_indices,
-            info.cu_seqlens, scale, TT, NT, H, HK, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype),
-            states_t, gam is not None, num_stages=PIPELINE_STAGES,
+            q, k, gk if gam is None else gam, v_new, h, dh, do, dv, dq, dk, dw, *(dg or (None, None)),
+            chunks.chunk_indices, info.cu_seqlens, scale, TT, NT, H, HK, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype),
+            states_t, gam is not None, gk is not None, num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw, dg
 

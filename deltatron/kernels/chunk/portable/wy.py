@@ -8,7 +8,7 @@ One kernel, four entry points:
     tinv_fwd(k, beta, ...) -> T~                    fused_chunk's input;
     recompute_w_u(k, v, beta, T~, ...) -> (W, U)    from a stored T~: the backward's two-launch recompute.
 Gated (USE_G, DESIGN.md §11): A carries exp(γ_i - γ_j) and W = T~ (beta exp(γ) K), so W's pair is T~ diag(beta
-exp(γ)) while U's stays T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12, inference): A from
+exp(γ)) while U's stays T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12): A from
 gate.channel_scores and W = T~ diag(beta) (exp(Γ) ⊙ K), the per-channel factor on K's columns (rounded with K to the
 input dtype for the product), T~'s pair as the ungated rule's. Grouped value heads: W, U and T~ per value head, K read
 from its key head. W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
@@ -157,11 +157,11 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
 
 
 def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: torch.Tensor, info: SeqInfo,
-                  chunk_size: int, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """W = Tinv (beta*K) [B, T, H, K] (gated: Tinv (beta exp(γ) K)), U = Tinv (beta*V) [B, T, H, V], in the input
-    dtype."""
-    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg, gam=gam)
+                  chunk_size: int, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None,
+                  gk: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """W = Tinv (beta*K) [B, T, H, K] (gated: Tinv (beta exp(γ) K); KDA's gk: Tinv diag(beta) (exp(Γ) ⊙ K)),
+    U = Tinv (beta*V) [B, T, H, V], in the input dtype."""
+    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,

@@ -7,7 +7,9 @@ T~ = (I + A)^{-1}, A = tril(diag(beta) K K^T, -1):
 
 Gated (USE_G, DESIGN.md §11): W = T~ (beta exp(γ) K) and A carries E = exp(γ_i - γ_j), so (beta K) becomes
 (beta exp(γ) K) in dT~ and dKb takes exp(γ); dA becomes dA ⊙ E in dK and dbeta; this kernel's share of the log
-decays' gradient, dγ through W's exp(γ) and A's E, goes to gate.gate_grad with grads.dqkw's. Grouped value heads: k of
+decays' gradient, dγ through W's exp(γ) and A's E, goes to gate.gate_grad with grads.dqkw's. Per-channel gate (USE_GK,
+KDA, DESIGN.md §12): W = T~ diag(beta) (exp(Γ) ⊙ K) and A's decay sits inside its sum over channels, so dA's products
+with K are gate.channel_mix's, and dΓ per channel goes to gate.channel_gate_grad. Grouped value heads: k of
 the value head's key head; dK comes out per value head.
 
 One program per (chunk, head): the chunk's C x C matrices stay in fp32 registers, K and V are looped over in tiles.
@@ -27,7 +29,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import WY_PIPELINE_STAGES, chunk_span, dot_precision, load_rows, mm, store_rows
 from ..plan import Launch, wy_bwd_launch
-from .gate import decay_matrix, load_gamma
+from .gate import SCORE_TILE, channel_decays, channel_mix, decay_matrix, load_gamma
 
 
 @triton.jit
@@ -71,8 +73,10 @@ def wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION: tl.constexpr)
 @triton.jit
 def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunk_indices, cu_seqlens,
                   H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, USE_G: tl.constexpr):
-    """H value heads, HK key heads (k). USE_G: gated by γ (gam); this kernel's dγ share to dgam [TT, H] fp32."""
+                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, USE_G: tl.constexpr,
+                  USE_GK: tl.constexpr):
+    """H value heads, HK key heads (k). USE_G: gated by γ (gam); this kernel's dγ share to dgam [TT, H] fp32.
+    USE_GK: by KDA's g (gam [.., H, K]); its dΓ share to dgam [TT, H, K] fp32."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
@@ -84,6 +88,9 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
     if USE_G:
         b_gam, _ = load_gamma(gam, start, n, i_h, H, C)
         b_wbeta = b_beta * tl.exp(b_gam)
+    if USE_GK:
+        g_c = gam + start * H * K + i_h * K
+        k_c = k + start * HK * K + i_hk * K
     b_tt = load_tinv_t(tinv, start, n, i_h, H, C)
     dt = k.dtype.element_ty
     b_tt_in = b_tt.to(dt)  # (fp32 inputs: unchanged)
@@ -93,8 +100,10 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK)
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
-        b_kb = (b_k.to(tl.float32) * b_wbeta[:, None]).to(dt)
-        b_dt += mm(b_dw, tl.trans(b_kb), PRECISION)
+        b_kb = b_k.to(tl.float32) * b_wbeta[:, None]
+        if USE_GK:  # W's K takes exp(Γ) per channel
+            b_kb *= tl.exp(channel_decays(g_c, n, H * K, i_k * BK, K, C, BK)[0])
+        b_dt += mm(b_dw, tl.trans(b_kb.to(dt)), PRECISION)
     for i_v in range(tl.cdiv(V, BV)):
         b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV)
         b_du = load_rows(du, start, n, i_h, i_v * BV, H, V, C, BV).to(dt)
@@ -111,7 +120,21 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
     for i_k in range(tl.cdiv(K, BK)):
         b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK).to(tl.float32)
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
-        if USE_G:
+        if USE_GK:
+            # dA's products with K under the decays: rows (sum_j dA_ij k_j D_ij, beta_i on the row) and columns
+            # (sum_i beta_i dA_ij k_i D_ij); T~^T dW's row i takes exp(Γ_i) per channel in dK, dbeta and dΓ
+            b_e = tl.exp(channel_decays(g_c, n, H * K, i_k * BK, K, C, BK)[0])
+            b_tdw = mm(b_tt_in, b_dw, PRECISION)
+            b_ya = channel_mix(b_da, k_c, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, False, tl.float32, PRECISION)
+            b_za = channel_mix(tl.trans(b_dat), k_c, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, True, tl.float32,
+                               PRECISION)
+            b_dkb = b_tdw * b_e + b_ya
+            b_dk_wy = b_beta[:, None] * b_dkb + b_za
+            b_dbeta_k = tl.sum(b_dkb * b_k, axis=1)
+            ck = i_k * BK + tl.arange(0, BK)
+            tl.store(dgam + (rows[:, None] * H + i_h) * K + ck[None, :], b_k * (b_beta[:, None] * b_dkb - b_za),
+                     mask=valid[:, None] & (ck[None, :] < K))
+        elif USE_G:
             # K K^T from the fp32 copy of the tile (exact under tf32 for 16-bit keys). On the H200 (triton 3.6) the
             # product of the pipelined 16-bit tile with its own transpose, in the first K loop, differed from run
             # to run, and so did dg, by up to 0.2; from this copy it is bitwise repeatable
@@ -136,7 +159,7 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
 
 
 def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None, cfg: Optional[Launch] = None,
-           gam=None):
+           gam=None, gk=None):
     """Returns (dk in k's dtype, dv in v's dtype, dbeta in beta's dtype [.., TT, H]: summed in fp32 and rounded once
     in the kernel, so that the API returns it without a conversion launch; for the gated rule this stage's share of
     the log decays' gradient, dγ [.., TT, H] fp32 for gate.gate_grad, else None).
@@ -144,21 +167,25 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
     the output and the state update (k's dtype, as grads.dqkw stores it; added in fp32). out: (dk, dv,
     dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
-    views of the batch's), else new tensors. gam: the gated rule's γ. With grouped value heads (beta's heads more
-    than k's) dk is per value head, in dk_direct's dtype."""
+    views of the batch's), else new tensors. gam: the gated rule's γ; gk: KDA's g (dΓ then [.., TT, H, K]). With
+    grouped value heads (beta's heads more than k's) dk is per value head, in dk_direct's dtype."""
     HK, H, K, V = k.shape[-2], beta.shape[-1], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
     if out is None:
         out = torch.empty_like(dk_direct), torch.empty_like(v), torch.empty_like(beta)
     dk, dv, dbeta = out
-    dgam = torch.empty(beta.shape, dtype=torch.float32, device=beta.device) if gam is not None else None
+    dgam = None
+    if gam is not None or gk is not None:
+        dgam = torch.empty(beta.shape if gk is None else gk.shape, dtype=torch.float32, device=beta.device)
     if cfg is None:
         cfg = wy_bwd_launch(K, V, k.element_size())
+    tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
     if chunks.num_chunks:
         launch(
             wy_bwd_kernel, (chunks.num_chunks, H),
-            k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunks.chunk_indices, info.cu_seqlens,
-            H, HK, K, V, chunk_size, cfg.tile_k, cfg.tile_v, dot_precision(k.dtype), gam is not None,
+            k, v, beta, gk if gam is None else gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunks.chunk_indices,
+            info.cu_seqlens,
+            H, HK, K, V, chunk_size, tile_k, cfg.tile_v, dot_precision(k.dtype), gam is not None, gk is not None,
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
     return dk, dv, dbeta, dgam
