@@ -666,11 +666,10 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
         extras = (_chunk_states_torch(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel),
                   ) if output_chunk_states else ()
         return _torch_rows((o, h0.copy_(final_state) if inplace_final_state else final_state, *extras), q.shape[1])
-    if form == "chunk" and g.dim() == 4 and torch.is_grad_enabled() and any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, h0)):
-        # KDA's chunk form (chunk_kda, which offers no output_chunk_states) trains on the token-serial
-        # fused_recurrent kernels: the chunk stages take its per-channel gate in the forward only (DESIGN.md §12)
-        form = "fused_recurrent"
+    if form == "chunk" and g.dim() == 4:
+        from .kernels.chunk.plan import kda_chunk_refusal
+        if kda_chunk_refusal(q.shape[-1], v.shape[-1]):  # head sizes KDA's chunk kernels do not take (DESIGN.md §12)
+            form = "fused_recurrent"
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
@@ -850,12 +849,9 @@ def chunk_kda(
             g = -exp(A_log) softplus(g + dt_bias) per channel (Kimi Linear's gate), A_log [Hv] (or [1, 1, Hv, 1]) and
             dt_bias [Hv * K] (or [Hv, K]), with gradients to all three.
     On the PyTorch backend it is the chunkwise float64-stable form (every decay factor exp of a non-positive
-    difference of within-chunk cumulative sums per channel). On the Triton backend a call that needs no gradient
-    (inference, prefill: under torch.no_grad or with no input requiring grad) runs the chunkwise kernels with the
-    per-channel gate (every exponent a sum of g within 16-token sub-chunks); a training call runs the token-serial
-    fused_recurrent kernels, forward and backward (the chunk stages have no per-channel backward), chunk_size then
-    unused past its check. Under torch.compile the op's forward is an inference call and its backward reruns the
-    token-serial kernels."""
+    difference of within-chunk cumulative sums per channel). On the Triton backend it runs the chunkwise kernels with
+    the per-channel gate, forward and backward (every exponent a sum of g within 16-token sub-chunks), for head sizes
+    K, V <= 128; larger heads run the token-serial fused_recurrent kernels (chunk_size then unused past its check)."""
     return _chunk_gated("chunk_kda", chunk_kda, True, q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
                         (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),

@@ -191,9 +191,10 @@ def test_kda_argument_errors_name_the_argument(form, change, match):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_chunk_kda_infers_chunkwise_and_trains_token_serially(dtype, monkeypatch):
-    """On the Triton backend a chunk_kda call that needs no gradient runs the chunk form's kernels, one with an input
-    requiring grad the token-serial fused_recurrent form (forward and backward), every option of fla's signature on."""
+def test_chunk_kda_runs_chunkwise_and_large_heads_token_serially(dtype, monkeypatch):
+    """On the Triton backend chunk_kda runs the chunk form's kernels, inference and training calls alike, every option
+    of fla's signature on, with the gradients of the float64 recurrence; at K = 256, which the chunk kernels do not
+    take, the token-serial fused_recurrent form."""
     if DEVICE == "cpu" and not INTERPRET:
         pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
@@ -222,6 +223,20 @@ def test_chunk_kda_infers_chunkwise_and_trains_token_serially(dtype, monkeypatch
         2 * ref["b"].sigmoid(), K ** -0.5, ref["h0"], True, random_cu_seqlens(lengths))
     assert rel_rms(o, o_ref) <= BOUNDS[dtype] and rel_rms(ht, ht_ref.transpose(-1, -2)) <= BOUNDS[dtype]
 
-    o_train, ht_train = call(x["q"].clone().requires_grad_())
-    assert ran == ["chunk", "fused_recurrent"] and o_train.requires_grad
+    q = x["q"].clone().requires_grad_()
+    o_train, ht_train = call(q)
+    assert ran == ["chunk", "chunk"] and o_train.requires_grad
     assert rel_rms(o_train, o_ref) <= BOUNDS[dtype] and rel_rms(ht_train, ht_ref.transpose(-1, -2)) <= BOUNDS[dtype]
+    do = torch.randn(o_train.shape, generator=torch.Generator().manual_seed(4)).to(o_train)
+    (dq,) = torch.autograd.grad(o_train, q, do)
+    q_ref = ref["q"].clone().requires_grad_()
+    o_ref, _ = recurrent_gated_delta_rule(
+        l2(q_ref), l2(ref["k"]), ref["v"], made_gate(ref["a"], ref["A_log"], ref["dt_bias"]),
+        2 * ref["b"].sigmoid(), K ** -0.5, ref["h0"], True, random_cu_seqlens(lengths))
+    (dq_ref,) = torch.autograd.grad(o_ref, q_ref, do.cpu().double())
+    assert rel_rms(dq, dq_ref) <= BOUNDS[dtype]
+
+    x = {n: t.to(DEVICE, dtype) if n in ("q", "k", "v", "a", "b") else t.to(DEVICE)
+         for n, t in raw_inputs(1, 9, 1, 1, 256, 256, 1, seed=5, per_channel=True).items()}
+    deltatron.chunk_kda(x["q"], x["k"], x["v"], x["a"].sigmoid().log(), x["b"].sigmoid())
+    assert ran[2:] == ["fused_recurrent"]

@@ -1,10 +1,11 @@
-"""`deltatron explain`: which kernels chunk_delta_rule (or chunk_gated_delta_rule, or chunk_kda's inference calls)
-runs for a shape, and why (the call's plan).
+"""`deltatron explain`: which kernels chunk_delta_rule (or chunk_gated_delta_rule, or chunk_kda) runs for a shape, and
+why (the call's plan).
 
     deltatron explain --batch 8 --seqlen 2048 --heads 16 --head-dim 128 --dtype bf16 --gpu sm90
     deltatron explain --lengths 4096 100 0 --heads 16 --gpu sm80 --inference
     deltatron explain --batch 8 --seqlen 4096 --heads 32 --key-heads 16 --gated     # Qwen3-Next's layout
     deltatron explain --batch 1 --seqlen 8192 --heads 32 --kda --inference            # a KDA prefill
+    deltatron explain --kda --head-dim 256      # KDA at heads its chunk kernels do not take: fused_recurrent, why
 
 Runs on any machine: the plan is made for the named GPU's capabilities (--gpu), or this machine's (--gpu here)."""
 from __future__ import annotations
@@ -31,8 +32,7 @@ def parser() -> argparse.ArgumentParser:
                    help="heads of q and k, dividing --heads: grouped value heads (default: as many as --heads)")
     p.add_argument("--gated", action="store_true", help="the gated delta rule (chunk_gated_delta_rule)")
     p.add_argument("--kda", action="store_true",
-                   help="KDA's per-channel gate (chunk_kda; its chunk kernels run with --inference only: training "
-                        "calls run fused_recurrent)")
+                   help="KDA's per-channel gate (chunk_kda)")
     p.add_argument("--head-dim", "-K", type=int, default=128, help="key head size K (default 128)")
     p.add_argument("--value-dim", "-V", type=int, default=None, help="value head size V (default: K)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16", help="input dtype (default bf16)")
@@ -65,10 +65,9 @@ def main(argv=None) -> int:
     if max(args.head_dim, V) > 256:
         print(f"deltatron explain: head sizes up to 256, got K = {args.head_dim}, V = {V}", file=sys.stderr)
         return 2
-    if args.kda and not args.inference:
-        print("deltatron explain: --kda plans inference calls only (chunk_kda trains on fused_recurrent): add "
-              "--inference", file=sys.stderr)
-        return 2
+    if args.kda and chunk_plan.kda_chunk_refusal(args.head_dim, V):
+        print(f"form: fused_recurrent: {chunk_plan.kda_chunk_refusal(args.head_dim, V)}")
+        return 0
     if args.gpu == "here":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         caps = chunk_plan.device_capabilities(device)

@@ -26,6 +26,19 @@ def test_kda_inference(capsys):
     assert not any(line.startswith("backward:") for line in lines)
 
 
-def test_kda_plans_inference_only(capsys):
-    assert explain.main(["--kda"]) == 2
-    assert "--kda plans inference calls only" in capsys.readouterr().err
+def test_kda_training(capsys):
+    # a KDA training call: the portable stages forward and backward, no γ stage, dg per key channel
+    assert explain.main(["--batch", "2", "--seqlen", "4096", "--heads", "16", "--kda"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["reverse", "portable"] for line in lines)
+    assert any(line.split()[:2] == ["recompute", "two_launch"] and "per-head gate only" in line for line in lines)
+    backward = [line for line in lines if line.startswith("backward:")]
+    assert backward == ["backward: portable.wy (W, U from T~) -> portable.walk -> portable.reverse -> portable.grads, "
+                        "portable.wy_bwd -> portable.gate (dg per key channel)"]
+
+
+def test_kda_heads_the_chunk_kernels_do_not_take(capsys):
+    assert explain.main(["--kda", "--head-dim", "256"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("form: fused_recurrent: KDA's chunk kernels take K, V <= 128 (here K = 256, V = 256")
+
