@@ -8,7 +8,10 @@ the same specialization a GPU launch would get, by whatever triton is importable
 (nothing runs), so a host step that reads them is not meaningful; the kernels are what is looked at.
 
     python tools/offline_compile.py [--dtype bf16] [--heads 64 128 256] [--forms chunk ...]
-        [--kernels wy_kernel ...] [--gated] [--hopper] [--sass-lines N]
+        [--kernels wy_kernel ...] [--gated | --kda] [--hopper] [--sass-lines N]
+
+--kda compiles KDA's per-channel gate (g [B, T, H, K]) instead of the per-head one: the chunk form's USE_GK stages,
+forward and backward, and the fused_recurrent kernels' USE_GK.
 
 --hopper plans the chunk form with the Hopper Gluon walk and reverse pass forced (16-bit, K = V = 128; --gated and
 --key-heads for their variants of both) and compiles those kernels too, from their Gluon source: with the
@@ -230,14 +233,15 @@ def inputs(B, T, H, K, V, dtype, key_heads=None):
     x["beta"] = torch.rand(B, T, H, generator=g).to(dtype)
     x["h0"] = torch.randn(B, H, K, V, generator=g)
     x["g"] = -torch.nn.functional.softplus(torch.randn(B, T, H, generator=g))  # the gated rule's log decays
+    x["gk"] = -torch.nn.functional.softplus(torch.randn(B, T, H, K, generator=g))  # KDA's, per key channel
     return x
 
 
-def run_form(form, x, info, gated=False):
-    """The form's forward (saving for the backward) and backward on x, gated by x's g where asked; every launch goes
-    to OfflineLaunches."""
+def run_form(form, x, info, gated=False, kda=False):
+    """The form's forward (saving for the backward) and backward on x, gated by x's g where asked (kda: by its
+    per-channel gk); every launch goes to OfflineLaunches."""
     args = (x["q"], x["k"], x["v"], x["beta"], x["q"].shape[-1] ** -0.5, x["h0"])
-    gate = dict(g=x["g"]) if gated else {}
+    gate = dict(g=x["gk"]) if kda else dict(g=x["g"]) if gated else {}
     o, final, saved, _ = form.forward(*args, True, info, needs_backward=True, **gate)
     form.backward(*args, saved, x["do"], torch.randn_like(final), info, **gate)
 
@@ -251,12 +255,16 @@ def main() -> int:
     parser.add_argument("--batch-heads", type=int, nargs=2, default=[8, 16], metavar=("B", "H"),
                         help="B and H: they set the V-blocks of the state passes (default: the benchmark's 8 x 16)")
     parser.add_argument("--gated", action="store_true", help="the gated rule (chunk and fused_recurrent forms)")
+    parser.add_argument("--kda", action="store_true",
+                        help="KDA's per-channel gate (chunk and fused_recurrent forms)")
     parser.add_argument("--key-heads", type=int, help="heads of q and k (grouped value heads: fewer than H)")
     parser.add_argument("--hopper", action="store_true",
                         help="the chunk form on the Hopper Gluon walk and reverse pass (16-bit, K = V = 128)")
     parser.add_argument("--sass-lines", type=int, default=0, metavar="N",
                         help="also list each kernel's N source lines with the most SASS instructions")
     args = parser.parse_args()
+    if args.kda and (args.gated or args.hopper):
+        parser.error("--kda: the per-channel gate runs on the portable stages, alone (not with --gated or --hopper)")
     fused_recurrent.num_sms = lambda device: H200_SMS  # its V-blocks depend on the SM count
     pretend_h200_plans(gluon=args.hopper)
     if args.hopper:
@@ -270,7 +278,7 @@ def main() -> int:
         info = seq_info(B, 128, torch.device("cpu"), None, None)
         for name in args.forms:
             with OfflineLaunches(args.kernels, args.sass_lines) as offline, forced:
-                run_form(FORMS[name], x, info, args.gated)
+                run_form(FORMS[name], x, info, args.gated, args.kda)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
                                  ("K", "V", "C", "BT", "BK", "BW", "BV", "BD", "SEG"))
@@ -283,7 +291,8 @@ def main() -> int:
                           f"({r['seconds']:.0f} s)", flush=True)
                     if "sass" in r:
                         print_sass_lines(r["sass"], args.sass_lines)
-    variant = (", gated" if args.gated else "") + (f", {args.key_heads} key heads" if args.key_heads else "")
+    variant = ((", gated" if args.gated else ", KDA" if args.kda else "")
+               + (f", {args.key_heads} key heads" if args.key_heads else ""))
     print(f"triton {triton.__version__}, target sm_90, {args.dtype}{variant}{', Hopper' if args.hopper else ''}")
     return 1 if failed else 0
 

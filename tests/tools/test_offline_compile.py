@@ -72,3 +72,19 @@ def test_sass_lines_attribute_instructions_to_source():
     listed = re.findall(r"^ +(\d+)  (\w+\.py):(\d+)", proc.stdout, re.M)
     assert len(listed) == 6 and sum(int(n) for n, _, _ in listed) <= total
     assert {"solve_tril.py", "utils.py"} <= {name for _, name, _ in listed}
+
+
+def test_kda_backward_compiles_for_sm90():
+    # --kda: KDA's per-channel gate in the chunk form; its backward's per-channel stages (the gradient stage with its
+    # sub-chunk products, capped at 32-wide K-tiles, and the gate's dg per channel) compile at K = V = 64
+    rows = compile_rows("--kda", "--heads", "64", "--forms", "chunk", "--kernels", "dqkw_kernel",
+                        "channel_gate_grad_kernel")
+    assert len(rows) == 2 and "dqkw_kernel" in rows[0] and "BK=32" in rows[0]
+    assert "channel_gate_grad_kernel" in rows[1]
+
+
+def test_kda_is_not_taken_with_the_per_head_gate():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kda", "--gated"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 2 and "--kda: the per-channel gate runs on the portable stages" in proc.stderr
