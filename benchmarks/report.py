@@ -125,8 +125,8 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
                  "outside the op, q and k L2-normalized in it, gradients to q, k, v, g and beta; their vs fla and "
                  "vs FlashQLA compare with fla.chunk_gated (decode: fla.fused_recurrent_gated) and flash_qla.gated, "
                  "and their floor counts the fp32 gate's bytes. KDA rows (" + ", ".join(KDA) + "): a gate per key "
-                 "channel drawn the same way, compared with fla.chunk_kda; ours runs the token-serial kernels on the "
-                 f"Triton backend (T <= {RECURRENT_MAX_T}).")
+                 "channel drawn the same way, compared with fla.chunk_kda; ours runs the chunkwise kernels on the "
+                 f"Triton backend, the token-serial ones at K, V > 128 (T <= {RECURRENT_MAX_T}).")
     if any(r.get("verify") for r in rows):
         text += (" Verify rows (" + ", ".join(VERIFY) + "): a speculative-decoding verify step as vLLM and SGLang "
                  "call it, T draft tokens per sequence from the state slot num_accepted_tokens picks, the state "
