@@ -41,7 +41,7 @@ ones below (a later transformers release): enable() skips such a module with a R
 Kimi Linear (kimi_linear). Its KDA layer calls `chunk_kimi_delta_attention` and `recurrent_kimi_delta_attention`
 the same way, with signatures equal to the two above and a per-channel g [B, T, H, K] that its forget gate makes;
 enable() rebinds them to adapters on `deltatron.chunk_kda` / `deltatron.fused_recurrent_kda` (on the Triton backend
-chunk_kda runs chunkwise kernels for calls that need no gradient and the token-serial ones for training, its
+chunk_kda runs chunkwise kernels, forward and backward, token-serial ones at head sizes above 128, its
 docstring), and wraps its `causal_conv1d_fn` as above. That layer
 passes its caller's keywords on unchanged, so for packed sequences the KDA adapters take the offsets from
 `cu_seq_lens_q` where no `cu_seqlens` is given; its full-attention (MLA) layers stay transformers' own.

@@ -34,8 +34,8 @@ class KimiDeltaAttention(GatedMixer):
         num_heads, head_dim: query/key heads Hk and their size K.
         num_v_heads, head_v_dim: value heads Hv (a multiple of Hk) and V; default num_heads and head_dim.
         mode: "chunk" (training, prefill) or "fused_recurrent"; decode steps always use fused_recurrent. On the
-            Triton backend "chunk" runs the chunkwise kernels for calls that need no gradient (prefill) and the
-            token-serial ones for training (chunk_kda's docstring).
+            Triton backend "chunk" runs the chunkwise kernels, prefill and training (token-serial ones at head sizes
+            above 128: chunk_kda's docstring).
         conv_size, conv_bias: the short convolution over q, k and v.
         allow_neg_eigval: beta in (0, 2) instead of (0, 1).
         norm_eps: the output RMSNorm's epsilon.

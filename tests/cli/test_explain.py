@@ -1,5 +1,5 @@
-"""`deltatron explain` (deltatron/cli/explain.py): the plan of a shape, the gated rule, KDA's inference calls and
-grouped heads included."""
+"""`deltatron explain` (deltatron/cli/explain.py): the plan of a shape, the gated rule, KDA's calls and grouped heads
+included."""
 from deltatron.cli import explain
 
 

@@ -5,9 +5,8 @@
                (schedule/seq_split.py), and the walk below runs on the partitions
     walk:      hopper.walk or portable.walk with the output fused in, or portable.walk then portable.output
 The gated rule (g given, DESIGN.md §11) first sums g along each chunk into γ (portable.gate), which every stage takes
-under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12) is inference-only here (the
-plan refuses a training call: those run fused_recurrent): the stages take g itself under USE_GK and form its sums
-within sub-chunks on chip, with no γ stage. Grouped value heads (v's heads a multiple of q's and k's) run per value
+under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12): the stages take g itself under
+USE_GK and form its sums within sub-chunks on chip, with no γ stage. Grouped value heads (v's heads a multiple of q's and k's) run per value
 head.
 Saved for the backward: T~ (the backward recomputes the rest), or, where the plan keeps states, T~, W and the walk's
 per-chunk S^T and V'^T."""
@@ -66,7 +65,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             plan: Optional[ChunkPlan] = None, g: Optional[torch.Tensor] = None, output_chunk_states: bool = False):
     """(o, final_state, saved, extras) by deltatron.autograd's contract; plan: the call's (made here if None);
     g: the gated rule's log decays [.., TT, H] (the backward sums them again rather than keep γ), or KDA's
-    [.., TT, H, K] (inference only: the plan says so). extras: () or, with
+    [.., TT, H, K]. extras: () or, with
     output_chunk_states, (the state entering every chunk [NT, H, K, V] fp32,), from the walk that stores them."""
     if plan is None:
         plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g, output_chunk_states)

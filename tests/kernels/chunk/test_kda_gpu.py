@@ -1,13 +1,14 @@
-"""KDA's chunkwise inference forward at realistic sizes on the GPU (marked gpu): bf16 with K = V = 128 and 4096 tokens,
-grouped value heads, strong gates, both walks, 20 packed sequences with empty ones; against the float64 recurrence as
-tests/kernels/chunk/test_kda.py does on the CPU."""
+"""KDA's chunkwise kernels at realistic sizes on the GPU (marked gpu): the inference forward and the training forward and
+backward, bf16 with K = V = 128 and 4096 tokens, grouped value heads, strong gates, both walks, 20 packed sequences with
+empty ones, K = V = 64; against the float64 recurrence (its chunkwise form's autograd for the gradients, as
+tests/helpers.gated_oracle takes it on a GPU) as tests/kernels/chunk/test_kda.py does on the CPU."""
 import pytest
 import torch
 
 from deltatron.kernels.chunk import plan
 
 from ...helpers import twenty_lengths
-from .test_kda import WALKS, check
+from .test_kda import WALKS, check, check_training
 
 pytestmark = pytest.mark.gpu
 
@@ -31,3 +32,30 @@ def test_half_the_channels_strong(dtype):
 def test_varlen_20_sequences(C):
     lengths = twenty_lengths(700)
     check(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, C, lengths=lengths, gates="strong", seed=4)
+
+
+@pytest.mark.parametrize("forced", WALKS, ids=str)
+@pytest.mark.parametrize("gates", ["soft", "strong"])
+def test_backward_4096_tokens_grouped_heads(forced, gates):
+    with plan.overrides(**forced):
+        check_training(1, 4096, 2, 4, 128, 128, torch.bfloat16, gates=gates, seed=5, chunk_size=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backward_half_the_channels_strong(dtype):
+    gen = torch.Generator().manual_seed(6)
+    g = -20 * torch.rand(2, 1000, 4, 128, generator=gen)
+    g[..., 1::2] = -1e-3 * torch.rand(2, 1000, 4, 64, generator=gen)
+    check_training(2, 1000, 2, 4, 128, 128, dtype, g=g, seed=7, chunk_size=64)
+
+
+def test_backward_strongest_gates_head_size_64():
+    g = -19 - torch.rand(2, 700, 4, 64, generator=torch.Generator().manual_seed(8))
+    check_training(2, 700, 4, 4, 64, 64, torch.float32, g=g, seed=9, chunk_size=64)
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_backward_varlen_20_sequences(C):
+    lengths = twenty_lengths(700)
+    check_training(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, lengths=lengths, gates="strong", seed=10,
+                   chunk_size=C)
