@@ -219,20 +219,37 @@ def gated_form_outputs(form, inp, scale, info, do, dht, output_final_state=True,
     return out
 
 
+def gated_case(B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft", initial_state=True, seed=0, per_channel=False,
+               g=None):
+    """(make_gated_inputs' inputs with g replacing their gate where given, the packed lengths' cu_seqlens on the host
+    or None, the kernels' SeqInfo on DEVICE): one case of a gated Triton form."""
+    from deltatron.kernels.utils import seq_info
+
+    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=None if lengths is None else len(lengths), gates=gates,
+                            initial_state=initial_state, seed=seed, per_channel=per_channel)
+    if g is not None:
+        inp["g"] = g
+    cu = None if lengths is None else random_cu_seqlens(lengths)
+    return inp, cu, seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
+
+
+def half_strong_gate(B, T, H, K, seed):
+    """A per-channel gate [B, T, H, K] whose even channels are strong (uniform in [-20, 0]) and odd ones nearly none
+    (-1e-3 at most): late in a chunk the factors near 1 sit beside cumulative sums of hundreds, where differences of
+    the chunk's cumulative sums would lose fp32 accuracy (DESIGN.md §12)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = -20 * torch.rand(B, T, H, K, generator=gen)
+    g[..., 1::2] = -1e-3 * torch.rand(B, T, H, K // 2, generator=gen)
+    return g
+
+
 def check_gated_form(form, B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft", initial_state=True, dht=True,
                      output_final_state=True, seed=0, per_channel=False, g=None, **options):
     """A gated Triton form (a module of deltatron.kernels) against gated_oracle within BOUNDS[dtype], on
     make_gated_inputs' inputs (per_channel: KDA's gate; g: a gate of that shape to use instead, fp32); lengths:
     packed sequences (B = 1, T = their sum). Returns the form's outputs."""
-    from deltatron.kernels.utils import seq_info
-
     N = None if lengths is None else len(lengths)
-    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed,
-                            per_channel=per_channel)
-    if g is not None:
-        inp["g"] = g
-    cu = None if lengths is None else random_cu_seqlens(lengths)
-    info = seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
+    inp, cu, info = gated_case(B, T, Hk, Hv, K, V, dtype, lengths, gates, initial_state, seed, per_channel, g)
     gen = torch.Generator().manual_seed(seed + 1000)
     do = torch.randn(B, T, Hv, V, generator=gen).to(dtype)
     ht_grad = torch.randn(N or B, Hv, K, V, generator=gen) if dht and output_final_state else None

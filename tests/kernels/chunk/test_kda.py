@@ -13,10 +13,9 @@ import torch
 
 from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
-from deltatron.kernels.utils import seq_info
 from deltatron.reference.gated import recurrent_gated_delta_rule
 
-from ...helpers import BOUNDS, DEVICE, INTERPRET, check_gated_form, make_gated_inputs, random_cu_seqlens, rel_rms
+from ...helpers import BOUNDS, DEVICE, INTERPRET, check_gated_form, gated_case, half_strong_gate, rel_rms
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -25,13 +24,7 @@ def check(B, T, Hk, Hv, K, V, dtype, chunk_size, lengths=None, gates="soft", ini
           output_final_state=True, seed=0, g=None):
     """chunk.forward's o and final state against the float64 recurrence; g: a gate [B, T, Hv, K] to use instead of
     make_gated_inputs' (fp32)."""
-    N = None if lengths is None else len(lengths)
-    inp = make_gated_inputs(B, T, Hk, Hv, K, V, dtype, N=N, gates=gates, initial_state=initial_state, seed=seed,
-                            per_channel=True)
-    if g is not None:
-        inp["g"] = g
-    cu = None if lengths is None else random_cu_seqlens(lengths)
-    info = seq_info(B, T, torch.device(DEVICE), None if cu is None else cu.to(DEVICE), cu)
+    inp, cu, info = gated_case(B, T, Hk, Hv, K, V, dtype, lengths, gates, initial_state, seed, True, g)
     scale = K ** -0.5
     dev = {n: x.to(DEVICE) for n, x in inp.items()}
     o, ht, saved, extras = chunk.forward(dev["q"], dev["k"], dev["v"], dev["beta"], scale, dev.get("initial_state"),
@@ -92,9 +85,7 @@ def test_strongest_gates(dtype):
 def test_half_the_channels_strong(dtype):
     # channels alternate between strong (uniform in [-20, 0]) and nearly none (-1e-3): the factors near 1 late in a
     # chunk are where differences of the chunk's cumulative sums (about -640) would lose fp32 accuracy
-    gen = torch.Generator().manual_seed(6)
-    g = -20 * torch.rand(1, 128, 2, 32, generator=gen)
-    g[..., 1::2] = -1e-3 * torch.rand(1, 128, 2, 16, generator=gen)
+    g = half_strong_gate(1, 128, 2, 32, seed=6)
     check(1, 128, 1, 2, 32, 32, dtype, 64, g=g, seed=34)
 
 
@@ -162,9 +153,7 @@ def test_backward_strongest_gates():
 
 
 def test_backward_half_the_channels_strong():
-    gen = torch.Generator().manual_seed(8)
-    g = -20 * torch.rand(1, 128, 2, 32, generator=gen)
-    g[..., 1::2] = -1e-3 * torch.rand(1, 128, 2, 16, generator=gen)
+    g = half_strong_gate(1, 128, 2, 32, seed=8)
     check_training(1, 128, 1, 2, 32, 32, torch.float32, g=g, seed=44, chunk_size=64)
 
 

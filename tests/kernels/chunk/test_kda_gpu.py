@@ -7,7 +7,7 @@ import torch
 
 from deltatron.kernels.chunk import plan
 
-from ...helpers import twenty_lengths
+from ...helpers import half_strong_gate, twenty_lengths
 from .test_kda import WALKS, check, check_training
 
 pytestmark = pytest.mark.gpu
@@ -22,9 +22,7 @@ def test_4096_tokens_grouped_heads(forced, gates):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_half_the_channels_strong(dtype):
-    gen = torch.Generator().manual_seed(2)
-    g = -20 * torch.rand(2, 1000, 4, 128, generator=gen)
-    g[..., 1::2] = -1e-3 * torch.rand(2, 1000, 4, 64, generator=gen)
+    g = half_strong_gate(2, 1000, 4, 128, seed=2)
     check(2, 1000, 2, 4, 128, 128, dtype, 64, g=g, seed=3)
 
 
@@ -43,9 +41,7 @@ def test_backward_4096_tokens_grouped_heads(forced, gates):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_backward_half_the_channels_strong(dtype):
-    gen = torch.Generator().manual_seed(6)
-    g = -20 * torch.rand(2, 1000, 4, 128, generator=gen)
-    g[..., 1::2] = -1e-3 * torch.rand(2, 1000, 4, 64, generator=gen)
+    g = half_strong_gate(2, 1000, 4, 128, seed=6)
     check_training(2, 1000, 2, 4, 128, 128, dtype, g=g, seed=7, chunk_size=64)
 
 
