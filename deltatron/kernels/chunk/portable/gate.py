@@ -158,7 +158,8 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
     A row i of sub-chunk I and a column j of an earlier sub-chunk J: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals
     between J and I), both factors <= 1, so those blocks are products of the scaled rows and columns (one batched
     product, a [SUB, C] block of columns per row sub-chunk). Within a sub-chunk the decay stays inside the sum over
-    channels: D_ij = exp(g summed over (j, i]) [SUB, SUB, channels], a running sum from j, then the sum over c."""
+    channels: D_ij = exp(g summed over (j, i]), a column j at a time ([C/SUB, SUB, channels]: a running sum down the
+    rows from j), then the sum over c."""
     NS: tl.constexpr = C // SUB
     BK: tl.constexpr = SCORE_TILE
     r = tl.arange(0, C)
@@ -167,10 +168,6 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
     dt = x.dtype.element_ty
     cross = tl.zeros([NS, SUB, C], dtype=tl.float32)
     diag = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
-    if DIAG:
-        lower = s[:, None] >= s[None, :]
-    else:
-        lower = s[:, None] > s[None, :]
     for k0 in range(0, K, BK):
         c = k0 + tl.arange(0, BK)
         m = (r[:, None] < n) & (c[None, :] < K)
@@ -182,10 +179,18 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         col = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], col, 0.0) * k3[None, :, :, :]
         rows = (x3 * tl.exp(p3)).to(dt)
         cross += mm(rows, tl.permute(tl.reshape(col, (NS, C, BK)).to(dt), (0, 2, 1)), PRECISION)
-        # within a sub-chunk: exponents g summed over (j, i], a running sum down the rows from j
-        span = tl.cumsum(tl.where((s[:, None] > s[None, :])[None, :, :, None], g3[:, :, None, :], 0.0), axis=1)
-        decay = tl.where(lower[None, :, :, None], tl.exp(span), 0.0)
-        diag += tl.sum(x3[:, :, None, :] * k3[:, None, :, :] * decay, axis=3)
+        # within a sub-chunk, column j of every sub-chunk at a time: exponents g summed over (j, i], a running sum
+        # down the rows from j. A loop, not unrolled: unrolled, the steps' [C/16, 16, BK] terms are live together
+        # and spill on sm_90
+        for j in range(SUB):
+            span = tl.cumsum(tl.where((s > j)[None, :, None], g3, 0.0), axis=1)
+            if DIAG:
+                decay = tl.where((s >= j)[None, :, None], tl.exp(span), 0.0)
+            else:
+                decay = tl.where((s > j)[None, :, None], tl.exp(span), 0.0)
+            k_j = tl.sum(tl.where((s == j)[None, :, None], k3, 0.0), axis=1)  # [NS, BK]
+            d_j = tl.sum(x3 * k_j[:, None, :] * decay, axis=2)  # [NS, SUB]: rows i, column j
+            diag += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
     same = sub[:, None, None, None] == sub[None, None, :, None]
     return tl.reshape(cross, (C, C)) + tl.reshape(tl.where(same, tl.expand_dims(diag, 2), 0.0), (C, C))
 
@@ -198,8 +203,9 @@ def channel_mix(m, x, g, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.conste
     (row i), or TRANS: sum_i m_ij x_ic exp(Γ_i - Γ_j)[c] (row j). The backward's counterpart of channel_scores,
     with its sub-chunk factors: across sub-chunks J < I the decay is exp(P_i) exp(X_j + the totals between), one
     factor on the rows of x (or of the result) per sub-chunk and one batched product with m's blocks in DT; within a
-    sub-chunk it stays inside the sum, exp(g summed over (j, i]) per channel, in fp32. x, g point at the chunk's
-    first token and their heads, XS, GS apart a row; rows from n on and channels from D on read as 0."""
+    sub-chunk it stays inside the sum, exp(g summed over (j, i]) per channel in fp32, a column j at a time as in
+    channel_scores. x, g point at the chunk's first token and their heads, XS, GS apart a row; rows from n on and
+    channels from D on read as 0."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
     s = tl.arange(0, SUB)
@@ -209,24 +215,31 @@ def channel_mix(m, x, g, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.conste
     x3 = tl.reshape(b_x.to(tl.float32), (NS, SUB, BD))
     g3, p3, q3, t = channel_sums(g, n, GS, d0, D, C, BD)
     between = totals_between(t, NS)  # [I, J, BD]
-    strict = s[:, None] > s[None, :]
-    span = tl.cumsum(tl.where(strict[None, :, :, None], g3[:, :, None, :], 0.0), axis=1)
-    decay = tl.where(strict[None, :, :, None], tl.exp(span), 0.0)  # [sub-chunk, i, j, BD]
     same = sub[:, None, None, None] == sub[None, None, :, None]
     m_diag = tl.sum(tl.where(same, tl.reshape(m, (NS, SUB, NS, SUB)), 0.0), axis=2)  # [sub-chunk, i, j]
+    inner = tl.zeros([NS, SUB, BD], dtype=tl.float32)
+    for j in range(SUB):
+        # column j of every sub-chunk: exp(g summed over (j, i]) on rows i > j, a running sum down the rows from j
+        later = (s > j)[None, :, None]
+        decay = tl.where(later, tl.exp(tl.cumsum(tl.where(later, g3, 0.0), axis=1)), 0.0)  # [sub-chunk, i, BD]
+        m_j = tl.sum(tl.where((s == j)[None, None, :], m_diag, 0.0), axis=2)  # [sub-chunk, i]
+        if TRANS:
+            row = tl.sum(m_j[:, :, None] * x3 * decay, axis=1)  # result row j
+            inner += tl.where((s == j)[None, :, None], row[:, None, :], 0.0)
+        else:
+            x_j = tl.sum(tl.where((s == j)[None, :, None], x3, 0.0), axis=1)
+            inner += m_j[:, :, None] * x_j[:, None, :] * decay
     if TRANS:
         # result row j of sub-chunk J: the rows i of sub-chunks I > J scaled by exp(P_i + totals between), then exp(X_j)
         scaled = tl.exp(p3[None, :, :, :] + tl.permute(between, (1, 0, 2))[:, :, None, :])  # [J, I, SUB, BD]
         scaled = tl.where((sub[None, :] > sub[:, None])[:, :, None, None], scaled, 0.0) * x3[None, :, :, :]
         m_t = tl.reshape(tl.trans(m), (NS, SUB, C))
         cross = mm(m_t.to(DT), tl.reshape(scaled, (NS, C, BD)).to(DT), PRECISION) * tl.exp(q3)
-        inner = tl.sum(m_diag[:, :, :, None] * x3[:, :, None, :] * decay, axis=1)
     else:
         # result row i of sub-chunk I: the rows j of sub-chunks J < I scaled by exp(X_j + totals between), then exp(P_i)
         scaled = tl.exp(q3[None, :, :, :] + between[:, :, None, :])  # [I, J, SUB, BD]
         scaled = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], scaled, 0.0) * x3[None, :, :, :]
         cross = mm(tl.reshape(m, (NS, SUB, C)).to(DT), tl.reshape(scaled, (NS, C, BD)).to(DT), PRECISION) * tl.exp(p3)
-        inner = tl.sum(m_diag[:, :, :, None] * x3[:, None, :, :] * decay, axis=2)
     return tl.reshape(cross + inner, (C, BD))
 
 

@@ -189,7 +189,8 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
         dq = q.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(q)
     dk = k.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(k)
     dw = k.new_empty(per_value_head)
-    # KDA: channel_mix holds [C/16, 16, 16, BK] fp32 within sub-chunks, so K-tiles as channel_scores' channel tile
+    # KDA: channel_mix's fp32 terms grow with BK ([C/16, C/16, 16, BK] across sub-chunks), so K-tiles as
+    # channel_scores' channel tile
     BK = head_tile(K) if gk is None else min(head_tile(K), SCORE_TILE.value)
     TT, NT = info.total_tokens, chunks.num_chunks
     dg = None
