@@ -219,6 +219,19 @@ def gated_form_outputs(form, inp, scale, info, do, dht, output_final_state=True,
     return out
 
 
+def check_gated_backward_deterministic(form, B, T, Hk, Hv, K, V, dtype, seed, per_channel=False, **options):
+    """A gated Triton form's forward and backward twice on one input (initial state and final-state gradient
+    included): every output and gradient the same bits."""
+    inp, _, info = gated_case(B, T, Hk, Hv, K, V, dtype, seed=seed, per_channel=per_channel)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    do = torch.randn(inp["v"].shape, generator=gen).to(dtype)
+    dht = torch.randn(inp["initial_state"].shape, generator=gen)
+    first, second = (gated_form_outputs(form, inp, 0.1, info, do, dht, **options) for _ in range(2))
+    assert first.keys() == second.keys()
+    for name, a in first.items():
+        assert torch.equal(a, second[name]), f"{name} differs between two identical calls"
+
+
 def gated_case(B, T, Hk, Hv, K, V, dtype, lengths=None, gates="soft", initial_state=True, seed=0, per_channel=False,
                g=None):
     """(make_gated_inputs' inputs with g replacing their gate where given, the packed lengths' cu_seqlens on the host

@@ -13,7 +13,8 @@ from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
 from deltatron.kernels.utils import seq_info
 
-from ...helpers import DEVICE, INTERPRET, check_gated_form, make_gated_inputs, rel_rms
+from ...helpers import (DEVICE, INTERPRET, check_gated_backward_deterministic, check_gated_form, make_gated_inputs,
+                        rel_rms)
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -101,14 +102,4 @@ def test_no_gate_is_the_delta_rule_with_grouped_heads():
 
 
 def test_backward_is_deterministic():
-    inp = {n: x.to(DEVICE) for n, x in make_gated_inputs(1, 64, 1, 2, 16, 16, torch.bfloat16, seed=18).items()}
-    info = seq_info(1, 64, torch.device(DEVICE), None, None)
-    q, k, v, beta, g, h0 = (inp[n] for n in ("q", "k", "v", "beta", "g", "initial_state"))
-    do, dht = torch.randn_like(v), torch.randn_like(h0)
-
-    def grads():
-        _, _, saved, _ = chunk.forward(q, k, v, beta, 0.1, h0, True, info, chunk_size=16, g=g)
-        return chunk.backward(q, k, v, beta, 0.1, h0, saved, do, dht, info, chunk_size=16, g=g)
-
-    for a, b in zip(grads(), grads()):
-        assert torch.equal(a, b)
+    check_gated_backward_deterministic(chunk, 1, 64, 1, 2, 16, 16, torch.bfloat16, seed=18, chunk_size=16)

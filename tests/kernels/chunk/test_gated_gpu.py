@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from deltatron.kernels import chunk
-from deltatron.kernels.utils import seq_info
 
-from ...helpers import make_gated_inputs, twenty_lengths
+from ...helpers import check_gated_backward_deterministic, twenty_lengths
 from .test_gated import check
 
 pytestmark = pytest.mark.gpu
@@ -36,14 +35,4 @@ def test_65536_tokens():
 
 
 def test_backward_is_deterministic():
-    inp = {n: x.cuda() for n, x in make_gated_inputs(2, 2048, 4, 8, 128, 128, torch.bfloat16, seed=3).items()}
-    info = seq_info(2, 2048, torch.device("cuda"), None, None)
-    q, k, v, beta, g, h0 = (inp[n] for n in ("q", "k", "v", "beta", "g", "initial_state"))
-    do, dht = torch.randn_like(v), torch.randn_like(h0)
-
-    def grads():
-        _, _, saved, _ = chunk.forward(q, k, v, beta, 0.1, h0, True, info, g=g)
-        return chunk.backward(q, k, v, beta, 0.1, h0, saved, do, dht, info, g=g)
-
-    for a, b in zip(grads(), grads()):
-        assert torch.equal(a, b)
+    check_gated_backward_deterministic(chunk, 2, 2048, 4, 8, 128, 128, torch.bfloat16, seed=3)

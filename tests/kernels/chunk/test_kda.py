@@ -1,13 +1,13 @@
-"""Kimi Delta Attention's per-channel gate (DESIGN.md §12) in the chunk form's Triton kernels (USE_GK of portable/:
-wy, walk, output, reverse, grads, wy_bwd, and gate.py's sums within sub-chunks), called as the form is: forward(...,
-g=g) with g [B, T, Hv, K], and backward(..., g=g).
+"""Kimi Delta Attention's per-channel gate (DESIGN.md §12) in the chunk form's Triton kernels (USE_GK of portable/: wy,
+walk, output, reverse, grads, wy_bwd, and gate.py's sums within sub-chunks), called as the form is: forward(..., g=g)
+with g [B, T, Hv, K], and backward(..., g=g).
 
 The inference forward's o and final state are checked against the float64 recurrence on the same inputs after rounding
 to the test dtype, within the relative-RMS bounds of tests/helpers.py (fp32 and fp16); both walks (the output fused in
 and apart) are forced. The training forward and backward (o, the final state, dq, dk, dv, dbeta, dg per channel, dh0)
 are checked against torch.autograd through the float64 recurrence (tests/helpers.check_gated_form), bf16 as the gated
-rule's tests take it. The plan keeps every stage on the portable kernels and refuses a forced Hopper walk or reverse
-pass."""
+rule's tests take it. A second call gives the same bits. The plan keeps every stage on the portable kernels and refuses
+a forced Hopper walk or reverse pass."""
 import pytest
 import torch
 
@@ -15,7 +15,8 @@ from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
 from deltatron.reference.gated import recurrent_gated_delta_rule
 
-from ...helpers import BOUNDS, DEVICE, INTERPRET, check_gated_form, gated_case, half_strong_gate, rel_rms
+from ...helpers import (BOUNDS, DEVICE, INTERPRET, check_gated_backward_deterministic, check_gated_form, gated_case,
+                        half_strong_gate, rel_rms)
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -169,3 +170,8 @@ def test_backward_without_final_state():
 def test_backward_varlen_with_empty_sequences(dtype, poison):
     lengths = [0, 37, 1, 0, 70, 16]
     check_training(1, sum(lengths), 1, 2, 32, 32, dtype, lengths=lengths, gates="strong", seed=47, chunk_size=32)
+
+
+def test_backward_is_deterministic():
+    check_gated_backward_deterministic(chunk, 1, 70, 1, 2, 32, 32, torch.float16, seed=46, per_channel=True,
+                                       chunk_size=32)

@@ -1,13 +1,15 @@
-"""KDA's chunkwise kernels at realistic sizes on the GPU (marked gpu): the inference forward and the training forward and
-backward, bf16 with K = V = 128 and 4096 tokens, grouped value heads, strong gates, both walks, 20 packed sequences with
-empty ones, K = V = 64; against the float64 recurrence (its chunkwise form's autograd for the gradients, as
-tests/helpers.gated_oracle takes it on a GPU) as tests/kernels/chunk/test_kda.py does on the CPU."""
+"""KDA's chunkwise kernels at realistic sizes on the GPU (marked gpu): the inference forward and the training forward
+and backward, bf16 with K = V = 128 and 4096 tokens, grouped value heads, strong gates, both walks, 20 packed sequences
+with empty ones, K = V = 64, a bitwise-deterministic backward; against the float64 recurrence (its chunkwise form's
+autograd for the gradients, as tests/helpers.gated_oracle takes it on a GPU) as tests/kernels/chunk/test_kda.py does on
+the CPU."""
 import pytest
 import torch
 
+from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
 
-from ...helpers import half_strong_gate, twenty_lengths
+from ...helpers import check_gated_backward_deterministic, half_strong_gate, twenty_lengths
 from .test_kda import WALKS, check, check_training
 
 pytestmark = pytest.mark.gpu
@@ -55,3 +57,9 @@ def test_backward_varlen_20_sequences(C):
     lengths = twenty_lengths(700)
     check_training(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, lengths=lengths, gates="strong", seed=10,
                    chunk_size=C)
+
+
+def test_backward_is_deterministic():
+    # every gradient the same bits on a second call: each output element written by one program, dg's partial sums
+    # over V-blocks added in a fixed order (DESIGN.md §12)
+    check_gated_backward_deterministic(chunk, 2, 2048, 4, 8, 128, 128, torch.bfloat16, seed=8, per_channel=True)
