@@ -1,10 +1,11 @@
 """Context parallelism (deltatron/context_parallel.py, DESIGN.md §13): a stream sharded over ranks gives the unsharded
 op's outputs, final states and gradients. The shard's map [S_loc | M] against the float64 recurrence; the ranks run
-one after another in one process (the per-rank pieces, on the PyTorch backend and the Triton kernels); and process
-groups of 2 and 4 ranks over gloo."""
+one after another in one process (the per-rank pieces, on the PyTorch backend and the Triton kernels); process
+groups of 2 and 4 ranks over gloo; and 2 GPUs over NCCL (marker gpu, with 2 GPUs)."""
 import os
 import subprocess
 import sys
+from typing import NamedTuple, Optional, Tuple
 from unittest import mock
 
 import pytest
@@ -44,13 +45,13 @@ def make_stream(rule, world, lengths, initial_state, dtype=torch.float32, device
     return inp, cu, (do, dht)
 
 
-def call(rule, inp, output_final_state=True, **options):
+def call(rule, inp, output_final_state=True, chunk_size=16, **options):
     """(o, final_state) of the rule's chunk op on the inputs (q, k, v, [g,] beta, [initial_state])."""
     args = [inp[n] for n in (("q", "k", "v", "beta") if rule == "delta" else ("q", "k", "v", "g", "beta"))]
     fn = {"delta": deltatron.chunk_delta_rule, "gated": deltatron.chunk_gated_delta_rule,
           "kda": deltatron.chunk_kda}[rule]
-    return fn(*args, initial_state=inp.get("initial_state"), output_final_state=output_final_state, chunk_size=16,
-              **options)
+    return fn(*args, initial_state=inp.get("initial_state"), output_final_state=output_final_state,
+              chunk_size=chunk_size, **options)
 
 
 def shard(x, rank, world):
@@ -184,35 +185,67 @@ def test_ranks_in_turn_on_gpu(rule, dtype, lengths):
     check_triton_ranks(rule, 4, lengths, dtype, "cuda", 512, 64, 64)
 
 
-def _gloo_worker(rank, world, store, cases):
-    """One rank of a gloo group: each case's sharded call against the unsharded op (run on every rank)."""
+class Case(NamedTuple):
+    """A sharded call checked against the unsharded op, both run on every rank of a group: the rule, the stream's
+    lengths (None: fixed length), an initial state, whether the final states are asked for, the kernels of the
+    sharded call and of the unsharded one ("torch": the PyTorch backend, or "triton"), the inputs' dtype (checked
+    within GROUP_BOUNDS), the tokens per rank (None: SHARD_TOKENS), the head sizes and the chunk size."""
+    rule: str
+    lengths: Optional[Tuple[int, ...]]
+    initial_state: bool
+    final: bool = True
+    kernels: str = "torch"
+    reference: str = "torch"
+    dtype: torch.dtype = torch.float32
+    T: Optional[int] = None
+    K: int = 8
+    V: int = 12
+    chunk_size: int = 16
+
+
+GROUP_BOUNDS = {torch.float32: FP32_BOUND, torch.bfloat16: BOUNDS[torch.bfloat16]}  # sharded against unsharded
+
+
+def check_case(rank, world, case, device):
+    """The case's sharded call on this rank against the unsharded op: o and the gradients of the rank's shard, the
+    final states, dh0 summed over the ranks. Returns the stream's inputs."""
+    inp, cu, (do, dht) = make_stream(case.rule, world, case.lengths, case.initial_state, dtype=case.dtype,
+                                     device=device, T=case.T, K=case.K, V=case.V)
+    os.environ["DELTATRON_BACKEND"] = case.reference
+    want = results(inp, *call(case.rule, inp, case.final, case.chunk_size, cu_seqlens=cu), (do, dht), 1)
+    os.environ["DELTATRON_BACKEND"] = case.kernels
+    mine = rank_inputs(inp, rank, world)
+    got = results(inp, *call(case.rule, mine, case.final, case.chunk_size, cu_seqlens=cu, cp_group=dist.group.WORLD),
+                  (shard(do, rank, world), dht), world)
+    name = (f"rank {rank}/{world}, {case.rule} {case.dtype}, stream {case.lengths}, initial state "
+            f"{case.initial_state}, {case.kernels}, final state {case.final}")
+    bound = GROUP_BOUNDS[case.dtype]
+    check(f"{name}: o", got[0], shard(want[0], rank, world), bound)
+    if case.final:
+        check(f"{name}: final state", got[1], want[1], bound)
+    for n, grad in got[2].items():
+        if n == "initial_state":  # this rank's share
+            dist.all_reduce(grad)
+            check(f"{name}: dh0 summed over the ranks", grad, want[2][n], bound)
+        else:
+            check(f"{name}: d{n}", shard(grad, rank, world), shard(want[2][n], rank, world), bound)
+    return inp
+
+
+def _group_worker(rank, world, store, cases, backend="gloo", device=None):
+    """One rank of a process group: each case (check_case), then a stream whose cu_seqlens does not end at world * T
+    refused. gloo: the tensors of a case on the PyTorch backend on the CPU, on the Triton kernels on DEVICE (gloo
+    carries CUDA tensors); NCCL: device "cuda", GPU rank for rank."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        for rule, lengths, initial_state, backend, final in cases:
-            # the Triton kernels on the GPU where there is one (gloo carries CUDA tensors), else in the interpreter
-            inp, cu, (do, dht) = make_stream(rule, world, lengths, initial_state,
-                                             device=DEVICE if backend == "triton" else "cpu")
-            os.environ["DELTATRON_BACKEND"] = "torch"
-            want = results(inp, *call(rule, inp, final, cu_seqlens=cu), (do, dht), 1)
-            os.environ["DELTATRON_BACKEND"] = backend
-            mine = rank_inputs(inp, rank, world)
-            got = results(inp, *call(rule, mine, final, cu_seqlens=cu, cp_group=dist.group.WORLD),
-                          (shard(do, rank, world), dht), world)
-            name = (f"rank {rank}/{world}, {rule}, stream {lengths}, initial state {initial_state}, {backend}, final "
-                    f"state {final}")
-            check(f"{name}: o", got[0], shard(want[0], rank, world), FP32_BOUND)
-            if final:
-                check(f"{name}: final state", got[1], want[1], FP32_BOUND)
-            for n, grad in got[2].items():
-                if n == "initial_state":  # this rank's share
-                    dist.all_reduce(grad)
-                    check(f"{name}: dh0 summed over the ranks", grad, want[2][n], FP32_BOUND)
-                else:
-                    check(f"{name}: d{n}", shard(grad, rank, world), shard(want[2][n], rank, world), FP32_BOUND)
-        stream = rf"{world} \* T = {world * SHARD_TOKENS[world]} .*context-parallel.*got 4"
+        for case in cases:
+            inp = check_case(rank, world, case, device or (DEVICE if case.kernels == "triton" else "cpu"))
+        stream = rf"{world} \* T = {inp['q'].shape[1]} .*context-parallel.*got 4"
         with pytest.raises(ValueError, match=f"cu_seqlens must end at {stream}"):
-            call(rule, rank_inputs(inp, rank, world), cu_seqlens=torch.tensor([0, 4], device=inp["q"].device),
+            call(case.rule, rank_inputs(inp, rank, world), cu_seqlens=torch.tensor([0, 4], device=inp["q"].device),
                  cp_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
@@ -223,11 +256,32 @@ def test_gloo_process_group(world, tmp_path):
     """world processes over gloo, both rules, every stream, with and without initial states, forward and backward on
     the PyTorch backend; without final states (ranks whose results read no gathered map); and a sequence across the
     ranks on the Triton backend (the GPU's, else the interpreter; 2 ranks)."""
-    cases = [(rule, lengths, h0, "torch", True) for rule in RULES for lengths in STREAMS[world] for h0 in (True, False)]
-    cases += [(rule, STREAMS[world][2], True, "torch", False) for rule in RULES]
+    cases = [Case(rule, lengths, h0) for rule in RULES for lengths in STREAMS[world] for h0 in (True, False)]
+    cases += [Case(rule, STREAMS[world][2], True, final=False) for rule in RULES]
     if world == 2:  # one small case of the sharded call on the Triton kernels (the interpreter is slow)
-        cases.append(("gated", STREAMS[world][1], True, "triton", True))
-    mp.spawn(_gloo_worker, args=(world, str(tmp_path / "store"), cases), nprocs=world)
+        cases.append(Case("gated", STREAMS[world][1], True, kernels="triton"))
+    mp.spawn(_group_worker, args=(world, str(tmp_path / "store"), cases), nprocs=world)
+
+
+# NCCL on two GPUs: a fixed-length batch (2 rows), and a packed stream with a sequence across the boundary and an
+# empty one, 2048 tokens a rank
+NCCL_TOKENS = 2048
+NCCL_STREAMS = (None, (700, 2900, 0, 496))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: NCCL with one GPU a process")
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nccl_process_group(rule, dtype, tmp_path):
+    """2 processes over NCCL, one GPU each, the Triton kernels at K = V = 128 (the widened rank's op 256 columns wide):
+    the sharded call equals the unsharded op on the same GPU (bf16 within 1e-2, fp32 within 1e-5; o, final states,
+    every gradient), both streams, with and without initial states; and without final states (rank 0 reads no map,
+    its backward joins the reduce-scatter through the tie)."""
+    cases = [Case(rule, lengths, h0, kernels="triton", reference="triton", dtype=dtype, T=NCCL_TOKENS, K=128, V=128,
+                  chunk_size=64) for lengths in NCCL_STREAMS for h0 in (True, False)]
+    cases.append(cases[-1]._replace(final=False))
+    mp.spawn(_group_worker, args=(2, str(tmp_path / "store"), cases, "nccl", "cuda"), nprocs=2)
 
 
 LAYERS = {"DeltaNet": dict(hidden_size=32, num_heads=2, mode="chunk"),
