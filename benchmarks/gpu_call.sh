@@ -17,7 +17,13 @@
 # bench: benchmarks/run.py with BENCH_ARGS (e.g. "--impls deltatron.chunk fla.chunk") and BENCH_BUDGET_S
 #        (default 400), writing <gpu>.json/.md/.png under $OUT; the competitors must be importable
 #        (BENCHMARKS.md, "How to reproduce"). Copy the results file into benchmarks/results and run --report.
-# Two GPUs (CUDA_VISIBLE_DEVICES, or a two-GPU machine): run one invocation per GPU, each with its own OUT.
+# cp2:   context parallelism on two GPUs, the call's only step (~9 min; not run with fewer GPUs): the NCCL tests
+#        (tests/test_context_parallel.py -k nccl, 170 s), the scaling benchmark under torchrun
+#        (benchmarks/context_parallel.py: T = 131072 and 524288, forward and forward+backward, one GPU against two,
+#        250 s; cp2_bench.json beside the logs), and the training example under torchrun
+#        (examples/train_context_parallel.py --check, 100 s).
+# Two GPUs (CUDA_VISIBLE_DEVICES, or a two-GPU machine): run one invocation per GPU, each with its own OUT (except
+# cp2, which uses both).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -56,7 +62,19 @@ for step in "${steps[@]}"; do
         # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
         run_step bench $((${BENCH_BUDGET_S:-400} + 60)) python benchmarks/run.py --out "$OUT" --plot \
             --budget-s "${BENCH_BUDGET_S:-400}" ${BENCH_ARGS:-} ;;
-    *) echo "unknown step: $step (times, suite, train, bench)"; exit 2 ;;
+    cp2)
+        gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+        if [[ $gpus -lt 2 ]]; then
+            summary+=("cp2: not run, it needs 2 GPUs (found $gpus)")
+            continue
+        fi
+        DELTATRON_FAILURE_LOG="$OUT/failures.txt" run_step cp2_tests 170 python -m pytest -m gpu -n 6 \
+            -p no:cacheprovider -v tests/test_context_parallel.py -k nccl
+        run_step cp2_bench 250 python -m torch.distributed.run --standalone --nproc-per-node 2 \
+            benchmarks/context_parallel.py --tokens 131072 524288 --out "$OUT/cp2_bench.json"
+        run_step cp2_example 100 python -m torch.distributed.run --standalone --nproc-per-node 2 \
+            examples/train_context_parallel.py --steps 400 --check ;;
+    *) echo "unknown step: $step (times, suite, train, bench, cp2)"; exit 2 ;;
     esac
 done
 
@@ -69,6 +87,10 @@ for mixer in delta linear; do
     [[ -f $OUT/train_$mixer.txt ]] && { echo "-- train $mixer"; tail -3 "$OUT/train_$mixer.txt"; }
 done
 [[ -f $OUT/bench.txt ]] && { echo "-- bench"; tail -30 "$OUT/bench.txt"; }
+[[ -f $OUT/cp2_tests.txt ]] && { echo "-- cp2 tests"; grep -E '(PASSED|FAILED|ERROR|passed|failed)' "$OUT/cp2_tests.txt" |
+    tail -12; }
+[[ -f $OUT/cp2_example.txt ]] && { echo "-- cp2 example"; tail -3 "$OUT/cp2_example.txt"; }
+[[ -f $OUT/cp2_bench.txt ]] && { echo "-- cp2 bench"; tail -8 "$OUT/cp2_bench.txt"; }
 [[ -f $OUT/gpu_suite.log ]] && { echo "-- suite failures"; grep -E '(FAILED|ERROR|XPASS)' "$OUT/gpu_suite.log" | head -40; }
 logs=$(cd "$OUT" && ls -d ./*.txt ./stage_times.json ./*.log ./train_* 2>/dev/null)
 [[ -n $logs ]] && (cd "$OUT" && tar czf logs.tgz --remove-files $logs)

@@ -1,6 +1,6 @@
 """benchmarks/gpu_call.sh (one call of a GPU machine: stage times, the GPU suite, check and train, the
-benchmark) is valid bash, runs only scripts that exist, writes under a folder of the checkout by default and
-brings no compile cache into the checkout."""
+benchmark, context parallelism on two GPUs) is valid bash, runs only scripts that exist, writes under a folder of
+the checkout by default and brings no compile cache into the checkout."""
 import os
 import re
 import subprocess
@@ -13,8 +13,9 @@ SCRIPT = ROOT / "benchmarks" / "gpu_call.sh"
 def test_parses_and_names_real_files():
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
     text = SCRIPT.read_text()
-    scripts = set(re.findall(r"python ((?:tools|benchmarks)/\w+\.py)", text))
-    assert scripts == {"tools/stage_times.py", "benchmarks/run.py"}
+    scripts = set(re.findall(r"\b((?:tools|benchmarks|examples)/\w+\.py)", text))
+    assert scripts == {"tools/stage_times.py", "benchmarks/run.py", "benchmarks/context_parallel.py",
+                       "examples/train_context_parallel.py"}
     assert all((ROOT / path).exists() for path in scripts)
     assert "-m gpu" in text and "device_cache" not in text
     assert re.search(r"^OUT=\$\{OUT:-out\}$", text, re.M)
@@ -35,3 +36,12 @@ def test_suite_command_is_configurable(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "suite: exit 0 (suite-ran tests/a.py)" in proc.stdout
     assert (out / "logs.tgz").exists() and not (out / "gpu_suite.log").exists()
+
+
+def test_cp2_needs_two_gpus(tmp_path):
+    """cp2 runs only where there are two GPUs; elsewhere its summary line says why and no log is written."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(["bash", str(SCRIPT), "cp2"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert "cp2: not run, it needs 2 GPUs (found 0)" in proc.stdout, proc.stdout + proc.stderr
+    assert not any(out.iterdir())
