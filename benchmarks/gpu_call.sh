@@ -9,9 +9,11 @@
 #        (~1 min);
 # suite: the GPU tests (pytest's `gpu` marker) with 6 workers, one line per test in gpu_suite.log so that a
 #        cut-off run still names its failures, and each failure's traceback in failures.txt as it happens
-#        (tests/conftest.py, DELTATRON_FAILURE_LOG); 540 s when it is the only step, else 420. SUITE_CMD replaces the
-#        command (default: python -m pytest -m gpu -n 6 -p no:cacheprovider -v), SUITE_ARGS adds
-#        to it (e.g. a subset of test files);
+#        (tests/conftest.py, DELTATRON_FAILURE_LOG), and each passed test's id in passed.txt (DELTATRON_PASSED_LOG,
+#        left out of logs.tgz); 540 s when it is the only step, else 420. SUITE_CMD replaces the command (default:
+#        python -m pytest -m gpu -n 6 -p no:cacheprovider -v), SUITE_ARGS adds to it (e.g. a subset of test files),
+#        SKIP_PASSED names earlier calls' passed.txt files (':' apart) whose tests are not run again (a suite longer
+#        than one call, resumed);
 # train: `deltatron check` (cut at 300 s: with an empty Triton cache it needs longer), then `deltatron train`
 #        with each mixer at the GPU preset (~1 min), plus TRAIN_ARGS (extra settings, e.g. "--num-kv 24");
 # bench: benchmarks/run.py with BENCH_ARGS (e.g. "--impls deltatron.chunk fla.chunk") and BENCH_BUDGET_S
@@ -47,7 +49,8 @@ for step in "${steps[@]}"; do
     suite)
         suite_limit=$([[ ${#steps[@]} -eq 1 ]] && echo 540 || echo 420)  # alone it may use the whole call
         # shellcheck disable=SC2086  # SUITE_CMD and SUITE_ARGS are lists of words
-        DELTATRON_FAILURE_LOG="$OUT/failures.txt" PYTHONUNBUFFERED=1 timeout "$suite_limit" \
+        DELTATRON_FAILURE_LOG="$OUT/failures.txt" DELTATRON_PASSED_LOG="$OUT/passed.txt" \
+            DELTATRON_SKIP_PASSED="${SKIP_PASSED:-}" PYTHONUNBUFFERED=1 timeout "$suite_limit" \
             ${SUITE_CMD:-python -m pytest -m gpu -n 6 -p no:cacheprovider -v} ${SUITE_ARGS:-} \
             > "$OUT/gpu_suite.log" 2>&1
         summary+=("suite: exit $? ($(tail -1 "$OUT/gpu_suite.log"))") ;;
@@ -87,10 +90,12 @@ for mixer in delta linear; do
     [[ -f $OUT/train_$mixer.txt ]] && { echo "-- train $mixer"; tail -3 "$OUT/train_$mixer.txt"; }
 done
 [[ -f $OUT/bench.txt ]] && { echo "-- bench"; tail -30 "$OUT/bench.txt"; }
-[[ -f $OUT/cp2_tests.txt ]] && { echo "-- cp2 tests"; grep -E '(PASSED|FAILED|ERROR|passed|failed)' "$OUT/cp2_tests.txt" |
-    tail -12; }
+[[ -f $OUT/cp2_tests.txt ]] && { echo "-- cp2 tests";
+    grep -E '(PASSED|FAILED|ERROR|passed|failed)' "$OUT/cp2_tests.txt" | tail -12; }
 [[ -f $OUT/cp2_example.txt ]] && { echo "-- cp2 example"; tail -3 "$OUT/cp2_example.txt"; }
 [[ -f $OUT/cp2_bench.txt ]] && { echo "-- cp2 bench"; tail -8 "$OUT/cp2_bench.txt"; }
-[[ -f $OUT/gpu_suite.log ]] && { echo "-- suite failures"; grep -E '(FAILED|ERROR|XPASS)' "$OUT/gpu_suite.log" | head -40; }
-logs=$(cd "$OUT" && ls -d ./*.txt ./stage_times.json ./*.log ./train_* 2>/dev/null)
+[[ -f $OUT/gpu_suite.log ]] && { echo "-- suite failures";
+    grep -E '(FAILED|ERROR|XPASS)' "$OUT/gpu_suite.log" | head -40; }
+[[ -f $OUT/passed.txt ]] && echo "-- suite: $(wc -l < "$OUT/passed.txt") tests passed (passed.txt)"
+logs=$(cd "$OUT" && ls -d ./*.txt ./stage_times.json ./*.log ./train_* 2>/dev/null | grep -v '^./passed.txt$')
 [[ -n $logs ]] && (cd "$OUT" && tar czf logs.tgz --remove-files $logs)

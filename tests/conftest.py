@@ -24,7 +24,25 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **kw: nan_filled(new_empty(*a, **kw)))
 
 
+def _passed_before() -> set:
+    """The test ids listed in the files DELTATRON_SKIP_PASSED names (os.pathsep apart): an earlier run's passes."""
+    passed = set()
+    for path in filter(None, os.environ.get("DELTATRON_SKIP_PASSED", "").split(os.pathsep)):
+        with open(path) as f:
+            passed.update(line.strip() for line in f if line.strip())
+    return passed
+
+
 def pytest_collection_modifyitems(config, items):
+    """With DELTATRON_SKIP_PASSED set, the tests an earlier run passed are deselected: a GPU suite longer than one
+    machine's call resumes where the last call stopped (tests/gpu/run_suite.py --skip-passed). Without CUDA the GPU
+    tests are skipped."""
+    passed = _passed_before()
+    if passed:
+        done = [item for item in items if item.nodeid in passed]
+        if done:
+            config.hook.pytest_deselected(items=done)
+            items[:] = [item for item in items if item.nodeid not in passed]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -47,11 +65,25 @@ def pytest_runtest_teardown(item, nextitem):
         os._exit(3)
 
 
+_call_passed = set()  # tests whose call phase passed, awaiting their teardown's report
+
+
 def pytest_runtest_logreport(report):
-    """With DELTATRON_FAILURE_LOG set, each failure's report goes to that file as it happens (from the controlling
-    process under pytest-xdist), so that a run cut short by a time limit keeps its tracebacks: pytest prints them only
-    at the end."""
+    """As reports arrive (in the controlling process under pytest-xdist), so that a run cut short by a time limit
+    keeps them: with DELTATRON_FAILURE_LOG set, each failure's report goes to that file (pytest prints them only at the
+    end); with DELTATRON_PASSED_LOG set, each test that passed (its call and its teardown) gets a line with its id,
+    which DELTATRON_SKIP_PASSED takes."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     path = os.environ.get("DELTATRON_FAILURE_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    if path and report.failed:
         with open(path, "a") as log:
             log.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    path = os.environ.get("DELTATRON_PASSED_LOG")
+    if path and report.when == "call" and report.passed:
+        _call_passed.add(report.nodeid)
+    elif path and report.when == "teardown" and report.nodeid in _call_passed:
+        _call_passed.discard(report.nodeid)
+        if report.passed:
+            with open(path, "a") as log:
+                log.write(report.nodeid + "\n")

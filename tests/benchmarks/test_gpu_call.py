@@ -45,3 +45,15 @@ def test_cp2_needs_two_gpus(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "cp2"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert "cp2: not run, it needs 2 GPUs (found 0)" in proc.stdout, proc.stdout + proc.stderr
     assert not any(out.iterdir())
+
+
+def test_suite_resumes_from_passed_logs(tmp_path):
+    """The suite's command sees SKIP_PASSED as DELTATRON_SKIP_PASSED and writes the passed tests' ids to
+    DELTATRON_PASSED_LOG ($OUT/passed.txt: kept out of logs.tgz, counted in the summary), as tests/conftest.py does."""
+    out, fake = tmp_path / "out", tmp_path / "suite.sh"
+    fake.write_text('printf "t.py::a\\nt.py::b\\n" > "$DELTATRON_PASSED_LOG"; echo "skip: $DELTATRON_SKIP_PASSED"\n')
+    env = dict(os.environ, OUT=str(out), SUITE_CMD=f"bash {fake}", SKIP_PASSED="one.txt:two.txt")
+    proc = subprocess.run(["bash", str(SCRIPT), "suite"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "suite: exit 0 (skip: one.txt:two.txt)" in proc.stdout and "-- suite: 2 tests passed" in proc.stdout
+    assert (out / "passed.txt").read_text().split() == ["t.py::a", "t.py::b"] and (out / "logs.tgz").exists()

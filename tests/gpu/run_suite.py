@@ -1,6 +1,7 @@
 """Runs the GPU suite and `deltatron check` on the current GPU and writes a summary (LAST_RUN.md).
 
-    python tests/gpu/run_suite.py [--out DIR] [--no-check] [--paths PATH ...] [pytest args...]
+    python tests/gpu/run_suite.py [--out DIR] [--no-check] [--paths PATH ...] [--skip-passed FILE ...]
+                                  [pytest args...]
 
 The GPU tests live beside the CPU tests of what they test (tests/kernels/chunk/test_forward_gpu.py,
 tests/kernels/chunk/hopper/test_walk_gpu.py, ...), marked `gpu`; the suite is `pytest tests -m gpu`, which
@@ -14,8 +15,11 @@ tests/kernels/test_fused_chunk_gpu.py, tests/test_layers_gpu.py, tests/kernels/c
 (297 s).
 
 The summary (date, GPU, torch, triton, pass/fail counts, failures, the check table) goes to DIR/LAST_RUN.md
-(default tests/gpu/LAST_RUN.md); the full pytest log, the junit XML and failures.txt (each failure's traceback,
-written as it happens) go beside it.
+(default tests/gpu/LAST_RUN.md); the full pytest log, the junit XML, failures.txt (each failure's traceback,
+written as it happens) and passed.txt (the id of each test that passed, written as it happens) go beside it.
+
+--skip-passed resumes a suite cut by a time limit: the tests listed in those passed.txt files (an earlier call's)
+are deselected, and the summary counts them apart.
 
 Workers (`-n`) share the GPU, and each keeps PyTorch's cache of freed blocks. On one 141 GiB H200, 6 workers
 ran clean (288 s). With 14, eight tests ended in CUDA out-of-memory errors."""
@@ -48,15 +52,23 @@ def main() -> int:
     parser.add_argument("--paths", nargs="+", default=["tests"],
                         help="test files or folders, relative to the repository (default: tests, all of it: "
                              "-m gpu selects the GPU tests)")
+    parser.add_argument("--skip-passed", nargs="+", default=[], metavar="FILE",
+                        help="passed.txt files of earlier runs: their tests are deselected")
     args, pytest_args = parser.parse_known_args()
+    for path in args.skip_passed:
+        if not os.path.isfile(path):
+            parser.error(f"--skip-passed: no file {path}")
+    skipped_before = len({line.strip() for path in args.skip_passed for line in open(path) if line.strip()})
     os.makedirs(args.out, exist_ok=True)
     junit = os.path.join(args.out, "junit.xml")
     log_path = os.path.join(args.out, "gpu_suite.log")
     paths = [os.path.join(ROOT, p) for p in args.paths]
     cmd = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rf", f"--junitxml={junit}", *pytest_args]
-    failures = os.path.join(args.out, "failures.txt")
-    open(failures, "w").close()  # this run's tracebacks only, appended as they come
-    env = dict(os.environ, DELTATRON_FAILURE_LOG=failures)
+    failures, passed_log = os.path.join(args.out, "failures.txt"), os.path.join(args.out, "passed.txt")
+    for path in (failures, passed_log):
+        open(path, "w").close()  # this run's reports only, appended as they come
+    env = dict(os.environ, DELTATRON_FAILURE_LOG=failures, DELTATRON_PASSED_LOG=passed_log,
+               DELTATRON_SKIP_PASSED=os.pathsep.join(os.path.abspath(p) for p in args.skip_passed))
     with open(log_path, "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     suite = ET.parse(junit).getroot()
@@ -77,7 +89,9 @@ def main() -> int:
         f"(pytest {' '.join(args.paths)} -m gpu"
         f"{'' if check is None else ', then deltatron check'})",
         f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
-        f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s",
+        f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s"
+        + (f"; not run: {skipped_before} tests passed before ({', '.join(args.skip_passed)})" if skipped_before
+           else ""),
         f"- deltatron check: {'not run (--no-check)' if check is None else f'exit code {check.returncode}'}",
     ]
     if failed:
