@@ -58,8 +58,11 @@ def probe():
 def run(probe, workers, **env):
     """pytest's counts on the probe ({"passed": 2, ...}; a test whose teardown fails counts as passed and error)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(probe), *workers]
-    logs = ("DELTATRON_FAILURE_LOG", "DELTATRON_PASSED_LOG", "DELTATRON_SKIP_PASSED")  # an outer run's stay its own
-    base = {name: value for name, value in os.environ.items() if name not in logs}
+    # an outer run's logs stay its own, and an outer pytest-xdist worker's variables would make the inner run's
+    # controlling process take itself for a worker
+    logs = ("DELTATRON_FAILURE_LOG", "DELTATRON_PASSED_LOG", "DELTATRON_SKIP_PASSED")
+    base = {name: value for name, value in os.environ.items()
+            if name not in logs and not name.startswith("PYTEST_XDIST")}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(base, **env), timeout=300)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     counts = {name: int(n) for n, name in re.findall(r"(\d+) (\w+)", last.split(" in ")[0])}
