@@ -44,6 +44,7 @@ def test_cp2_needs_two_gpus(tmp_path):
     env = dict(os.environ, OUT=str(out), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(["bash", str(SCRIPT), "cp2"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert "cp2: not run, it needs 2 GPUs (found 0)" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0
     assert not any(out.iterdir())
 
 
