@@ -1,0 +1,29 @@
+"""tools/host_stub.py (the host's own work in the benchmark's calls with every launch stubbed) runs its smoke mode:
+a row per (deltatron row, smoke configuration), each with its launches and torch operations counted and its
+Python time; and refuses rows that are not deltatron's."""
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "host_stub.py"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_rows():
+    proc = run("--smoke", "--configs", "b2-t40-h1-k16", "b2-t40-hk1-hv2-k16")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["deltatron.chunk", "b2-t40-h1-k16"], ["deltatron.chunk_gated", "b2-t40-h1-k16"],
+                                     ["deltatron.chunk_kda", "b2-t40-h1-k16"],
+                                     ["deltatron.chunk_gated", "b2-t40-hk1-hv2-k16"]]
+    for r in rows:  # fwd µs, launches, ops, fwd+bwd µs, launches, ops
+        fwd_us, fwd_launches, _, fb_us, fb_launches, _ = (float(c) for c in r[2:])
+        assert fwd_us > 0 and fb_us > fwd_us and 0 < fwd_launches < fb_launches
+
+
+def test_refuses_other_rows():
+    proc = run("--smoke", "--impls", "fla.chunk")
+    assert proc.returncode == 2 and "not one of deltatron's benchmark rows" in proc.stderr
