@@ -3,15 +3,16 @@ tensors, the plan made as on a named GPU (--gpu, default sm90: the H200's choice
 
     python tools/host_stub.py [--configs NAME ...] [--impls IMPL ...] [--gpu sm90] [--calls 100] [--repeats 5]
 
-Each row is a benchmark call (benchmarks/harness.resolve on benchmarks/configs.make_inputs, the configuration's
-real shapes) with deltatron's launches replaced by a counter: no kernel runs, so what is timed is what the host does
-around them (validation, the plan, allocations, descriptors, autograd). That is the Python part of the host time a
-call costs (tools/host_time.py measures the whole of it on a GPU, the launcher's driver calls and CUDA's allocator
-included), so a change to it can be weighed without a GPU; absolute figures depend on the CPU. Per row: the forward
-(under no_grad) and the forward+backward (torch.autograd.grad), each the best of --repeats means over --calls
-calls, in µs; the launches and the torch operations (allocations, on a GPU each a call of the caching allocator or
-a kernel of torch's) one call makes. A call the stubs cannot stand in for (one that needs CUDA streams, which the
-plan of a GPU may use and the CPU lacks) is reported with its error.
+Each row is a benchmark call (benchmarks/harness.resolve on benchmarks/configs.make_inputs, the configuration's real
+shapes) with deltatron's launches replaced by a counter: no kernel runs, so what is timed is what the host does around
+them (validation, the plan, allocations, descriptors, autograd). That is the Python part of the host time a call costs
+(tools/host_time.py measures the whole of it on a GPU, the launcher's driver calls and CUDA's allocator included), so a
+change to it can be weighed without a GPU; absolute figures depend on the CPU. Per row: the forward (under no_grad) and
+the forward+backward (torch.autograd.grad), each the best of --repeats means over --calls calls, in µs; the launches and
+the torch operations (allocations, on a GPU each a call of the caching allocator or a kernel of torch's) one call makes.
+The process runs with glibc's allocator set to keep and reuse freed memory (CACHING_MALLOC), as CUDA's caching allocator
+does. A call the stubs cannot stand in for (one that needs CUDA streams, which the plan of a GPU may use and the CPU
+lacks) is reported with its error.
 
 --smoke: the benchmark's smoke configurations, few calls (tests/tools/test_host_stub.py)."""
 from __future__ import annotations
@@ -25,6 +26,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
+
+# glibc's allocator keeping freed memory for reuse, as CUDA's caching allocator does: by default it maps and unmaps
+# every large block, several µs a tensor of these sizes, which no GPU call pays. Read at process start: re-executed
+CACHING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
+if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in CACHING_MALLOC.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CACHING_MALLOC})
 
 # the Triton backend on CPU tensors (its kernels never run here): set before deltatron is imported
 os.environ["TRITON_INTERPRET"] = "1"
