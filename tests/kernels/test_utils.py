@@ -31,7 +31,7 @@ def test_tril_precision_defaults(monkeypatch):
         ("ieee", False), ("tf32", True), ("tf32", True)]
     monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32x3")
     assert tril_precision(torch.bfloat16) == ("tf32x3", False)
-    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32")  # no longer offered: says what is
+    monkeypatch.setenv("DELTATRON_TRIL_PRECISION", "tf32")  # plain tf32 is not offered: the error lists what is
     with pytest.raises(ValueError, match="ieee, tf32x3, tf32_newton"):
         tril_precision(torch.bfloat16)
 
