@@ -18,7 +18,7 @@ import torch
 
 from ..utils import side_stream
 from .plan import ChunkPlan
-from .portable.gate import channel_gate_grad, chunk_gamma, gate_grad
+from .portable.gate import channel_gate_grad, gate_grad, stage_gates
 from .portable.grads import dqkw, group_sum
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
@@ -63,8 +63,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
             return segmented_backward(plan, q, k, v, beta, scale, initial_state, tinv, do, dht, info, segment_plan)
 
     cfg = plan.recompute_launch
-    gk = g if g is not None and g.dim() == 4 else None  # KDA's g, read by the stages as it is
-    gam = None if g is None or gk is not None else chunk_gamma(g, info, chunk_size)
+    gam, gk = stage_gates(g, info, chunk_size)
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)

@@ -18,7 +18,7 @@ import torch
 
 from ..utils import SeqInfo
 from .plan import ChunkPlan, call_plan
-from .portable.gate import chunk_gamma
+from .portable.gate import stage_gates
 from .portable.output import output_fwd
 from .portable.walk import state_fwd, state_output_fwd
 from .portable.wy import tinv_pair_fwd, wy_fwd
@@ -69,8 +69,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     output_chunk_states, (the state entering every chunk [NT, H, K, V] fp32,), from the walk that stores them."""
     if plan is None:
         plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g, output_chunk_states)
-    gk = g if g is not None and g.dim() == 4 else None  # the stages read KDA's g as it is
-    gam = None if g is None or gk is not None else chunk_gamma(g, info, chunk_size)
+    gam, gk = stage_gates(g, info, chunk_size)
     if plan.residual:  # the walks' W and U slots take Tb and V
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
         u = v

@@ -11,12 +11,14 @@ exponent is positive: exp(γ_i) (the span (0, i]), E_ij = exp(γ_i - γ_j) for j
 gate of -20 a token takes a chunk's γ to -1280; exp(γ_i) exp(-γ_j) would overflow there."""
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import SeqInfo, chunk_span, mm
+from ...utils import SeqInfo, cdiv, chunk_span, mm, next_power_of_2
 
 
 @triton.jit
@@ -36,6 +38,16 @@ def chunk_gamma(g: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor
         launch(chunk_gamma_kernel, (chunks.num_chunks, g.shape[-1]), g, gam, info.cu_seqlens,
                chunks.chunk_indices, g.shape[-1], chunk_size, num_warps=1)
     return gam
+
+
+def stage_gates(g: Optional[torch.Tensor], info: SeqInfo, chunk_size: int
+                ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(γ, g_k): what the chunk stages take of a call's gate g. The per-head gate [.., TT, H] as γ (chunk_gamma:
+    its sums along each chunk, USE_G); KDA's per-channel gate [.., TT, H, K] as it is (USE_GK: the stages form its
+    sums within sub-chunks on chip); no gate, neither."""
+    if g is None:
+        return None, None
+    return (None, g) if g.dim() == 4 else (chunk_gamma(g, info, chunk_size), None)
 
 
 @triton.jit
@@ -269,8 +281,8 @@ def channel_gate_grad(dgam: torch.Tensor, shares, info: SeqInfo, chunk_size: int
     dg = torch.empty_like(dgam)
     chunks = info.chunks(chunk_size)
     H, K = dgam.shape[-2], dgam.shape[-1]
-    BK = min(64, triton.next_power_of_2(K))
+    BK = min(64, next_power_of_2(K))
     if chunks.num_chunks:
-        launch(channel_gate_grad_kernel, (chunks.num_chunks, H, triton.cdiv(K, BK)), dgam, dg_rows, dg_chunks, dg,
+        launch(channel_gate_grad_kernel, (chunks.num_chunks, H, cdiv(K, BK)), dgam, dg_rows, dg_chunks, dg,
                info.cu_seqlens, chunks.chunk_indices, info.total_tokens, H, K, chunk_size, BK, num_warps=4)
     return dg
