@@ -2,11 +2,10 @@
 residual_form_emulation.py (the forward's residual form) and ill_conditioned_accuracy.py (nearly parallel keys
 against a float64 model with the kernels' rounding points)."""
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from . import TOOLS
 
 
 def load(name: str):

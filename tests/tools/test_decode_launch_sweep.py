@@ -1,17 +1,13 @@
 """tools/decode_launch_sweep.py (the gated decode step's launch configurations timed, for the GPU) runs its smoke mode:
 the kernel in the interpreter under the plan's configuration and two forced ones, every time and floor positive."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "decode_launch_sweep.py"
+from . import run_tool
 
 
 def test_decode_launch_sweep_smoke(tmp_path):
     out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=600)
+    proc = run_tool("decode_launch_sweep", "--smoke", "--out", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(out.read_text())
     assert sorted(results) == ["decode-smoke-b1", "decode-smoke-b2", "fixed_cost_us"]

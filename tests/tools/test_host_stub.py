@@ -1,15 +1,12 @@
 """tools/host_stub.py (the host's own work in the benchmark's calls with every launch stubbed) runs its smoke mode:
 a row per (deltatron row, smoke configuration), each with its launches and torch operations counted and its
 Python time; and refuses rows that are not deltatron's."""
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "host_stub.py"
+from . import run_tool
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    return run_tool("host_stub", *args)
 
 
 def test_smoke_rows():

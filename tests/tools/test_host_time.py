@@ -4,13 +4,11 @@ over the stages the calls run, the backward alone (through autograd, and the for
 bare Function, the forward+backward split by layer, the Gluon rows skipped with their reason, cProfile's top
 functions per call and the short table last, all in the JSON."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from benchmarks import configs
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "host_time.py"
+from . import run_tool
+
 API_CALLS = {"whole forward (API, no_grad)", "whole forward (API, autograd node)", "whole forward+backward (API)"}
 SUMS = {"sum of forward stages", "sum of all stages"}
 BACKWARD = {"backward alone (autograd.grad on a kept graph)", "backward alone (chunk.backward, no autograd)",
@@ -21,8 +19,7 @@ BARE = "autograd.grad through a bare Function (cpu tensors)"  # host only (smoke
 
 def test_host_time_smoke(tmp_path):
     out = tmp_path / "host.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--profile", "--out", str(out)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = run_tool("host_time", "--smoke", "--profile", "--out", out, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["meta"]["mode"] == "smoke"

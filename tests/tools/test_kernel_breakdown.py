@@ -2,17 +2,13 @@
 mode: our forward and forward+backward on the CPU, their ops listed and saved, the competitors said to be
 unavailable."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "kernel_breakdown.py"
+from . import run_tool
 
 
 def test_kernel_breakdown_smoke(tmp_path):
     out = tmp_path / "kb.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=600)
+    proc = run_tool("kernel_breakdown", "--smoke", "--out", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "deltatron.chunk fwd:" in proc.stdout and "deltatron.chunk fwdbwd:" in proc.stdout
     results = json.loads(out.read_text())

@@ -4,17 +4,14 @@ machine without a GPU (tools/offline_compile.py with the installed triton: the c
 errors and shared-memory overflows that otherwise first show on the GPU)."""
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "offline_compile.py"
+from . import run_tool
 
 
 def compile_rows(*args):
     """The script's rows (one per compiled launch) for these arguments; fails on any failed compile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real kernels, not the interpreter
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=900)
+    proc = run_tool("offline_compile", *args, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if " regs " in line]
     assert all(" regs  -1" not in line for line in rows), proc.stdout
@@ -65,8 +62,8 @@ def test_sass_lines_attribute_instructions_to_source():
     # --sass-lines: the WY forward's SASS counted by source line (nvdisasm's line table); its inverse and its
     # products are among the lines, and the listed counts add up to at most the total
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--heads", "64", "--forms", "chunk", "--kernels", "wy_kernel",
-                           "--sass-lines", "6"], capture_output=True, text=True, env=env, timeout=900)
+    proc = run_tool("offline_compile", "--heads", "64", "--forms", "chunk", "--kernels", "wy_kernel", "--sass-lines",
+                    "6", env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     total = int(re.search(r"(\d+) SASS instructions", proc.stdout).group(1))
     listed = re.findall(r"^ +(\d+)  (\w+\.py):(\d+)", proc.stdout, re.M)
@@ -85,6 +82,5 @@ def test_kda_backward_compiles_for_sm90():
 
 def test_kda_is_not_taken_with_the_per_head_gate():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--kda", "--gated"], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = run_tool("offline_compile", "--kda", "--gated", env=env, timeout=300)
     assert proc.returncode == 2 and "--kda: the per-channel gate runs on the portable stages" in proc.stderr

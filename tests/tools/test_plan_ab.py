@@ -1,17 +1,14 @@
 """tools/plan_ab.py (two plans of chunk_delta_rule against each other, for the GPU): its override parser, and its
 smoke mode in Triton's interpreter, where two plans that compute the same results agree and the table prints."""
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-SCRIPT = TOOLS / "plan_ab.py"
+from . import TOOLS, run_tool
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    return run_tool("plan_ab", *args)
 
 
 def test_parse_overrides():

@@ -2,21 +2,17 @@
 GPU) runs its smoke mode: every stage of the forward (both walks) and backward timed (and the backward's unfused
 local dV' and reverse state pass), the forward's sum over the walk it runs, and the decode step."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import configs
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "stage_times.py"
+from . import run_tool
 
 
 def test_stage_times_smoke(tmp_path):
     out = tmp_path / "stages.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=600)
+    proc = run_tool("stage_times", "--smoke", "--out", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     times = json.loads(out.read_text())
     dense = times[configs.SMOKE_CONFIGS[0].name]
