@@ -180,12 +180,16 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     if cfg is None:
         cfg = wy_bwd_launch(K, V, k.element_size())
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
+    # KDA's fp32 products in ieee, also for 16-bit inputs: compiled by triton 3.6 for sm_90 with tf32 products, this
+    # kernel's KDA variant returned inf or wrong dK, dbeta, dg for fp16 and faulted on packed bf16 sequences
+    # (tests/kernels/chunk/test_kda_gpu.py), while the interpreter's results were right; with ieee both pass
+    precision = "ieee" if gk is not None else dot_precision(k.dtype)
     if chunks.num_chunks:
         launch(
             wy_bwd_kernel, (chunks.num_chunks, H),
             k, v, beta, gk if gam is None else gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunks.chunk_indices,
             info.cu_seqlens,
-            H, HK, K, V, chunk_size, tile_k, cfg.tile_v, dot_precision(k.dtype), gam is not None, gk is not None,
+            H, HK, K, V, chunk_size, tile_k, cfg.tile_v, precision, gam is not None, gk is not None,
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
     return dk, dv, dbeta, dgam
