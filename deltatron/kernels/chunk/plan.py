@@ -422,11 +422,15 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     if hopper:
         walk, launch = "hopper", hopper_launch(p.states, caps.num_sms)
     else:
-        fits = p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64 and not p.chunk_states
+        fits = (p.sixteen_bit and head_block(p.K) <= 128 and fused_launch.block_v >= 64 and not p.chunk_states
+                and not p.per_channel)
         fused, fwhy = _forced("fused_output", o.fused_output, fits,
                               "the output fused into the walk (16-bit, K <= 128, V-block >= 64)" if fits else
                               "the walk stores the state entering each chunk (output_chunk_states), the output apart"
                               if p.chunk_states else
+                              "the output as a stage of its own: KDA's scores under per-channel decays "
+                              "(gate.channel_scores) are parallel over chunks there, and would sit on the walk's "
+                              "serial path, once a chunk in every V-block program" if p.per_channel else
                               f"the output as a stage of its own: the fused walk needs 16-bit, K <= 128 and a V-block "
                               f">= 64 (here {fused_launch.block_v}), as every V-block program recomputes Q K^T")
         if fused and p.chunk_states:
@@ -598,6 +602,8 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     if plan.segments > 1:
         bwd.append(f"per segment (x{plan.segments}, last first): {rev}; then {grads} of the segment after it, "
                    f"side stream")
+    elif p.per_channel:  # the local dV' apart, parallel over chunks (backward.reverse_pass)
+        bwd += ["portable.grads (local dV')", rev + " (reads the local dV')", grads]
     else:
         bwd += [rev, grads]
     if p.gated:

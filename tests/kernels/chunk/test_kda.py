@@ -107,12 +107,13 @@ def test_plan_keeps_kda_on_portable_stages():
     assert plan.plan_for_shape(**common, gated=True).reverse == "hopper"
     for training in (False, True):
         kda = plan.plan_for_shape(**common, per_channel=True, training=training)
-        assert kda.walk != "hopper" and "per-head gate only" in kda.reason("walk")
+        assert kda.walk == "portable" and "per-head gate only" in kda.reason("walk")  # P in the output stage
         assert kda.reverse == ("portable" if training else "none")
         assert kda.recompute == ("two_launch" if training else "none")
         fwd, bwd = plan.kernels(kda)
         assert not any("hopper" in stage or "γ" in stage for stage in fwd + bwd)
         assert bwd[-1:] == (("portable.gate (dg per key channel)",) if training else ())
+        assert ("portable.grads (local dV')" in bwd) == training  # P apart from the reverse pass
     for forced in (dict(hopper_walk=True), dict(hopper_reverse=True)):
         with plan.overrides(**forced), pytest.raises(ValueError, match="Hopper"):
             plan.plan_for_shape(**common, per_channel=True)

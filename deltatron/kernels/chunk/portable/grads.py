@@ -1,7 +1,7 @@
 """The backward's gradient stage (DESIGN.md §4, §5), parallel over chunks, in two kernels:
 
     dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (the unfused stage: the backward's reverse pass computes
-                                                           it itself, reverse.py)
+                                                           it itself, reverse.py, but for KDA: P apart)
     dqkw:     dQ = scale (dO S^T + (dO V'^T ⊙ M) K)
               dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; the WY backward adds the rest)
               dW = -dV' S^T                                 (after the reverse pass: needs dS_next and the full dV')
@@ -26,7 +26,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
                      next_power_of_2, state_offsets, store_rows)
-from .gate import SCORE_TILE, channel_decays, channel_mix, decay_matrix, load_gamma
+from .gate import SCORE_TILE, channel_decays, channel_mix, channel_scores, decay_matrix, load_gamma
 
 
 @triton.jit
@@ -38,17 +38,23 @@ def causal_scores_t(b_at, scale, C: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
-def dv_local_kernel(q, k, dout, dv, chunk_indices, cu_seqlens, scale,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+def dv_local_kernel(q, k, gk, dout, dv, chunk_indices, cu_seqlens, scale,
+                    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr, PRECISION: tl.constexpr):
+    """H value heads (dout, dv), HK key heads (q, k). USE_GK: the scores under KDA's per-channel decays (gk)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     # A^T[j, i] = k_j . q_i, kept for j <= i: the transposed causal scores of the chunk
-    b_at = tl.zeros([C, C], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        b_k = load_rows(k, start, n, i_h, i_k * BK, H, K, C, BK)
-        b_q = load_rows(q, start, n, i_h, i_k * BK, H, K, C, BK)
-        b_at += mm(b_k, tl.trans(b_q), PRECISION)
+    if USE_GK:
+        b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K,
+                                       gk + start * H * K + i_h * K, n, HK * K, HK * K, H * K, K, C, True, PRECISION))
+    else:
+        b_at = tl.zeros([C, C], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK)
+            b_q = load_rows(q, start, n, i_hk, i_k * BK, HK, K, C, BK)
+            b_at += mm(b_k, tl.trans(b_q), PRECISION)
     b_at = causal_scores_t(b_at, scale, C, dout.dtype.element_ty)
     for i_v in range(tl.cdiv(V, BV)):
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
@@ -153,16 +159,19 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
     store_rows(dw, b_dw, start, n, i_h, i_k * BK, H, K, C, BK)
 
 
-def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, info, chunk_size: int) -> torch.Tensor:
-    """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype."""
-    H, K, V = q.shape[-2], q.shape[-1], do.shape[-1]
+def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, info, chunk_size: int,
+             gk: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype (H: do's value heads; q, k may
+    have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K], the scores P of gate.channel_scores instead."""
+    HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
     dv = torch.empty_like(do)
     if chunks.num_chunks:
         launch(
             dv_local_kernel, (chunks.num_chunks, H),
-            q, k, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, K, V, chunk_size, head_tile(K), head_tile(V), dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
+            q, k, gk, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
+            H, HK, K, V, chunk_size, head_tile(K), head_tile(V), gk is not None, dot_precision(q.dtype),
+            num_stages=PIPELINE_STAGES,
         )
     return dv
 

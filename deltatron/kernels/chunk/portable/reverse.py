@@ -10,9 +10,10 @@ KDA, DESIGN.md §12): dV' = scale P^T dO + (exp(Γ_C - Γ) ⊙ K) dS_next with P
 of the value head's key head. One program per (V-block, sequence x head) keeps its [K, BV] slice of the
 state gradient in fp32 registers for the whole sequence: the V columns are independent.
 
-FUSE_DV_LOCAL (the backward's path) computes dV'_local from the Q, K and dO tiles the pass loads anyway: A^T = K Q^T
-is recomputed by every V-block program of a head, in exchange for a launch and dV'_local's HBM round trip. Unfused,
-dV'_local is read from grads.dv_local (the stage contract). Both round A^T alike (grads.causal_scores_t); the fused
+FUSE_DV_LOCAL (the backward's path, but KDA's) computes dV'_local from the Q, K and dO tiles the pass loads anyway:
+A^T = K Q^T is recomputed by every V-block program of a head, in exchange for a launch and dV'_local's HBM round trip.
+Unfused, dV'_local is read from grads.dv_local (the stage contract; KDA's path, where P is many times a product's work
+and would set the pace of this serial pass). Both round A^T alike (grads.causal_scores_t); the fused
 pass keeps dV'_local in fp32, the unfused one has it rounded by its store. The plan chooses between this pass and
 hopper/reverse.py and sets its launch (plan.reverse_launch)."""
 from __future__ import annotations
@@ -39,7 +40,7 @@ def state_bwd_kernel(q, k, w, gam, dout, dv_local, dht, dh, dv, dh0, cu_seqlens,
     """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local (the
     ungated stage contract). H value heads, HK key heads (q, k); USE_G: gated by γ (gam); USE_GK: by KDA's g (gam
     [.., H, K])."""
-    tl.static_assert(FUSE_DV_LOCAL or not (USE_G or USE_GK), "the gated pass computes its local dV' itself")
+    tl.static_assert(FUSE_DV_LOCAL or not USE_G, "the gated pass computes its local dV' itself")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HK)

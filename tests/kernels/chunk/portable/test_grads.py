@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from deltatron.kernels.chunk.portable import grads, reverse
+from deltatron.kernels.utils import seq_info
 
-from ....helpers import BOUNDS, DEVICE, chunk_spans, rel_rms, transposed_states
+from ....helpers import BOUNDS, DEVICE, chunk_spans, random_cu_seqlens, rel_rms, transposed_states
 from ..helpers import DTYPES, ONE_ROUNDING_BWD, heads_first, needs_triton, packed_growing, state_model, to_dev
 
 pytestmark = needs_triton
@@ -25,6 +26,34 @@ def test_dv_local(dtype, C, poison):
     for t0, t1 in chunk_spans(lengths, C):
         qk = (heads_first(ref["q"], t0, t1) @ heads_first(ref["k"], t0, t1).transpose(1, 2)).tril()
         want[t0:t1] = (scale * qk.transpose(1, 2) @ heads_first(dod, t0, t1)).transpose(0, 1)
+    assert got.dtype == dtype
+    assert rel_rms(got[0], want) <= BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gates", ["soft", "strong"])
+def test_dv_local_per_channel_gate_grouped_heads(dtype, gates, poison):
+    # KDA's local dV' (its reverse pass reads it): scale P^T dO, P_ij = sum_c q_ic k_jc exp(Γ_i - Γ_j)_c for j <= i,
+    # Γ the gate summed from the chunk's start; 2 value heads a key head, a partial K-tile (K = 40)
+    C, lengths, HK, H, K, V = 32, [33, 0, 1, 64], 1, 2, 40, 24
+    TT = sum(lengths)
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(TT, HK, K, generator=gen).to(dtype) for _ in range(2))
+    g = -20 * torch.rand(TT, H, K, generator=gen) if gates == "strong" else -torch.rand(TT, H, K, generator=gen) / 4
+    do = torch.randn(TT, H, V, generator=gen).to(dtype)
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, TT, torch.device(DEVICE), cu, cu.cpu())
+    scale = 0.3
+    got = grads.dv_local(to_dev(q, dtype), to_dev(k, dtype), to_dev(do, dtype), scale, info, C,
+                         gk=to_dev(g, torch.float32))
+    want = torch.zeros(TT, H, V, dtype=torch.float64)
+    qd, kd, gd, dod = (x.double() for x in (q, k, g, do))
+    for t0, t1 in chunk_spans(lengths, C):
+        gam = gd[t0:t1].cumsum(0)  # [t, H, K]
+        for h in range(H):
+            decay = torch.exp((gam[:, None, h] - gam[None, :, h]).clamp(max=0))  # [i, j, K]; j > i masked below
+            p = torch.einsum("ic,jc,ijc->ij", qd[t0:t1, h // (H // HK)], kd[t0:t1, h // (H // HK)], decay).tril()
+            want[t0:t1, h] = scale * p.T @ dod[t0:t1, h]
     assert got.dtype == dtype
     assert rel_rms(got[0], want) <= BOUNDS[dtype]
 
