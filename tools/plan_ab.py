@@ -1,5 +1,5 @@
-"""Two plans of chunk_delta_rule (or, with --gated, chunk_gated_delta_rule) against each other: time and agreement
-of the forward and the forward+backward.
+"""Two plans of chunk_delta_rule (or, with --gated, chunk_gated_delta_rule; with --kda, chunk_kda) against each
+other: time and agreement of the forward and the forward+backward.
 
 For each benchmark configuration, the API call on the benchmark's bf16 inputs runs under plan A's and plan B's
 overrides (deltatron.kernels.chunk.plan.overrides; an empty side is the shipped plan): first the outputs o and the
@@ -12,12 +12,13 @@ plan as chunk.plan.explain words it. The exit status is 1 where a configuration'
     python tools/plan_ab.py --a hopper_walk=0 --b "" --bound 1e-2 --configs b8-t2048-h16-k128
     python tools/plan_ab.py --smoke --a keep_states=0 --b keep_states=1    # CPU, interpreter, tiny sizes
     python tools/plan_ab.py --gated --a wy_maxnreg=168 --b wy_maxnreg=0 --configs qwen3next-b8-t4096
+    python tools/plan_ab.py --kda --a fused_output=1,local_dv_apart=0 --b "" --bound 1e-2
 
 Overrides are name=value pairs separated by commas: hopper_walk, residual, keep_states, overlap, hopper_reverse,
-fused_output (0/1, true/false), split_partitions, split_min_tokens, segments, wy_maxnreg (integers), or none for
-the rule's own choice. --gated runs the benchmark's gated rows' call: its gate g (Qwen3-Next's), q and k
-L2-normalized in the op, gradients to g too. Times: triton's do_bench medians in ms (L2 flushed per call); smoke:
-one wall-clock call."""
+fused_output, local_dv_apart (0/1, true/false), split_partitions, split_min_tokens, segments, wy_maxnreg
+(integers), or none for the rule's own choice. --gated runs the benchmark's gated rows' call: its gate g
+(Qwen3-Next's), q and k L2-normalized in the op, gradients to g too; --kda the KDA rows' call (a gate per key
+channel), likewise. Times: triton's do_bench medians in ms (L2 flushed per call); smoke: one wall-clock call."""
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ from deltatron.kernels.chunk import plan, plan_call  # noqa: E402
 from deltatron.kernels.utils import seq_info  # noqa: E402
 from stage_times import timer  # noqa: E402
 
-BOOLEAN = ("hopper_walk", "residual", "keep_states", "overlap", "hopper_reverse", "fused_output")
+BOOLEAN = ("hopper_walk", "residual", "keep_states", "overlap", "hopper_reverse", "fused_output", "local_dv_apart")
 INTEGER = ("split_partitions", "split_min_tokens", "segments", "wy_maxnreg")
 
 
@@ -65,16 +66,18 @@ def result_names(gated: bool) -> tuple:
     return ("o", *(f"d{n}" for n in (configs.GATED_GRAD_INPUTS if gated else configs.GRAD_INPUTS)))
 
 
-def calls(cfg: configs.Config, device: torch.device, gated: bool = False):
+def calls(cfg: configs.Config, device: torch.device, gated: bool = False, per_channel: bool = False):
     """(the benchmark's inputs, the no_grad forward, the forward+backward returning (o, and the gradients of
     result_names)): chunk_delta_rule(q, k, v, beta), or gated chunk_gated_delta_rule(q, k, v, g, beta) as the
-    benchmark's gated rows call it."""
-    x = configs.make_inputs(cfg, device, seed=0, gated=gated)
+    benchmark's gated rows call it, or with per_channel too chunk_kda as the KDA rows do."""
+    gated = gated or per_channel
+    x = configs.make_inputs(cfg, device, seed=0, gated=gated, per_channel=per_channel)
     grads_of = [x[n] for n in (configs.GATED_GRAD_INPUTS if gated else configs.GRAD_INPUTS)]
     kwargs = dict(cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=x["cu_seqlens_cpu"]) if cfg.seqlens else {}
     op = deltatron.chunk_delta_rule
     if gated:
-        op, kwargs = deltatron.chunk_gated_delta_rule, dict(kwargs, **harness.GATED_OPTIONS)
+        op = deltatron.chunk_kda if per_channel else deltatron.chunk_gated_delta_rule
+        kwargs = dict(kwargs, **harness.GATED_OPTIONS)
 
     def forward():
         with torch.no_grad():
@@ -109,7 +112,7 @@ def compare(results_a: Sequence[torch.Tensor], results_b: Sequence[torch.Tensor]
 
 def probe(cfg: configs.Config, device: torch.device, sides: Dict[str, dict], args, measure) -> bool:
     """Compares and times cfg under both sides' overrides; prints its lines and table; whether the results agree."""
-    x, forward, forward_backward = calls(cfg, device, args.gated)
+    x, forward, forward_backward = calls(cfg, device, args.gated, args.kda)
     print(f"\n{cfg.name}  A: {args.a or 'shipped plan'}  B: {args.b or 'shipped plan'}")
     if args.explain:
         q, k, v = (x[n].detach() for n in ("q", "k", "v"))
@@ -152,7 +155,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--explain", action="store_true", help="print each side's plan")
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, the smoke configurations")
     parser.add_argument("--gated", action="store_true", help="chunk_gated_delta_rule as the benchmark's gated rows")
+    parser.add_argument("--kda", action="store_true", help="chunk_kda as the benchmark's KDA rows")
     args = parser.parse_args(argv)
+    args.gated = args.gated or args.kda  # (KDA's calls take the gated rows' inputs and options, its gate per channel)
     try:
         sides = {"A": parse_overrides(args.a), "B": parse_overrides(args.b)}
     except ValueError as e:

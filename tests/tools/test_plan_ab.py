@@ -1,4 +1,4 @@
-"""tools/plan_ab.py (two plans of chunk_delta_rule against each other, for the GPU): its override parser, and its
+"""tools/plan_ab.py (two plans of a chunk op against each other, for the GPU): its override parser, and its
 smoke mode in Triton's interpreter, where two plans that compute the same results agree and the table prints."""
 import sys
 
@@ -55,6 +55,16 @@ def test_smoke_gated_register_caps():
                "b2-t40-hk1-hv2-k16", "--readings", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dg bitwise" in proc.stdout and "OK (bitwise)" in proc.stdout
+
+
+def test_smoke_kda_local_dv_in_the_pass():
+    """--kda: chunk_kda with its local dV' computed in the reverse pass against the rule's (apart, grads.dv_local):
+    dg among the results, within the given bound (the pass keeps it in fp32, dv_local rounds it by its store)."""
+    proc = run("--smoke", "--kda", "--a", "local_dv_apart=0,fused_output=1", "--b", "", "--bound", "1e-2",
+               "--explain", "--configs", "b2-t40-h1-k16", "--readings", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dg " in proc.stdout and "OK (within" in proc.stdout
+    assert "local_dv     in the pass" in proc.stdout and "local_dv     apart" in proc.stdout
 
 
 def test_grouped_configuration_needs_gated():

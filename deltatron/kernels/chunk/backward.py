@@ -4,7 +4,8 @@
                chip) or two (portable.wy, then portable.walk, on a side stream beside the reverse pass where the
                plan overlaps them); nothing where the forward kept its states
     reverse:   the state gradient backwards over the chunks, with the local dV' fused in (hopper.reverse or
-               portable.reverse; KDA's local dV' from portable.grads.dv_local, before the pass)
+               portable.reverse; where the plan says so, as for KDA, the local dV' from portable.grads.dv_local
+               before the pass)
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
 The gated rule (g given) sums g into γ again and every stage takes it; portable.gate sums dg from the stages'
 shares. KDA's per-channel g ([.., TT, H, K]) is read by the stages as it is (no γ stage), and dg comes per channel.
@@ -37,8 +38,7 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
             do = do.clone()
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
                                checked=True, gam=gam)
-    # KDA's local dV' apart, parallel over chunks: its scores under the per-channel decays would pace the pass
-    local = None if gk is None else dv_local(q, k, do, scale, info, C, gk=gk)
+    local = dv_local(q, k, do, scale, info, C, gk=gk) if plan.local_dv_apart else None
     return state_bwd(q, k, w, do, local, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam, gk=gk)
 
 

@@ -158,6 +158,7 @@ class Overrides:
     segments: Optional[int] = None
     overlap: Optional[bool] = None
     hopper_reverse: Optional[bool] = None
+    local_dv_apart: Optional[bool] = None  # the portable reverse pass reads the local dV' of grads.dv_local
     wy_maxnreg: Optional[int] = None  # the forward WY kernel's register cap (0: none), for A/B of the rule's
 
 
@@ -338,6 +339,7 @@ class ChunkPlan:
     segments: int  # the reverse pass and the gradient stage run in this many segments (1: whole)
     reverse: str  # "hopper" | "portable" | "none" (inference)
     reverse_launch: Launch
+    local_dv_apart: bool  # the local dV' from grads.dv_local before the (portable) reverse pass, not computed in it
     wy_bwd_launch: Launch
     reasons: Tuple[Tuple[str, str], ...] = ()
 
@@ -557,12 +559,26 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons.append(("reverse", why))
     rev_launch = (hopper_launch(p.states, caps.num_sms) if reverse == "hopper" else
                   reverse_launch(p.K, p.V, p.states, p.element_size, caps.num_sms, caps.interpret))
+    if reverse != "portable" or (p.gated and not p.per_channel):
+        local_dv_apart, why = False, ("no backward" if reverse == "none" else
+                                      "the Hopper pass computes the local dV' itself" if reverse == "hopper" else
+                                      "the gated pass computes its local dV' itself (the decays E on its scores)")
+        if o.local_dv_apart and p.training:  # (inference: the override does not apply)
+            raise ValueError(f"overrides(local_dv_apart=True): {why}")
+    else:
+        local_dv_apart, why = _forced(
+            "local_dv_apart", o.local_dv_apart, p.per_channel,
+            "KDA's scores P under per-channel decays are parallel work over chunks in grads.dv_local; in the pass "
+            "they would run once a chunk in every V-block program, on its serial path" if p.per_channel else
+            "in the pass, from the Q, K and dO tiles it loads anyway: a launch and the local dV's HBM round trip less")
+    reasons.append(("local_dv", why))
 
     return ChunkPlan(problem=p, caps=caps, walk=walk, residual=residual, split_partitions=partitions,
                      split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch,
                      wy_launch=_wy_forward_launch(p, o), recompute=recompute,
                      recompute_launch=recompute_launch, recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False),
                      overlap=overlap, segments=segments, reverse=reverse, reverse_launch=rev_launch,
+                     local_dv_apart=local_dv_apart,
                      wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size), reasons=tuple(reasons))
 
 
@@ -602,7 +618,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     if plan.segments > 1:
         bwd.append(f"per segment (x{plan.segments}, last first): {rev}; then {grads} of the segment after it, "
                    f"side stream")
-    elif p.per_channel:  # the local dV' apart, parallel over chunks (backward.reverse_pass)
+    elif plan.local_dv_apart:
         bwd += ["portable.grads (local dV')", rev + " (reads the local dV')", grads]
     else:
         bwd += [rev, grads]
@@ -628,7 +644,8 @@ def explain(plan: ChunkPlan) -> str:
               "recompute": f"{plan.recompute} [{plan.recompute_launch}]" if plan.recompute in ("on_chip", "two_launch")
               else plan.recompute,
               "overlap": "yes" if plan.overlap else "no",
-              "reverse": f"{plan.reverse} [{plan.reverse_launch}]" if backward else plan.reverse}
+              "reverse": f"{plan.reverse} [{plan.reverse_launch}]" if backward else plan.reverse,
+              "local_dv": "apart" if plan.local_dv_apart else "in the pass" if plan.reverse != "none" else "none"}
     for name, reason in plan.reasons:
         lines.append(f"  {name:<12} {values[name]:<34} {reason}")
     launches = f"wy [{plan.wy_launch}]"

@@ -178,6 +178,14 @@ def test_gradients_varlen(monkeypatch, dtype, C, poison):
         assert torch.equal(dh0[n].cpu(), dht[n])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_local_dv_apart(monkeypatch, dtype, poison):
+    # overrides(local_dv_apart=True): the reverse pass reads grads.dv_local's local dV' (KDA's rule) on the
+    # ungated rule too
+    with plan.overrides(local_dv_apart=True):
+        check_against_recurrence(monkeypatch, 1, [0, 17, 40], 2, 24, 32, dtype, 16, True, True, seed=7)
+
+
 def test_gradients_with_qk_l2norm(monkeypatch, poison):
     check_against_recurrence(monkeypatch, 1, 65, 2, 24, 16, torch.float16, 32, True, True, growing=True,
                              l2norm=True, seed=4)

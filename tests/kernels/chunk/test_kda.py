@@ -113,7 +113,7 @@ def test_plan_keeps_kda_on_portable_stages():
         fwd, bwd = plan.kernels(kda)
         assert not any("hopper" in stage or "γ" in stage for stage in fwd + bwd)
         assert bwd[-1:] == (("portable.gate (dg per key channel)",) if training else ())
-        assert ("portable.grads (local dV')" in bwd) == training  # P apart from the reverse pass
+        assert ("portable.grads (local dV')" in bwd) == training == kda.local_dv_apart  # P apart from the pass
     for forced in (dict(hopper_walk=True), dict(hopper_reverse=True)):
         with plan.overrides(**forced), pytest.raises(ValueError, match="Hopper"):
             plan.plan_for_shape(**common, per_channel=True)
@@ -137,9 +137,11 @@ def test_backward_matches_float64_oracle(B, T, Hk, Hv, K, V, C, dtype, poison):
     check_training(B, T, Hk, Hv, K, V, dtype, seed=T + C, chunk_size=C)
 
 
+@pytest.mark.parametrize("local_dv_apart", [True, False])
 @pytest.mark.parametrize("forced", WALKS, ids=str)
-def test_backward_every_walk(forced):
-    with plan.overrides(**forced):
+def test_backward_every_walk(forced, local_dv_apart):
+    # both walks, and the reverse pass with the local dV' apart (the rule) or computed in it (forced)
+    with plan.overrides(**forced, local_dv_apart=local_dv_apart):
         check_training(1, 90, 1, 2, 32, 32, torch.float16, seed=41, chunk_size=32)
 
 

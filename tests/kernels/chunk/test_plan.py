@@ -64,7 +64,9 @@ def test_plan_table(shape, expected):
     assert got == expected
     assert p.split == (p.split_partitions > 1) and p.split_min_tokens == plan.SPLIT_MIN_TOKENS
     assert {name for name, _ in p.reasons} == {"walk", "split", "segments", "keep_states", "residual", "recompute",
-                                               "overlap", "reverse"} and all(p.reason(name) for name, _ in p.reasons)
+                                               "overlap", "reverse", "local_dv"} and all(p.reason(name)
+                                                                                         for name, _ in p.reasons)
+    assert not p.local_dv_apart  # the local dV' in the pass, but for KDA
 
 
 def test_plan_is_frozen_and_problem_counts():
@@ -266,6 +268,20 @@ def test_unknown_override_raises_type_error():
 def test_impossible_forced_choices_raise_at_plan_time(forced, gpu, dtype, D, match):
     with plan.overrides(**forced), pytest.raises(ValueError, match=match):
         plan_for_shape(1, 8192, 16, D, D, dtype, gpu)
+
+
+def test_local_dv_apart():
+    # KDA's rule reads the local dV' from grads.dv_local; the ungated portable pass may be forced to; the Hopper
+    # pass and the per-head gated one compute it themselves
+    assert plan_for_shape(8, 2048, 16, 128, 128, bf16, per_channel=True).local_dv_apart
+    with plan.overrides(local_dv_apart=False):
+        assert not plan_for_shape(8, 2048, 16, 128, 128, bf16, per_channel=True).local_dv_apart
+    with plan.overrides(local_dv_apart=True):
+        assert plan_for_shape(8, 2048, 16, 128, 128, bf16, "cpu").local_dv_apart
+        assert not plan_for_shape(8, 2048, 16, 128, 128, bf16, "cpu", training=False).local_dv_apart
+        for shape in (dict(gated=True), dict(gpu="sm90", T=8192)):
+            with pytest.raises(ValueError, match="local_dv_apart=True"):
+                plan_for_shape(**{**dict(B=8, T=2048, H=16, K=128, V=128, dtype=bf16, gpu="cpu"), **shape})
 
 
 def test_forced_overlap_refused_on_the_one_launch_recompute():
