@@ -1,7 +1,7 @@
 """The backward's gradient stage (DESIGN.md §4, §5), parallel over chunks, in two kernels:
 
-    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (the unfused stage: the backward's reverse pass computes
-                                                           it itself, reverse.py, but for KDA: P apart)
+    dv_local: dV'_local = scale (Q K^T ⊙ M)^T dO          (where the plan keeps it apart, as for KDA; else the
+                                                           reverse pass computes it itself, reverse.py)
     dqkw:     dQ = scale (dO S^T + (dO V'^T ⊙ M) K)
               dK = scale (dO V'^T ⊙ M)^T Q + V' dS_next^T  (the direct part; the WY backward adds the rest)
               dW = -dV' S^T                                 (after the reverse pass: needs dS_next and the full dV')

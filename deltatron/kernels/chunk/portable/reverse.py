@@ -10,10 +10,10 @@ KDA, DESIGN.md §12): dV' = scale P^T dO + (exp(Γ_C - Γ) ⊙ K) dS_next with P
 of the value head's key head. One program per (V-block, sequence x head) keeps its [K, BV] slice of the
 state gradient in fp32 registers for the whole sequence: the V columns are independent.
 
-FUSE_DV_LOCAL (the backward's path, but KDA's) computes dV'_local from the Q, K and dO tiles the pass loads anyway:
-A^T = K Q^T is recomputed by every V-block program of a head, in exchange for a launch and dV'_local's HBM round trip.
-Unfused, dV'_local is read from grads.dv_local (the stage contract; KDA's path, where P is many times a product's work
-and would set the pace of this serial pass). Both round A^T alike (grads.causal_scores_t); the fused
+FUSE_DV_LOCAL (the plan's rule, but for KDA: plan.local_dv_apart) computes dV'_local from the Q, K and dO tiles the
+pass loads anyway: A^T = K Q^T is recomputed by every V-block program of a head, in exchange for a launch and
+dV'_local's HBM round trip. Unfused, dV'_local is read from grads.dv_local (the stage contract; KDA's rule, where P is
+many products' work and would set the pace of this serial pass). Both round A^T alike (grads.causal_scores_t); the fused
 pass keeps dV'_local in fp32, the unfused one has it rounded by its store. The plan chooses between this pass and
 hopper/reverse.py and sets its launch (plan.reverse_launch)."""
 from __future__ import annotations
