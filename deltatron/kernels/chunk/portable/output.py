@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, chunk_span, dot_precision, head_tile, mm
+from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, chunk_span, dot_precision, head_tile, mm, next_power_of_2
 from .gate import channel_decays, channel_scores, decay_matrix, load_gamma
 
 
@@ -84,12 +84,15 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     HK, H, K, V = q.shape[2], v_new.shape[2], q.shape[3], v_new.shape[3]
     o = torch.empty_like(v_new)
     chunks = info.chunks(chunk_size)
-    BV = head_tile(V)
+    # KDA: the whole V in one program of 8 warps (V <= 128 there), so that P, many products' work
+    # (gate.channel_scores), is computed once a chunk and head rather than once a V-block (sm_90, triton 3.6, K = V =
+    # 128: 235 registers, no spills; at 4 warps 32 B spilled; tools/offline_compile.py --kda)
+    BV, warps = (head_tile(V), 4) if gk is None else (next_power_of_2(V), 8)
     if chunks.num_chunks:
         launch(
             output_fwd_kernel, (chunks.num_chunks * cdiv(V, BV), H),
             q, k, gk if gam is None else gam, v_new, h, o, scale, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
-            chunk_size, head_tile(K), BV, gam is not None, gk is not None, dot_precision(q.dtype), num_warps=4,
+            chunk_size, head_tile(K), BV, gam is not None, gk is not None, dot_precision(q.dtype), num_warps=warps,
             num_stages=PIPELINE_STAGES,
         )
     return o
