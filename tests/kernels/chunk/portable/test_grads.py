@@ -6,6 +6,7 @@ import torch
 
 from deltatron.kernels.chunk.portable import grads, reverse
 from deltatron.kernels.utils import seq_info
+from deltatron.reference.gated import _decayed_products, _masked_exp_diff
 
 from ....helpers import BOUNDS, DEVICE, chunk_spans, random_cu_seqlens, rel_rms, transposed_states
 from ..helpers import DTYPES, ONE_ROUNDING_BWD, heads_first, needs_triton, packed_growing, state_model, to_dev
@@ -49,11 +50,10 @@ def test_dv_local_per_channel_gate_grouped_heads(dtype, gates, poison):
     want = torch.zeros(TT, H, V, dtype=torch.float64)
     qd, kd, gd, dod = (x.double() for x in (q, k, g, do))
     for t0, t1 in chunk_spans(lengths, C):
-        gam = gd[t0:t1].cumsum(0)  # [t, H, K]
-        for h in range(H):
-            decay = torch.exp((gam[:, None, h] - gam[None, :, h]).clamp(max=0))  # [i, j, K]; j > i masked below
-            p = torch.einsum("ic,jc,ijc->ij", qd[t0:t1, h // (H // HK)], kd[t0:t1, h // (H // HK)], decay).tril()
-            want[t0:t1, h] = scale * p.T @ dod[t0:t1, h]
+        decay = _masked_exp_diff(gd[t0:t1].cumsum(0).transpose(0, 1), per_channel=True)  # [H, i, j, K], j <= i
+        keys = heads_first(kd, t0, t1).repeat_interleave(H // HK, 0)
+        p = _decayed_products(heads_first(qd, t0, t1).repeat_interleave(H // HK, 0), keys, decay)
+        want[t0:t1] = (scale * p.transpose(1, 2) @ heads_first(dod, t0, t1)).transpose(0, 1)
     assert got.dtype == dtype
     assert rel_rms(got[0], want) <= BOUNDS[dtype]
 
