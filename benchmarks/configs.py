@@ -269,8 +269,8 @@ def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = Fals
             x["g"] = gate(B, T, H, gen, device)
         return x
     x["do"] = randn(B, T, H, V).to(bf16)
-    if per_channel:  # KDA: a gate per key channel, each drawn as Qwen3-Next's per-head gate
-        x["g"] = gate(B, T, H * K, gen, device).view(B, T, H, K)
+    if per_channel:  # KDA: a gate per key channel, as Kimi Linear makes it
+        x["g"] = kimi_gate(B, T, H, K, gen, device)
     else:
         x["g"] = gate(B, T, H, gen, device) if gated else torch.zeros(B, T, H, device=device)
     for name in GATED_GRAD_INPUTS if gated else GRAD_INPUTS:
@@ -291,6 +291,18 @@ def gate(B: int, T: int, H: int, gen: torch.Generator, device: torch.device) -> 
     a = torch.randn(B, T, H, generator=gen, device=device)
     A_log = torch.rand(H, generator=gen, device=device).mul(16).log()
     dt_bias = torch.ones(H, device=device)
+    return -A_log.exp() * F.softplus(a + dt_bias)
+
+
+def kimi_gate(B: int, T: int, H: int, K: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """KDA's log decay per key channel [B, T, H, K] (fp32, <= 0) as Kimi Linear computes it before its op
+    (transformers' KimiLinearForgetGate): g = -exp(A_log) softplus(a + dt_bias), with a the projection's output (randn
+    here) and Kimi Linear's initialization, A_log = log(uniform(1, 16)) per head and dt_bias the inverse softplus of dt,
+    log-uniform in [1e-3, 1e-1] per head and channel. The decay per token ranges from about 1 to about exp(-10)."""
+    a = torch.randn(B, T, H, K, generator=gen, device=device)
+    A_log = (1 + 15 * torch.rand(H, 1, generator=gen, device=device)).log()
+    dt = (math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, K, generator=gen, device=device)).exp()
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
     return -A_log.exp() * F.softplus(a + dt_bias)
 
 

@@ -125,8 +125,12 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
                  "outside the op, q and k L2-normalized in it, gradients to q, k, v, g and beta; their vs fla and "
                  "vs FlashQLA compare with fla.chunk_gated (decode: fla.fused_recurrent_gated) and flash_qla.gated, "
                  "and their floor counts the fp32 gate's bytes. KDA rows (" + ", ".join(KDA) + "): a gate per key "
-                 "channel drawn the same way, compared with fla.chunk_kda; ours runs the chunkwise kernels on the "
-                 f"Triton backend, the token-serial ones at K, V > 128 (T <= {RECURRENT_MAX_T}).")
+                 "channel as Kimi Linear makes it (configs.kimi_gate: its forget gate at its initialization, A_log = "
+                 "log(uniform(1, 16)) per head, dt_bias the inverse softplus of dt log-uniform in [1e-3, 1e-1] per "
+                 "head and channel, the projection's output randn), compared with fla.chunk_kda; ours runs the "
+                 "chunkwise kernels on the Triton backend, the token-serial ones at K, V > 128 "
+                 f"(T <= {RECURRENT_MAX_T}); tools/kernel_breakdown.py --strong-kda-gate times Qwen3-Next's per-head "
+                 "gate drawn per channel instead (down to -64 a token: our per-channel stages' exact path).")
     if any(r.get("verify") for r in rows):
         text += (" Verify rows (" + ", ".join(VERIFY) + "): a speculative-decoding verify step as vLLM and SGLang "
                  "call it, T draft tokens per sequence from the state slot num_accepted_tokens picks, the state "

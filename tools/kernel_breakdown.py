@@ -1,7 +1,8 @@
 """Where each implementation's GPU time goes, kernel by kernel: ours against fla and FlashQLA on the same inputs.
 
-For each config (the benchmark's bf16 inputs) and implementation (deltatron.chunk, fla.chunk, flash_qla.g0 where
-installed and applicable), the forward and the forward+backward run a few times to warm up, then CALLS times under
+For each config (the benchmark's bf16 inputs) and implementation (by default deltatron.chunk, fla.chunk, flash_qla.g0;
+--impls takes any of the benchmark's, e.g. deltatron.chunk_kda fla.chunk_kda, with their inputs; where installed and
+applicable), the forward and the forward+backward run a few times to warm up, then CALLS times under
 torch.profiler; every kernel's device time is summed over those calls and divided by CALLS. The table lists the
 kernels by time, with launches a call, and the sum: the GPU work of one call, host time and gaps excluded
 (at b8-t2048-h16 on the H200 it showed FlashQLA's forward as its kkt_solve, 0.060 ms, plus its walk, 0.112, against
@@ -34,24 +35,24 @@ PHASES = ("fwd", "fwdbwd")
 TOP = 14  # kernels listed per call; the sum counts them all
 
 
-def step(call, x: dict, phase: str) -> None:
+def step(impl: str, call, x: dict, phase: str) -> None:
     o = call(x)
     if phase == "fwdbwd":
         o.backward(x["do"])
-        for name in configs.GRAD_INPUTS:
+        for name in configs.grad_inputs(impl):
             x[name].grad = None
 
 
-def breakdown(call, x: dict, phase: str, calls: int, smoke: bool) -> dict:
+def breakdown(impl: str, call, x: dict, phase: str, calls: int, smoke: bool) -> dict:
     """{kernel name: [ms a call, launches a call]} over `calls` profiled calls, after warm-up."""
     for _ in range(2 if smoke else 5):
-        step(call, x, phase)
+        step(impl, call, x, phase)
     cuda = not smoke
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
-            step(call, x, phase)
+            step(impl, call, x, phase)
         if cuda:
             torch.cuda.synchronize()
     device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
@@ -66,8 +67,11 @@ def breakdown(call, x: dict, phase: str, calls: int, smoke: bool) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["b8-t2048-h16-k128", "b2-t8192-h32-k128"])
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=configs.IMPLS)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--strong-kda-gate", action="store_true",
+                   help="KDA rows with Qwen3-Next's per-head gate drawn per channel (down to -64 a token) instead of "
+                        "Kimi Linear's: the per-channel stages' exact path")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -81,17 +85,20 @@ def main(argv=None) -> int:
     results = {}
     for name in names:
         cfg = known[name]
-        x = configs.make_inputs(cfg, device, seed=0)
         for impl in args.impls:
             if not configs.applies(impl, cfg):
                 continue
+            x = configs.make_inputs(cfg, device, seed=0, gated=impl in configs.GATED, per_channel=impl in configs.KDA)
+            if impl in configs.KDA and args.strong_kda_gate:  # Qwen3-Next's per-head gate drawn per channel
+                gen = torch.Generator(device=device).manual_seed(0)
+                x["g"] = configs.gate(cfg.B, cfg.T, cfg.H * cfg.K, gen, device).view_as(x["g"]).requires_grad_()
             try:
                 call = harness.resolve(impl, args.smoke)
             except harness.Unavailable as e:
                 print(f"== {name} {impl}: {e}")
                 continue
             for phase in PHASES:
-                rows = breakdown(call, x, phase, 1 if args.smoke else args.calls, args.smoke)
+                rows = breakdown(impl, call, x, phase, 1 if args.smoke else args.calls, args.smoke)
                 results[f"{name} {impl} {phase}"] = rows
                 print(f"== {name} {impl} {phase}: {sum(t for t, _ in rows.values()):.3f} ms a call"
                       f"{' (CPU ops)' if args.smoke else ''}")
