@@ -19,7 +19,7 @@ import torch
 
 from ..utils import side_stream
 from .plan import ChunkPlan
-from .portable.gate import channel_gate_grad, gate_grad, stage_gates
+from .portable.gate import channel_decay_stage, channel_gate_grad, gate_grad, stage_gates
 from .portable.grads import dqkw, dv_local, group_sum
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
@@ -28,9 +28,9 @@ from .portable.wy_bwd import wy_bwd
 from .schedule import segments as seg
 
 
-def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None, gk=None):
-    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ; gk: KDA's
-    g (the portable pass only: the plan says so)."""
+def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None, decays=None):
+    """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ; decays:
+    KDA's gate.ChannelDecays, with the decayed q (the portable pass only: the plan says so)."""
     C = plan.problem.chunk_size
     if plan.reverse == "hopper":
         from .hopper.reverse import gluon_state_bwd
@@ -38,8 +38,9 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
             do = do.clone()
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
                                checked=True, gam=gam)
+    gk = None if decays is None else decays.g
     local = dv_local(q, k, do, scale, info, C, gk=gk) if plan.local_dv_apart else None
-    return state_bwd(q, k, w, do, local, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam, gk=gk)
+    return state_bwd(q, k, w, do, local, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam, gk=decays)
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False,
@@ -66,6 +67,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
 
     cfg = plan.recompute_launch
     gam, gk = stage_gates(g, info, chunk_size)
+    # KDA: the decays of the serial passes, made once for the recompute walk and the reverse pass
+    decays = None if gk is None else channel_decay_stage(k, gk, info, chunk_size, q)
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
@@ -73,9 +76,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk)
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # an event after recompute_w_u: the walk waits for W, U, not for the reverse pass
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, gk)  # queued first: its programs
+        # the reverse pass queued first, so that its programs take their SMs first
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays)
         with torch.cuda.stream(side):
-            h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
+            h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=decays)
         main.wait_stream(side)  # grads reads h and v_new
         # The caching allocator hands a released block to the next allocation on the stream it was made on: h and
         # v_new are the side stream's, recorded on main so that their memory waits for main's work queued before
@@ -85,10 +89,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         del u
     else:
         w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk)
-        h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
+        h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=decays)
         del u
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, gk)
-    del w
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays)
+    del w, decays
     dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam, gk=gk)
     del h, v_new, dh
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,

@@ -3,7 +3,7 @@ walk, output, reverse, grads, wy_bwd, and gate.py's sums within sub-chunks), cal
 with g [B, T, Hv, K], and backward(..., g=g).
 
 The inference forward's o and final state are checked against the float64 recurrence on the same inputs after rounding
-to the test dtype, within the relative-RMS bounds of tests/helpers.py (fp32 and fp16); both walks (the output fused in
+to the test dtype (on a GPU its float64 chunkwise form, equal to it within 1e-10: tests/reference/test_kda.py), within the relative-RMS bounds of tests/helpers.py (fp32 and fp16); both walks (the output fused in
 and apart) are forced. The training forward and backward (o, the final state, dq, dk, dv, dbeta, dg per channel, dh0)
 are checked against torch.autograd through the float64 recurrence (tests/helpers.check_gated_form), bf16 as the gated
 rule's tests take it. A second call gives the same bits. The plan keeps every stage on the portable kernels and refuses
@@ -13,7 +13,7 @@ import torch
 
 from deltatron.kernels import chunk
 from deltatron.kernels.chunk import plan
-from deltatron.reference.gated import recurrent_gated_delta_rule
+from deltatron.reference.gated import chunk_gated_delta_rule_reference, recurrent_gated_delta_rule
 
 from ...helpers import (BOUNDS, DEVICE, INTERPRET, check_gated_backward_deterministic, check_gated_form, gated_case,
                         half_strong_gate, rel_rms)
@@ -32,9 +32,12 @@ def check(B, T, Hk, Hv, K, V, dtype, chunk_size, lengths=None, gates="soft", ini
                                          output_final_state, info, needs_backward=False, chunk_size=chunk_size,
                                          g=dev["g"])
     assert saved == () and extras == ()
-    ref = {n: x.double() for n, x in inp.items()}
-    o_ref, ht_ref = recurrent_gated_delta_rule(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], scale,
-                                               ref.get("initial_state"), True, cu_seqlens=cu)
+    # the float64 recurrence; on a GPU its chunkwise form there, as gated_oracle takes it (the token loop on the CPU
+    # takes minutes at the GPU tests' lengths)
+    ref = {n: x.to(DEVICE, torch.float64) for n, x in inp.items()}
+    oracle = recurrent_gated_delta_rule if DEVICE == "cpu" else chunk_gated_delta_rule_reference
+    o_ref, ht_ref = oracle(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], scale, ref.get("initial_state"), True,
+                           cu_seqlens=None if cu is None else cu.to(DEVICE))
     assert o.dtype == dtype and o.shape == o_ref.shape
     errors = {"o": rel_rms(o, o_ref)}
     if output_final_state:

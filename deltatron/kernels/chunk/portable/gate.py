@@ -11,7 +11,7 @@ exponent is positive: exp(γ_i) (the span (0, i]), E_ij = exp(γ_i - γ_j) for j
 gate of -20 a token takes a chunk's γ to -1280; exp(γ_i) exp(-γ_j) would overflow there."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -110,6 +110,12 @@ def gate_grad(dgam: torch.Tensor, shares, info: SeqInfo, chunk_size: int) -> tor
 # sub-chunks of SUB tokens, each with its prefix sums, its suffix sums and its total, and a span that crosses
 # sub-chunks adds the totals of those it passes. Every exponent is <= 0.
 SUB = tl.constexpr(16)
+# Within a sub-chunk whose total decay stays above e^-FACTOR_BOUND in every channel, exp(g summed over (j, i]) =
+# exp(P_i) exp(-P_j) with both factors inside [e^-60, e^60] (no overflow in fp32), so the sub-chunk's block of scores
+# is one product of scaled rows and columns instead of a loop over its columns. Each factor's exponent carries
+# rounding ~ eps |P| <= 60 eps, so the pair's relative error is at most ~1e-5 whatever the span (DESIGN.md §12);
+# a tile with a stronger sub-chunk takes the running sums, exact to ~eps |span|.
+FACTOR_BOUND = tl.constexpr(60.0)
 # the channel tile of channel_scores (16-wide product tiles gave wrong results on the H200 with triton 3.6: wy_launch)
 SCORE_TILE = tl.constexpr(32)
 
@@ -150,14 +156,81 @@ def channel_decays(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
     through the row: exp(Γ) scales Q and W's K; B [C, BD], g summed over the rows after it to the chunk's end:
     exp(B) scales K in the state's update; Γ_C [BD], the whole chunk's sum: exp(Γ_C) decays the state). Arguments as
     channel_sums'."""
-    NS: tl.constexpr = C // SUB
     _, p3, x3, t = channel_sums(g, n, GS, d0, D, C, BD)
+    return decays_of_sums(p3, x3, t, C)
+
+
+@triton.jit
+def decays_of_sums(p3, x3, t, C: tl.constexpr):
+    """channel_decays' (Γ, B, Γ_C) from a tile's channel_sums (P, X, T)."""
+    NS: tl.constexpr = C // SUB
+    BD: tl.constexpr = t.shape[1]
     s = tl.arange(0, NS)
     before = tl.sum(tl.where((s[None, :] < s[:, None])[:, :, None], t[None, :, :], 0.0), axis=1)
     after = tl.sum(tl.where((s[None, :] > s[:, None])[:, :, None], t[None, :, :], 0.0), axis=1)
     gam = tl.reshape(before[:, None, :] + p3, (C, BD))
     rest = tl.reshape(x3 + after[:, None, :], (C, BD))
     return gam, rest, tl.sum(t, axis=0)
+
+
+@triton.jit
+def channel_decay_kernel(k, q, g, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                         K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, STORE_Q: tl.constexpr):
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
+    i_hk = i_h // (H // HK)
+    r = tl.arange(0, C)
+    c = i_k * BK + tl.arange(0, BK)
+    b_gam, b_rest, b_last = channel_decays(g + start * H * K + i_h * K, n, H * K, i_k * BK, K, C, BK)
+    mask = (r[:, None] < n) & (c[None, :] < K)
+    src = (start + r[:, None]) * (HK * K) + i_hk * K + c[None, :]
+    dst = (start + r[:, None]) * (H * K) + i_h * K + c[None, :]
+    b_k = tl.load(k + src, mask=mask, other=0.0)
+    tl.store(kd + dst, (b_k.to(tl.float32) * tl.exp(b_rest)).to(b_k.dtype), mask=mask)
+    if STORE_Q:
+        b_q = tl.load(q + src, mask=mask, other=0.0)
+        tl.store(qd + dst, (b_q.to(tl.float32) * tl.exp(b_gam)).to(b_q.dtype), mask=mask)
+    tl.store(dc + (i_c * H + i_h) * K + c, tl.exp(b_last), mask=c < K)
+
+
+class ChannelDecays(NamedTuple):
+    """KDA's per-channel decays as the serial passes take them (channel_decay_stage): formed once a chunk, in
+    parallel over chunks, rather than once a chunk in every V-block program of a walk."""
+    g: torch.Tensor              # the gate [.., TT, H, K]: the scores, where a pass forms them (a forced fused walk)
+    k: torch.Tensor              # exp(Γ_C - Γ) ⊙ K [.., TT, H, K] per value head, rounded to k's dtype
+    q: Optional[torch.Tensor]    # exp(Γ) ⊙ Q likewise (the reverse pass), or None
+    chunk: torch.Tensor          # exp(Γ_C) [NT, H, K] fp32: the state's decay over each chunk
+
+
+def channel_decay_stage(k: torch.Tensor, g: torch.Tensor, info: SeqInfo, chunk_size: int,
+                        q: Optional[torch.Tensor] = None) -> ChannelDecays:
+    """The decays of KDA's state updates (DESIGN.md §12): exp(Γ_C - Γ) ⊙ K, exp(Γ_C) per chunk, and with q
+    exp(Γ) ⊙ Q, each factor from channel_decays (sums within sub-chunks), rounded as the passes did on chip."""
+    HK, K = k.shape[-2], k.shape[-1]
+    H = g.shape[-2]
+    chunks = info.chunks(chunk_size)
+    kd = k.new_empty(*k.shape[:-2], H, K)
+    qd = None if q is None else torch.empty_like(kd)
+    dc = g.new_empty(chunks.num_chunks, H, K, dtype=torch.float32)
+    BK = min(64, next_power_of_2(K))
+    if chunks.num_chunks:
+        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, g, kd, qd, dc, info.cu_seqlens,
+               chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None, num_warps=4)
+    return ChannelDecays(g, kd, qd, dc)
+
+
+def serial_decays(gk, k: torch.Tensor, info: SeqInfo, chunk_size: int, q: Optional[torch.Tensor] = None
+                  ) -> Optional[ChannelDecays]:
+    """gk as the serial passes take it: None (no per-channel gate), ChannelDecays as given, or from KDA's g."""
+    if gk is None or isinstance(gk, ChannelDecays):
+        return gk
+    return channel_decay_stage(k, gk, info, chunk_size, q)
+
+
+@triton.jit
+def factored(t):
+    """Whether every sub-chunk total t [NS, BD] of a tile lets its within-sub-chunk decays factor (FACTOR_BOUND)."""
+    return tl.min(tl.min(t, axis=1), axis=0) >= -FACTOR_BOUND
 
 
 @triton.jit
@@ -191,24 +264,32 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         col = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], col, 0.0) * k3[None, :, :, :]
         rows = (x3 * tl.exp(p3)).to(dt)
         cross += mm(rows, tl.permute(tl.reshape(col, (NS, C, BK)).to(dt), (0, 2, 1)), PRECISION)
-        # within a sub-chunk, column j of every sub-chunk at a time: exponents g summed over (j, i], a running sum
-        # down the rows from j. A loop, not unrolled: unrolled, the steps' [C/16, 16, BK] terms are live together
-        # and spill on sm_90
-        for j in range(SUB):
-            span = tl.cumsum(tl.where((s > j)[None, :, None], g3, 0.0), axis=1)
+        if factored(t):
+            # within a sub-chunk: (x_i exp(P_i)) . (k_j exp(-P_j)), fp32 products, the causal part kept
+            inner = mm(x3 * tl.exp(p3), tl.permute(k3 * tl.exp(-p3), (0, 2, 1)), "ieee")
             if DIAG:
-                decay = tl.where((s >= j)[None, :, None], tl.exp(span), 0.0)
+                diag += tl.where((s[:, None] >= s[None, :])[None, :, :], inner, 0.0)
             else:
-                decay = tl.where((s > j)[None, :, None], tl.exp(span), 0.0)
-            k_j = tl.sum(tl.where((s == j)[None, :, None], k3, 0.0), axis=1)  # [NS, BK]
-            d_j = tl.sum(x3 * k_j[:, None, :] * decay, axis=2)  # [NS, SUB]: rows i, column j
-            diag += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
+                diag += tl.where((s[:, None] > s[None, :])[None, :, :], inner, 0.0)
+        else:
+            # within a sub-chunk, column j of every sub-chunk at a time: exponents g summed over (j, i], a running
+            # sum down the rows from j. A loop, not unrolled: unrolled, the steps' [C/16, 16, BK] terms are live
+            # together and spill on sm_90
+            for j in range(SUB):
+                span = tl.cumsum(tl.where((s > j)[None, :, None], g3, 0.0), axis=1)
+                if DIAG:
+                    decay = tl.where((s >= j)[None, :, None], tl.exp(span), 0.0)
+                else:
+                    decay = tl.where((s > j)[None, :, None], tl.exp(span), 0.0)
+                k_j = tl.sum(tl.where((s == j)[None, :, None], k3, 0.0), axis=1)  # [NS, BK]
+                d_j = tl.sum(x3 * k_j[:, None, :] * decay, axis=2)  # [NS, SUB]: rows i, column j
+                diag += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
     same = sub[:, None, None, None] == sub[None, None, :, None]
     return tl.reshape(cross, (C, C)) + tl.reshape(tl.where(same, tl.expand_dims(diag, 2), 0.0), (C, C))
 
 
 @triton.jit
-def channel_mix(m, x, g, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
+def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
                 BD: tl.constexpr, TRANS: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr):
     """Channels [d0, d0 + BD) of one chunk's product of a score gradient m [C, C] (fp32, strictly lower: rows i,
     columns j < i) with rows of x under the per-channel decays, [C, BD] fp32: sum_j m_ij x_jc exp(Γ_i - Γ_j)[c]
@@ -216,8 +297,8 @@ def channel_mix(m, x, g, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.conste
     with its sub-chunk factors: across sub-chunks J < I the decay is exp(P_i) exp(X_j + the totals between), one
     factor on the rows of x (or of the result) per sub-chunk and one batched product with m's blocks in DT; within a
     sub-chunk it stays inside the sum, exp(g summed over (j, i]) per channel in fp32, a column j at a time as in
-    channel_scores. x, g point at the chunk's first token and their heads, XS, GS apart a row; rows from n on and
-    channels from D on read as 0."""
+    channel_scores. sums: channel_sums of the tile's channels (shared with the caller's decays); x points at the
+    chunk's first token and its head, XS apart a row; rows from n on and channels from D on read as 0."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
     s = tl.arange(0, SUB)
@@ -225,22 +306,30 @@ def channel_mix(m, x, g, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.conste
     c = d0 + tl.arange(0, BD)
     b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0)
     x3 = tl.reshape(b_x.to(tl.float32), (NS, SUB, BD))
-    g3, p3, q3, t = channel_sums(g, n, GS, d0, D, C, BD)
+    g3, p3, q3, t = sums
     between = totals_between(t, NS)  # [I, J, BD]
     same = sub[:, None, None, None] == sub[None, None, :, None]
     m_diag = tl.sum(tl.where(same, tl.reshape(m, (NS, SUB, NS, SUB)), 0.0), axis=2)  # [sub-chunk, i, j]
-    inner = tl.zeros([NS, SUB, BD], dtype=tl.float32)
-    for j in range(SUB):
-        # column j of every sub-chunk: exp(g summed over (j, i]) on rows i > j, a running sum down the rows from j
-        later = (s > j)[None, :, None]
-        decay = tl.where(later, tl.exp(tl.cumsum(tl.where(later, g3, 0.0), axis=1)), 0.0)  # [sub-chunk, i, BD]
-        m_j = tl.sum(tl.where((s == j)[None, None, :], m_diag, 0.0), axis=2)  # [sub-chunk, i]
+    if factored(t):
+        # exp(g summed over (j, i]) = exp(P_i) exp(-P_j): m's strictly lower blocks times scaled rows, fp32 products
+        m_diag = tl.where((s[:, None] > s[None, :])[None, :, :], m_diag, 0.0)
         if TRANS:
-            row = tl.sum(m_j[:, :, None] * x3 * decay, axis=1)  # result row j
-            inner += tl.where((s == j)[None, :, None], row[:, None, :], 0.0)
+            inner = mm(tl.permute(m_diag, (0, 2, 1)), x3 * tl.exp(p3), "ieee") * tl.exp(-p3)
         else:
-            x_j = tl.sum(tl.where((s == j)[None, :, None], x3, 0.0), axis=1)
-            inner += m_j[:, :, None] * x_j[:, None, :] * decay
+            inner = mm(m_diag, x3 * tl.exp(-p3), "ieee") * tl.exp(p3)
+    else:
+        inner = tl.zeros([NS, SUB, BD], dtype=tl.float32)
+        for j in range(SUB):
+            # column j of every sub-chunk: exp(g summed over (j, i]) on rows i > j, a running sum down the rows
+            later = (s > j)[None, :, None]
+            decay = tl.where(later, tl.exp(tl.cumsum(tl.where(later, g3, 0.0), axis=1)), 0.0)  # [sub-chunk, i, BD]
+            m_j = tl.sum(tl.where((s == j)[None, None, :], m_diag, 0.0), axis=2)  # [sub-chunk, i]
+            if TRANS:
+                row = tl.sum(m_j[:, :, None] * x3 * decay, axis=1)  # result row j
+                inner += tl.where((s == j)[None, :, None], row[:, None, :], 0.0)
+            else:
+                x_j = tl.sum(tl.where((s == j)[None, :, None], x3, 0.0), axis=1)
+                inner += m_j[:, :, None] * x_j[:, None, :] * decay
     if TRANS:
         # result row j of sub-chunk J: the rows i of sub-chunks I > J scaled by exp(P_i + totals between), then exp(X_j)
         scaled = tl.exp(p3[None, :, :, :] + tl.permute(between, (1, 0, 2))[:, :, None, :])  # [J, I, SUB, BD]

@@ -26,7 +26,8 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
                      next_power_of_2, state_offsets, store_rows)
-from .gate import SCORE_TILE, channel_decays, channel_mix, channel_scores, decay_matrix, load_gamma
+from .gate import (SCORE_TILE, channel_mix, channel_scores, channel_sums, decay_matrix, decays_of_sums,
+                   load_gamma)
 
 
 @triton.jit
@@ -128,15 +129,16 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
         b_ds = b_ds.to(dt)
     elif USE_GK:
         g_c = gam + start * H * K + i_h * K
-        b_gam, b_rest, b_gam_last = channel_decays(g_c, n, H * K, i_k * BK, K, C, BK)
+        sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for its decays and channel_mix
+        b_gam, b_rest, b_gam_last = decays_of_sums(sums[1], sums[2], sums[3], C)
         b_dq *= tl.exp(b_gam)  # (exp(Γ) ⊙ dO S^T): the entering state's term
         b_dk *= tl.exp(b_rest)  # (exp(Γ_C - Γ) ⊙ V' dS_next^T): the leaving state's
         # dP = scale dO V'^T, strictly lower through the decays; the diagonal (decay 1) apart
         b_dpd = scale * tl.sum(tl.where(r[:, None] == r[None, :], b_ds, 0.0), axis=1)
         b_dp = tl.where(r[:, None] > r[None, :], b_ds * scale, 0.0)
-        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, False, dt,
+        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, False, dt,
                           PRECISION)
-        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, True, dt,
+        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, True, dt,
                           PRECISION)
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
         # dΓ_i: through exp(Γ_i) of Q S, and through the scores' decays (row i as the later token, minus as the

@@ -6,9 +6,9 @@ each sequence, from dht (or zero) after the last chunk to dh0 before the first:
 with dV'_local = scale (Q K^T ⊙ M)^T dO. Gated (USE_G, DESIGN.md §11): dV' = dV'_local + exp(γ_C - γ) ⊙ K dS_next with
 (Q K^T ⊙ E ⊙ M) in dV'_local, dS = scale (exp(γ) ⊙ Q)^T dO + exp(γ_C) dS_next - W^T dV'. Per-channel gate (USE_GK,
 KDA, DESIGN.md §12): dV' = scale P^T dO + (exp(Γ_C - Γ) ⊙ K) dS_next with P from gate.channel_scores, dS = scale
-(exp(Γ) ⊙ Q)^T dO + diag(exp(Γ_C)) dS_next - W^T dV', the exponents from gate.channel_decays. Grouped value heads: q, k
-of the value head's key head. One program per (V-block, sequence x head) keeps its [K, BV] slice of the
-state gradient in fp32 registers for the whole sequence: the V columns are independent.
+(exp(Γ) ⊙ Q)^T dO + diag(exp(Γ_C)) dS_next - W^T dV', the decayed K, Q and exp(Γ_C) from gate.channel_decay_stage.
+Grouped value heads: q, k of the value head's key head. One program per (V-block, sequence x head) keeps its [K, BV]
+slice of the state gradient in fp32 registers for the whole sequence: the V columns are independent.
 
 FUSE_DV_LOCAL (the plan's rule, but for KDA: plan.local_dv_apart) computes dV'_local from the Q, K and dO tiles the
 pass loads anyway: A^T = K Q^T is recomputed by every V-block program of a head, in exchange for a launch and
@@ -28,18 +28,19 @@ from ...launch import launch
 from ..plan import Launch, reverse_launch
 from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms, state_offsets,
                      store_rows)
-from .gate import channel_decays, channel_scores, decay_matrix, load_gamma
+from .gate import channel_scores, decay_matrix, load_gamma, serial_decays
 from .grads import causal_scores_t
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, gam, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chunk_offsets, scale,
+def state_bwd_kernel(q, k, w, gam, kd, qd, dc, dout, dv_local, dht, dh, dv, dh0, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                      FUSE_DV_LOCAL: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, PRECISION: tl.constexpr):
     """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local (the
     ungated stage contract). H value heads, HK key heads (q, k); USE_G: gated by γ (gam); USE_GK: by KDA's g (gam
-    [.., H, K])."""
+    [.., H, K]) through gate.channel_decay_stage's decayed K and Q (kd, qd) and chunk decays (dc), g itself for a
+    fused local dV' only."""
     tl.static_assert(FUSE_DV_LOCAL or not USE_G, "the gated pass computes its local dV' itself")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -59,23 +60,23 @@ def state_bwd_kernel(q, k, w, gam, dout, dv_local, dht, dh, dv, dh0, cu_seqlens,
         n = eos - start  # tokens left in the sequence: rows from n on are masked
         c_offs, c_mask = state_offsets((first_chunk + i_c) * H + i_h, 0, i_v * BV, K, V, BK, BV)
         tl.store(dh + c_offs, b_dsn.to(dh.dtype.element_ty), mask=c_mask)
-        b_k = load_rows(k, start, n, i_hk, 0, HK, K, C, BK)
-        b_q = load_rows(q, start, n, i_hk, 0, HK, K, C, BK)
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
-        if USE_GK:  # the decayed K rounded as K is, as in the forward's state update
-            g_c = gam + start * H * K + i_h * K
-            b_gam, b_rest, b_gam_last = channel_decays(g_c, n, H * K, 0, K, C, BK)
-            b_dv = mm((b_k.to(tl.float32) * tl.exp(b_rest)).to(dt), b_dsn.to(dt), PRECISION)
+        if USE_GK:  # exp(Γ_C - Γ) ⊙ K and exp(Γ) ⊙ Q of the value head, as the forward's state update rounded them
+            b_k = load_rows(kd, start, n, i_h, 0, H, K, C, BK)
+            b_q = load_rows(qd, start, n, i_h, 0, H, K, C, BK)
         else:
-            b_dv = mm(b_k, b_dsn.to(dt), PRECISION)
+            b_k = load_rows(k, start, n, i_hk, 0, HK, K, C, BK)
+            b_q = load_rows(q, start, n, i_hk, 0, HK, K, C, BK)
+        b_dv = mm(b_k, b_dsn.to(dt), PRECISION)
         if USE_G:
             b_gam, b_gam_last = load_gamma(gam, start, n, i_h, H, C)
             b_dv *= tl.exp(b_gam_last - b_gam)[:, None]
         if FUSE_DV_LOCAL:
             # Q and K are whole in K here, so A^T = K Q^T is one product; the local part stays in fp32
             if USE_GK:
-                b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K, g_c, n,
-                                               HK * K, HK * K, H * K, K, C, True, PRECISION))
+                b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K,
+                                               gam + start * H * K + i_h * K, n, HK * K, HK * K, H * K, K, C, True,
+                                               PRECISION))
             else:
                 b_at = mm(b_k, tl.trans(b_q), PRECISION)
             if USE_G:
@@ -88,9 +89,9 @@ def state_bwd_kernel(q, k, w, gam, dout, dv_local, dht, dh, dv, dh0, cu_seqlens,
         if USE_G:  # exp(γ) Q: the entering state's share of the output; exp(γ_C): the state's decay over the chunk
             b_q = (b_q.to(tl.float32) * tl.exp(b_gam)[:, None]).to(dt)
             b_dsn *= tl.exp(b_gam_last)
-        if USE_GK:  # per key channel: the rows of Q and of the state gradient
-            b_q = (b_q.to(tl.float32) * tl.exp(b_gam)).to(dt)
-            b_dsn *= tl.exp(b_gam_last)[:, None]
+        if USE_GK:  # per key channel: the state gradient's rows (Q came decayed)
+            ck = tl.arange(0, BK)
+            b_dsn *= tl.load(dc + ((first_chunk + i_c) * H + i_h) * K + ck, mask=ck < K, other=0.0)[:, None]
         b_dsn += scale * mm(tl.trans(b_q), b_do, PRECISION) - mm(tl.trans(b_w), b_dv.to(dt), PRECISION)
     if STORE_DH0:
         tl.store(dh0 + s_offs, b_dsn, mask=s_mask)
@@ -101,7 +102,11 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     """(dh [NT, H, K, V]: gradient of the state leaving each chunk, in q's dtype (grads.dqkw rounds it to that dtype
     before its products anyway); dv [1, TT, H, V] in do's dtype: the full dV'; dh0 [N, H, K, V] fp32 or None).
     dv_local: the local dV' from grads.dv_local, or None to compute it in this pass (fused: the backward's path).
-    gam: the gated rule's γ; gk: KDA's g. Value heads are do's, key heads q's."""
+    gam: the gated rule's γ; gk: KDA's g or its gate.ChannelDecays with the decayed Q (made here from g otherwise).
+    Value heads are do's, key heads q's."""
+    decays = serial_decays(gk, k, info, chunk_size, q)
+    if decays is not None and decays.q is None:
+        raise ValueError("state_bwd: gk's ChannelDecays need the decayed q (channel_decay_stage(..., q=q))")
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     N = info.num_seqs
     chunks = info.chunks(chunk_size)
@@ -113,9 +118,10 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     if N:
         launch(
             state_bwd_kernel, (cdiv(V, cfg.block_v), N * H),
-            q, k, w, gk if gam is None else gam, do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets,
+            q, k, w, decays.g if decays else gam, decays and decays.k, decays and decays.q, decays and decays.chunk,
+            do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets,
             scale,
             H, HK, K, V, chunk_size, head_block(K), cfg.block_v, dht is not None, need_dh0, dv_local is None,
-            gam is not None, gk is not None, dot_precision(q.dtype), num_warps=cfg.warps, num_stages=PIPELINE_STAGES,
+            gam is not None, decays is not None, dot_precision(q.dtype), num_warps=cfg.warps, num_stages=PIPELINE_STAGES,
         )
     return dh, dv, dh0

@@ -13,9 +13,10 @@ Variants (constexprs of state_fwd_kernel):
 Gated (USE_G, DESIGN.md §11): S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V'), O = scale (exp(γ) ⊙ Q S + (Q K^T ⊙ E ⊙ M)
 V'), and W's pair on chip takes exp(γ). Per-channel gate (USE_GK, KDA, DESIGN.md §12; the forward's variants only):
 S <- diag(exp(Γ_C)) S + (exp(Γ_C - Γ) ⊙ K)^T V', O = scale ((exp(Γ) ⊙ Q) S + P V') with P from gate.channel_scores,
-every exponent a sum within sub-chunks (gate.channel_decays). Grouped value heads: a program walks a value head,
-reading q, k of its key head. The loads do not depend on S, so the compiler fetches the next chunk's tiles while the
-current chunk's products run. Launches (V-block, warps) come from the plan (plan.walk_launch)."""
+every exponent a sum within sub-chunks (gate.channel_decays); the decayed K and exp(Γ_C) come from
+gate.channel_decay_stage, made in parallel over chunks before the walk, so the serial chain does no exponent work.
+Grouped value heads: a program walks a value head, reading q, k of its key head. The loads do not depend on S, so the
+compiler fetches the next chunk's tiles while the current chunk's products run. Launches (V-block, warps) come from the plan (plan.walk_launch)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -27,13 +28,13 @@ import triton.language as tl
 from ...launch import launch as launch_kernel
 from ..plan import Launch, walk_launch
 from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_offsets
-from .gate import channel_decays, channel_scores, decay_matrix, load_gamma
+from .gate import channel_decays, channel_scores, decay_matrix, load_gamma, serial_decays
 from .output import causal_output
 from .wy import tinv_beta_pair, wy_product
 
 
 @triton.jit
-def state_fwd_kernel(q, k, v, beta, gam, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
+def state_fwd_kernel(q, k, v, beta, gam, kd, dc, tinv, w, u, h0, h, v_new, o, ht, scale, cu_seqlens, chunk_offsets,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, WY_ON_CHIP: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
@@ -42,7 +43,8 @@ def state_fwd_kernel(q, k, v, beta, gam, tinv, w, u, h0, h, v_new, o, ht, scale,
     WY_ON_CHIP: W and U's V-block computed from tinv, beta, k, v (SPLIT: Tinv diag(beta) as a 16-bit
     pair, wy.tinv_beta_pair), W written to w by the V-block-0 programs, u unused; else W, U read from w, u
     (v, beta, tinv unused). H value heads, HK key heads (q, k); USE_G: gated by γ (gam); USE_GK: by KDA's g
-    (gam [.., H, K])."""
+    (gam [.., H, K]), the state's update from gate.channel_decay_stage's decayed K (kd) and chunk decays (dc), g
+    itself for the fused output's scores only."""
     tl.static_assert(not (USE_GK and WY_ON_CHIP), "the per-channel gate's walk is the forward's")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -71,16 +73,20 @@ def state_fwd_kernel(q, k, v, beta, gam, tinv, w, u, h0, h, v_new, o, ht, scale,
         o_qk = (start + rows[:, None]) * (HK * K) + i_hk * K + ck[None, :]
         o_w = (start + rows[:, None]) * (H * K) + i_h * K + ck[None, :]
         m_qk = m_rows[:, None] & (ck[None, :] < K)
-        # K^T [BK, C], loaded transposed
-        b_kt = tl.load(k + (start + rows[None, :]) * (HK * K) + i_hk * K + ck[:, None],
-                       mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
+        if USE_GK:  # K^T [BK, C] decayed to the chunk's end (the decay stage's, rounded as K is), loaded transposed
+            b_kt = tl.load(kd + (start + rows[None, :]) * (H * K) + i_h * K + ck[:, None],
+                           mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
+        else:  # K^T [BK, C], loaded transposed
+            b_kt = tl.load(k + (start + rows[None, :]) * (HK * K) + i_hk * K + ck[:, None],
+                           mask=(ck[:, None] < K) & m_rows[None, :], other=0.0)
         b_decay = tl.zeros([C], dtype=tl.float32)
         if USE_G:
             b_gam, b_gam_last = load_gamma(gam, start, eos - start, i_h, H, C)
             b_decay = tl.exp(b_gam)
         if USE_GK:
             g_c = gam + start * H * K + i_h * K
-            b_gam, b_rest, b_gam_last = channel_decays(g_c, eos - start, H * K, 0, K, C, BK)
+            if FUSE_OUTPUT:
+                b_gam, _, _ = channel_decays(g_c, eos - start, H * K, 0, K, C, BK)
         o_uv = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
         m_uv = m_rows[:, None] & (cv[None, :] < V)
         if WY_ON_CHIP:
@@ -117,9 +123,9 @@ def state_fwd_kernel(q, k, v, beta, gam, tinv, w, u, h0, h, v_new, o, ht, scale,
         if USE_G:  # S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V'); the decayed V' rounded as V' is
             b_s = b_s * tl.exp(b_gam_last) + mm(b_kt, (b_vn.to(tl.float32) * tl.exp(b_gam_last - b_gam)[:, None])
                                                 .to(b_vn.dtype), PRECISION)
-        elif USE_GK:  # S <- diag(exp(Γ_C)) S + (exp(Γ_C - Γ) ⊙ K)^T V'; the decayed K rounded as K is
-            b_kt_d = (b_kt.to(tl.float32) * tl.trans(tl.exp(b_rest))).to(b_kt.dtype)
-            b_s = b_s * tl.exp(b_gam_last)[:, None] + mm(b_kt_d, b_vn, PRECISION)
+        elif USE_GK:  # S <- diag(exp(Γ_C)) S + (exp(Γ_C - Γ) ⊙ K)^T V'
+            b_ec = tl.load(dc + ((first_chunk + i_t) * H + i_h) * K + ck, mask=ck < K, other=0.0)
+            b_s = b_s * b_ec[:, None] + mm(b_kt, b_vn, PRECISION)
         else:
             b_s += mm(b_kt, b_vn, PRECISION)
         if FUSE_OUTPUT:
@@ -139,10 +145,12 @@ def state_fwd_kernel(q, k, v, beta, gam, tinv, w, u, h0, h, v_new, o, ht, scale,
 
 
 def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info, chunk_size, h, v_new, o,
-          cfg: Optional[Launch], gam: Optional[torch.Tensor] = None, gk: Optional[torch.Tensor] = None):
+          cfg: Optional[Launch], gam: Optional[torch.Tensor] = None, gk=None):
     """Launches the walk: fused when o is given (then h, v_new are None), else plain; with wy_inputs = (v, beta,
-    tinv), W and U computed on chip (W written to w, u None). gam: the gated rule's γ; gk: KDA's g. Returns the final
-    state [N, H, K, V] fp32 (H value heads: w's), or None."""
+    tinv), W and U computed on chip (W written to w, u None). gam: the gated rule's γ; gk: KDA's g, or its
+    gate.ChannelDecays (made here from g otherwise). Returns the final state [N, H, K, V] fp32 (H value heads: w's),
+    or None."""
+    decays = serial_decays(gk, k, info, chunk_size)
     v, beta, tinv = (None, None, None) if wy_inputs is None else wy_inputs
     HK, K = k.shape[2], k.shape[3]
     H, V = w.shape[2], (u if v is None else v).shape[3]
@@ -154,10 +162,11 @@ def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info,
     if N * H:
         launch_kernel(
             state_fwd_kernel, (N * H, cdiv(V, cfg.block_v)),
-            q, k, v, beta, gk if gam is None else gam, tinv, w, u, initial_state, h, v_new, o, final_state, scale,
+            q, k, v, beta, decays.g if decays else gam, decays and decays.k, decays and decays.chunk, tinv, w, u,
+            initial_state, h, v_new, o, final_state, scale,
             info.cu_seqlens, info.chunks(chunk_size).chunk_offsets, H, HK, K, V, chunk_size, head_block(K), cfg.block_v,
             initial_state is not None, output_final_state, fused, wy_inputs is not None, gam is not None,
-            gk is not None, k.dtype != torch.float32, dot_precision(k.dtype), num_warps=cfg.warps,
+            decays is not None, k.dtype != torch.float32, dot_precision(k.dtype), num_warps=cfg.warps,
             num_stages=PIPELINE_STAGES,
         )
     return final_state
@@ -166,10 +175,11 @@ def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info,
 def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, initial_state: Optional[torch.Tensor],
               output_final_state: bool, info: SeqInfo, chunk_size: int, cfg: Optional[Launch] = None,
               gam: Optional[torch.Tensor] = None, states_dtype: Optional[torch.dtype] = None,
-              gk: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+              gk=None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(h [NT, H, K, V]: the state entering each chunk, in the input dtype (or states_dtype: fp32 for
     output_chunk_states); v_new = U - W S in the input dtype; final_state [N, H, K, V] fp32 or None). A sequence of
-    length 0 passes its initial state (or zeros) through. gam: the gated rule's γ; gk: KDA's g."""
+    length 0 passes its initial state (or zeros) through. gam: the gated rule's γ; gk: KDA's g or its
+    gate.ChannelDecays."""
     H, K, V = w.shape[2], k.shape[3], u.shape[3]
     h = k.new_empty(info.chunks(chunk_size).num_chunks, H, K, V, dtype=states_dtype or k.dtype)
     v_new = torch.empty_like(u)
@@ -196,7 +206,7 @@ def state_wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, tinv: tor
 def state_output_fwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                      initial_state: Optional[torch.Tensor], output_final_state: bool, info: SeqInfo,
                      chunk_size: int, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None,
-                     gk: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     gk=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The walk with the output fused in: (o in the input dtype, final_state as state_fwd's); the same o as
     output.output_fwd on state_fwd's h and v_new, up to the order of fp32 sums over K."""
     o = torch.empty_like(u)

@@ -29,7 +29,8 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import WY_PIPELINE_STAGES, chunk_span, dot_precision, load_rows, mm, store_rows
 from ..plan import Launch, wy_bwd_launch
-from .gate import SCORE_TILE, channel_decays, channel_mix, decay_matrix, load_gamma
+from .gate import (SCORE_TILE, channel_decays, channel_mix, channel_sums, decay_matrix, decays_of_sums,
+                   load_gamma)
 
 
 @triton.jit
@@ -123,10 +124,11 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
         if USE_GK:
             # dA's products with K under the decays: rows (sum_j dA_ij k_j D_ij, beta_i on the row) and columns
             # (sum_i beta_i dA_ij k_i D_ij); T~^T dW's row i takes exp(Γ_i) per channel in dK, dbeta and dΓ
-            b_e = tl.exp(channel_decays(g_c, n, H * K, i_k * BK, K, C, BK)[0])
+            sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for exp(Γ) and channel_mix
+            b_e = tl.exp(decays_of_sums(sums[1], sums[2], sums[3], C)[0])
             b_tdw = mm(b_tt_in, b_dw, PRECISION)
-            b_ya = channel_mix(b_da, k_c, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, False, tl.float32, PRECISION)
-            b_za = channel_mix(tl.trans(b_dat), k_c, g_c, n, HK * K, H * K, i_k * BK, K, C, BK, True, tl.float32,
+            b_ya = channel_mix(b_da, k_c, sums, n, HK * K, i_k * BK, K, C, BK, False, tl.float32, PRECISION)
+            b_za = channel_mix(tl.trans(b_dat), k_c, sums, n, HK * K, i_k * BK, K, C, BK, True, tl.float32,
                                PRECISION)
             b_dkb = b_tdw * b_e + b_ya
             b_dk_wy = b_beta[:, None] * b_dkb + b_za
