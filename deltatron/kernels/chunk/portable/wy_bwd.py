@@ -180,7 +180,7 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     if gam is not None or gk is not None:
         dgam = torch.empty(beta.shape if gk is None else gk.shape, dtype=torch.float32, device=beta.device)
     if cfg is None:
-        cfg = wy_bwd_launch(K, V, k.element_size())
+        cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None)
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
     # KDA's fp32 products in ieee, also for 16-bit inputs: compiled by triton 3.6 for sm_90 with tf32 products, this
     # kernel's KDA variant returned inf or wrong dK, dbeta, dg for fp16 and faulted on packed bf16 sequences
