@@ -242,9 +242,10 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
 
     A row i of sub-chunk I and a column j of an earlier sub-chunk J: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals
     between J and I), both factors <= 1, so those blocks are products of the scaled rows and columns (one batched
-    product, a [SUB, C] block of columns per row sub-chunk). Within a sub-chunk the decay stays inside the sum over
-    channels: D_ij = exp(g summed over (j, i]), a column j at a time ([C/SUB, SUB, channels]: a running sum down the
-    rows from j), then the sum over c."""
+    product, a [SUB, C] block of columns per row sub-chunk). Within a sub-chunk, where the tile's sub-chunks all stay
+    above e^-FACTOR_BOUND (factored), D_ij = exp(P_i) exp(-P_j): one fp32 product of scaled rows and columns per
+    sub-chunk; elsewhere the decay stays inside the sum over channels: D_ij = exp(g summed over (j, i]), a column j at
+    a time ([C/SUB, SUB, channels]: a running sum down the rows from j), then the sum over c."""
     NS: tl.constexpr = C // SUB
     BK: tl.constexpr = SCORE_TILE
     r = tl.arange(0, C)
@@ -296,8 +297,8 @@ def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.cons
     (row i), or TRANS: sum_i m_ij x_ic exp(Γ_i - Γ_j)[c] (row j). The backward's counterpart of channel_scores,
     with its sub-chunk factors: across sub-chunks J < I the decay is exp(P_i) exp(X_j + the totals between), one
     factor on the rows of x (or of the result) per sub-chunk and one batched product with m's blocks in DT; within a
-    sub-chunk it stays inside the sum, exp(g summed over (j, i]) per channel in fp32, a column j at a time as in
-    channel_scores. sums: channel_sums of the tile's channels (shared with the caller's decays); x points at the
+    sub-chunk, as in channel_scores: factored, exp(P_i) exp(-P_j) around one fp32 product per sub-chunk; else inside
+    the sum, exp(g summed over (j, i]) per channel in fp32, a column j at a time. sums: channel_sums of the tile's channels (shared with the caller's decays); x points at the
     chunk's first token and its head, XS apart a row; rows from n on and channels from D on read as 0."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
