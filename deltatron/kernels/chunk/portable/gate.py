@@ -156,13 +156,13 @@ def channel_decays(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
     through the row: exp(Γ) scales Q and W's K; B [C, BD], g summed over the rows after it to the chunk's end:
     exp(B) scales K in the state's update; Γ_C [BD], the whole chunk's sum: exp(Γ_C) decays the state). Arguments as
     channel_sums'."""
-    _, p3, x3, t = channel_sums(g, n, GS, d0, D, C, BD)
-    return decays_of_sums(p3, x3, t, C)
+    return decays_of_sums(channel_sums(g, n, GS, d0, D, C, BD), C)
 
 
 @triton.jit
-def decays_of_sums(p3, x3, t, C: tl.constexpr):
-    """channel_decays' (Γ, B, Γ_C) from a tile's channel_sums (P, X, T)."""
+def decays_of_sums(sums, C: tl.constexpr):
+    """channel_decays' (Γ, B, Γ_C) from a tile's channel_sums (g, P, X, T), as channel_mix takes them too."""
+    _, p3, x3, t = sums
     NS: tl.constexpr = C // SUB
     BD: tl.constexpr = t.shape[1]
     s = tl.arange(0, NS)

@@ -130,7 +130,7 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
     elif USE_GK:
         g_c = gam + start * H * K + i_h * K
         sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for its decays and channel_mix
-        b_gam, b_rest, b_gam_last = decays_of_sums(sums[1], sums[2], sums[3], C)
+        b_gam, b_rest, b_gam_last = decays_of_sums(sums, C)
         b_dq *= tl.exp(b_gam)  # (exp(Γ) ⊙ dO S^T): the entering state's term
         b_dk *= tl.exp(b_rest)  # (exp(Γ_C - Γ) ⊙ V' dS_next^T): the leaving state's
         # dP = scale dO V'^T, strictly lower through the decays; the diagonal (decay 1) apart

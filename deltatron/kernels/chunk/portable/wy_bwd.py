@@ -125,7 +125,7 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
             # dA's products with K under the decays: rows (sum_j dA_ij k_j D_ij, beta_i on the row) and columns
             # (sum_i beta_i dA_ij k_i D_ij); T~^T dW's row i takes exp(Γ_i) per channel in dK, dbeta and dΓ
             sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for exp(Γ) and channel_mix
-            b_e = tl.exp(decays_of_sums(sums[1], sums[2], sums[3], C)[0])
+            b_e = tl.exp(decays_of_sums(sums, C)[0])
             b_tdw = mm(b_tt_in, b_dw, PRECISION)
             b_ya = channel_mix(b_da, k_c, sums, n, HK * K, i_k * BK, K, C, BK, False, tl.float32, PRECISION)
             b_za = channel_mix(tl.trans(b_dat), k_c, sums, n, HK * K, i_k * BK, K, C, BK, True, tl.float32,
