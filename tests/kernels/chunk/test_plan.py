@@ -115,20 +115,24 @@ def test_split_on_the_hopper_walk_unless_forced(gpu, dtype, forced, expected):
         assert (p.walk_launch.block_v, p.walk_launch.warps) == (64, 4)
 
 
-@pytest.mark.parametrize("N, T, H, forced, expected", [
-    (2, 8192, 32, None, True), (1, 32768, 16, None, True), (1, 8192, 132, None, True), (16, 8192, 1, None, True),
-    (1, 8192, 15, None, False), (1, 8192, 133, None, False), (20, 8192, 16, None, False),
-    (4, 4096, 16, None, True), (8, 2048, 16, None, True), (16, 2047, 8, None, False), (8, 1024, 16, None, False),
-    (4, 4096, 16, True, True), (8, 1024, 16, True, True), (2, 8192, 32, False, False)])
+@pytest.mark.parametrize("N, T, H, forced, expected, expected_gated", [
+    (2, 8192, 32, None, True, True), (1, 32768, 16, None, True, True), (1, 8192, 132, None, True, True),
+    (16, 8192, 1, None, True, True), (1, 8192, 15, None, False, False), (1, 8192, 133, None, False, True),
+    (20, 8192, 16, None, False, False), (8, 4096, 32, None, False, True), (1, 8192, 264, None, False, True),
+    (1, 8192, 265, None, False, False), (4, 4096, 16, None, True, True), (8, 2048, 16, None, True, True),
+    (16, 2047, 8, None, False, False), (8, 1024, 16, None, False, False), (4, 4096, 16, True, True, True),
+    (8, 1024, 16, True, True, True), (2, 8192, 32, False, False, False), (8, 4096, 32, False, False, False)])
 @pytest.mark.parametrize("gated, key_heads", [(False, 0), (True, 0), (False, 1), (True, 1)])
-def test_hopper_reverse_from_16_to_one_wave_on_long_sequences(N, T, H, forced, expected, gated, key_heads):
+def test_hopper_reverse_from_16_to_one_wave_on_long_sequences(N, T, H, forced, expected, expected_gated, gated,
+                                                              key_heads):
     # where the Hopper reverse pass fits (what the Hopper walk needs, and a backward), from 16 sequences x heads (the
-    # fewest measured) while one program a sequence and head fits one wave of the 132 SMs, on sequences of 2,048
-    # tokens or more on average, unless forced either way; its V-block as the Hopper walk's (hopper_block_v). The
-    # gate and grouped value heads (one key head here; H counts the value heads) take the same rule and overrides
+    # fewest measured) while one program a sequence and head fits one wave of the 132 SMs (two waves for the gated
+    # rule: measured faster at Qwen3-Next's B 8, T 4096, 32 value heads), on sequences of 2,048 tokens or more on
+    # average, unless forced either way; its V-block as the Hopper walk's (hopper_block_v). Grouped value heads (one
+    # key head here; H counts the value heads) take the same rule and overrides
     with plan.overrides(hopper_reverse=forced):
         p = plan_for_shape(N, T, H, 128, 128, bf16, gated=gated, key_heads=key_heads)
-    assert p.reverse == ("hopper" if expected else "portable")
+    assert p.reverse == ("hopper" if (expected_gated if gated else expected) else "portable")
     if expected:
         assert p.reverse_launch.block_v == plan.hopper_block_v(N * H, 132)
 
@@ -235,6 +239,9 @@ def test_wy_register_cap_override():
             p = plan_for_shape(8, 2048, 16, 128, 128, bf16)
         assert p.wy_launch.maxnreg == cap and p.wy_launch.options() == ({"maxnreg": cap} if cap else {})
         assert p.recompute_wy_launch.maxnreg == 0 and p.wy_bwd_launch.maxnreg == 168
+    # the per-head gated rule's variant uncapped (it spills under 168), KDA's capped as the ungated one
+    assert plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16).wy_launch.maxnreg == 0
+    assert plan_for_shape(8, 2048, 16, 128, 128, bf16, gated=True, per_channel=True).wy_launch.maxnreg == 168
     with pytest.raises(ValueError, match="wy_maxnreg=-1"):
         with plan.overrides(wy_maxnreg=-1):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)

@@ -142,7 +142,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
     chunks = info.chunks(chunk_size)
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
     if cfg is None:
-        cfg = wy_launch(K, V, k.element_size(), fused)
+        cfg = wy_launch(K, V, k.element_size(), fused, gam is not None)
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
