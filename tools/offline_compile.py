@@ -17,6 +17,9 @@ forward and backward, and the fused_recurrent kernels' USE_GK.
 --key-heads for their variants of both) and compiles those kernels too, from their Gluon source: with the
 GPU's triton 3.6 first on PYTHONPATH (the Gluon API differs in other versions).
 
+--traceback prints a failed compile's whole traceback (the table keeps its first line, which for an error inside a
+nested jit function names only the outermost call).
+
 --sass-lines N also lists, per compiled kernel, the N source lines with the most SASS instructions (nvdisasm's
 line table) and their commonest opcodes. A kernel without loops over chunks or tiles (the WY forward) runs each
 instruction about once a program, so the count is close to the work a program issues: for the WY forward it shows the
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import types
 from pathlib import Path
 
@@ -102,10 +106,11 @@ class OfflineLaunches:
     """While active, a Triton launch compiles its kernel for sm_90 instead of running it; one row per
     distinct compilation."""
 
-    def __init__(self, kernels=None, sass_lines=0):
+    def __init__(self, kernels=None, sass_lines=0, traceback=False):
         self.backend = make_backend(H200)
         self.kernels = kernels  # names of the kernels to compile (None: all)
         self.sass_lines = sass_lines  # source lines to list by SASS instructions (0: none)
+        self.traceback = traceback  # print a failed compile's traceback
         self.rows, self.seen = [], set()
 
     def __enter__(self):
@@ -143,6 +148,8 @@ class OfflineLaunches:
             compiled = triton_compile(source, target=H200, options=options.__dict__)
         except Exception as e:  # reported: a compile failure is what this tool is for
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            if self.traceback:
+                traceback.print_exc()
         else:
             ptx = compiled.asm["ptx"]
             md = compiled.metadata
@@ -260,6 +267,7 @@ def main() -> int:
     parser.add_argument("--key-heads", type=int, help="heads of q and k (grouped value heads: fewer than H)")
     parser.add_argument("--hopper", action="store_true",
                         help="the chunk form on the Hopper Gluon walk and reverse pass (16-bit, K = V = 128)")
+    parser.add_argument("--traceback", action="store_true", help="print a failed compile's whole traceback")
     parser.add_argument("--sass-lines", type=int, default=0, metavar="N",
                         help="also list each kernel's N source lines with the most SASS instructions")
     args = parser.parse_args()
@@ -277,7 +285,7 @@ def main() -> int:
         x = inputs(B, 128, H, D, D, DTYPES[args.dtype], args.key_heads)
         info = seq_info(B, 128, torch.device("cpu"), None, None)
         for name in args.forms:
-            with OfflineLaunches(args.kernels, args.sass_lines) as offline, forced:
+            with OfflineLaunches(args.kernels, args.sass_lines, args.traceback) as offline, forced:
                 run_form(FORMS[name], x, info, args.gated, args.kda)
             for r in offline.rows:
                 shape = " ".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in
