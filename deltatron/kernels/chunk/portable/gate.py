@@ -142,15 +142,6 @@ def channel_sums(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, B
 
 
 @triton.jit
-def totals_between(t, NS: tl.constexpr):
-    """[NS, NS, BD]: for row sub-chunk I and column sub-chunk J < I, the totals t [NS, BD] of the sub-chunks strictly
-    between them (0 where J >= I)."""
-    s = tl.arange(0, NS)
-    inside = (s[None, :, None] < s[None, None, :]) & (s[None, None, :] < s[:, None, None])  # [I, J, J'] J < J' < I
-    return tl.sum(tl.where(inside[:, :, :, None], t[None, None, :, :], 0.0), axis=2)
-
-
-@triton.jit
 def channel_decays(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
     """Channels [d0, d0 + BD) of one chunk's decay exponents, fp32: (Γ [C, BD], g summed from the chunk's start
     through the row: exp(Γ) scales Q and W's K; B [C, BD], g summed over the rows after it to the chunk's end:
@@ -234,96 +225,150 @@ def factored(t):
 
 
 @triton.jit
+def sub_chunk_total(t, s: tl.constexpr):
+    """Sub-chunk s's totals [BD] of a tile's t [NS, BD]."""
+    return tl.sum(tl.where((tl.arange(0, t.shape[0]) == s)[:, None], t, 0.0), axis=0)
+
+
+@triton.jit
+def decayed_operand(x, DT: tl.constexpr):
+    """x [.., BD] fp32 as an operand of a product whose factors reach e^FACTOR_BOUND: in DT where DT has fp32's
+    exponent range (bf16, fp32), else (fp16) in fp32, which the caller's precision (tf32 for 16-bit) multiplies."""
+    if DT == tl.float16:
+        y = x
+    else:
+        y = x.to(DT)
+    return y
+
+
+@triton.jit
+def diagonal_blocks(blocks, C: tl.constexpr):
+    """[C, C]: the sub-chunk blocks [C/SUB, SUB, SUB] on the diagonal, 0 elsewhere."""
+    NS: tl.constexpr = C // SUB
+    sub = tl.arange(0, NS)
+    same = sub[:, None, None, None] == sub[None, None, :, None]
+    return tl.reshape(tl.where(same, tl.expand_dims(blocks, 2), 0.0), (C, C))
+
+
+@triton.jit
 def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.constexpr, K: tl.constexpr,
                    C: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
     """[C, C] fp32 scores of one chunk under the per-channel gate: sum_c x_ic k_jc exp(Γ_i - Γ_j)[c] for j < i (DIAG:
     j <= i), 0 elsewhere: A's (x = k) and the output's P (x = q). x, k, g point at the chunk's first token and their
     heads, XS, KS, GS apart a row; rows from n on are 0.
 
-    A row i of sub-chunk I and a column j of an earlier sub-chunk J: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals
-    between J and I), both factors <= 1, so those blocks are products of the scaled rows and columns (one batched
-    product, a [SUB, C] block of columns per row sub-chunk). Within a sub-chunk, where the tile's sub-chunks all stay
-    above e^-FACTOR_BOUND (factored), D_ij = exp(P_i) exp(-P_j): one fp32 product of scaled rows and columns per
-    sub-chunk; elsewhere the decay stays inside the sum over channels: D_ij = exp(g summed over (j, i]), a column j at
-    a time ([C/SUB, SUB, channels]: a running sum down the rows from j), then the sum over c."""
+    The rows of sub-chunk I take their decays from I's start: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals of the
+    sub-chunks strictly between J and I) for a column j of an earlier sub-chunk J, both factors <= 1; within I, where
+    the tile's sub-chunks all stay above e^-FACTOR_BOUND (factored), exp(P_i) exp(-P_j). So each row sub-chunk is one
+    product of the decayed rows with the columns decayed to its start: C/SUB 2-D products per channel tile. A tile
+    with a stronger sub-chunk keeps the decay inside the sum within the sub-chunks: D_ij = exp(g summed over (j, i]),
+    a column j at a time ([C/SUB, SUB, channels]: a running sum down the rows from j), then the sum over c."""
     NS: tl.constexpr = C // SUB
     BK: tl.constexpr = SCORE_TILE
     r = tl.arange(0, C)
+    block = r // SUB  # each row's sub-chunk
     s = tl.arange(0, SUB)
-    sub = tl.arange(0, NS)
-    dt = x.dtype.element_ty
-    cross = tl.zeros([NS, SUB, C], dtype=tl.float32)
-    diag = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
+    DT: tl.constexpr = x.dtype.element_ty
+    scores = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         c = k0 + tl.arange(0, BK)
         m = (r[:, None] < n) & (c[None, :] < K)
-        x3 = tl.reshape(tl.load(x + r[:, None] * XS + c[None, :], mask=m, other=0.0).to(tl.float32), (NS, SUB, BK))
-        k3 = tl.reshape(tl.load(k + r[:, None] * KS + c[None, :], mask=m, other=0.0).to(tl.float32), (NS, SUB, BK))
+        b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=m, other=0.0).to(tl.float32)
+        b_k = tl.load(k + r[:, None] * KS + c[None, :], mask=m, other=0.0).to(tl.float32)
         g3, p3, x3g, t = channel_sums(g, n, GS, k0, K, C, BK)
-        # columns of J < I scaled by exp(X_j + totals between): [I, J, SUB, BK] -> [I, C, BK]
-        col = tl.exp(x3g[None, :, :, :] + totals_between(t, NS)[:, :, None, :])
-        col = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], col, 0.0) * k3[None, :, :, :]
-        rows = (x3 * tl.exp(p3)).to(dt)
-        cross += mm(rows, tl.permute(tl.reshape(col, (NS, C, BK)).to(dt), (0, 2, 1)), PRECISION)
-        if factored(t):
-            # within a sub-chunk: (x_i exp(P_i)) . (k_j exp(-P_j)), fp32 products, the causal part kept
-            inner = mm(x3 * tl.exp(p3), tl.permute(k3 * tl.exp(-p3), (0, 2, 1)), "ieee")
-            if DIAG:
-                diag += tl.where((s[:, None] >= s[None, :])[None, :, :], inner, 0.0)
-            else:
-                diag += tl.where((s[:, None] > s[None, :])[None, :, :], inner, 0.0)
-        else:
+        fac = factored(t)
+        fac_block = tl.where(fac, block, -1)  # the rows' sub-chunks where the tile factors within them, else none
+        b_p = tl.reshape(p3, (C, BK))
+        b_after = tl.reshape(x3g, (C, BK))
+        rows = decayed_operand(b_x * tl.exp(b_p), DT)
+        between = tl.zeros([C, BK], dtype=tl.float32)  # totals of the sub-chunks strictly between a row's and I
+        for I in tl.static_range(NS):
+            earlier = (block < I)[:, None]
+            within = (fac_block == I)[:, None]
+            expo = tl.where(earlier, b_after + between, tl.where(within, -b_p, 0.0))
+            cols = tl.where(earlier | within, b_k * tl.exp(expo), 0.0)
+            scores += mm(tl.where((block == I)[:, None], rows, 0.0), tl.trans(decayed_operand(cols, DT)), PRECISION)
+            between += tl.where(earlier, sub_chunk_total(t, I)[None, :], 0.0)
+        if not fac:
             # within a sub-chunk, column j of every sub-chunk at a time: exponents g summed over (j, i], a running
             # sum down the rows from j. A loop, not unrolled: unrolled, the steps' [C/16, 16, BK] terms are live
             # together and spill on sm_90
+            x3 = tl.reshape(b_x, (NS, SUB, BK))
+            k3 = tl.reshape(b_k, (NS, SUB, BK))
+            diag = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
             for j in range(SUB):
                 span = tl.cumsum(tl.where((s > j)[None, :, None], g3, 0.0), axis=1)
-                if DIAG:
-                    decay = tl.where((s >= j)[None, :, None], tl.exp(span), 0.0)
-                else:
-                    decay = tl.where((s > j)[None, :, None], tl.exp(span), 0.0)
+                decay = tl.where((s >= j)[None, :, None], tl.exp(span), 0.0)
                 k_j = tl.sum(tl.where((s == j)[None, :, None], k3, 0.0), axis=1)  # [NS, BK]
                 d_j = tl.sum(x3 * k_j[:, None, :] * decay, axis=2)  # [NS, SUB]: rows i, column j
                 diag += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
-    same = sub[:, None, None, None] == sub[None, None, :, None]
-    return tl.reshape(cross, (C, C)) + tl.reshape(tl.where(same, tl.expand_dims(diag, 2), 0.0), (C, C))
+            scores += diagonal_blocks(diag, C)
+    if DIAG:
+        return tl.where(r[:, None] >= r[None, :], scores, 0.0)
+    return tl.where(r[:, None] > r[None, :], scores, 0.0)
 
 
 @triton.jit
 def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
-                BD: tl.constexpr, TRANS: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr):
+                BD: tl.constexpr, TRANS: tl.constexpr, PRECISION: tl.constexpr):
     """Channels [d0, d0 + BD) of one chunk's product of a score gradient m [C, C] (fp32, strictly lower: rows i,
-    columns j < i) with rows of x under the per-channel decays, [C, BD] fp32: sum_j m_ij x_jc exp(Γ_i - Γ_j)[c]
-    (row i), or TRANS: sum_i m_ij x_ic exp(Γ_i - Γ_j)[c] (row j). The backward's counterpart of channel_scores,
-    with its sub-chunk factors: across sub-chunks J < I the decay is exp(P_i) exp(X_j + the totals between), one
-    factor on the rows of x (or of the result) per sub-chunk and one batched product with m's blocks in DT; within a
-    sub-chunk, as in channel_scores: factored, exp(P_i) exp(-P_j) around one fp32 product per sub-chunk; else inside
-    the sum, exp(g summed over (j, i]) per channel in fp32, a column j at a time. sums: channel_sums of the tile's channels (shared with the caller's decays); x points at the
-    chunk's first token and its head, XS apart a row; rows from n on and channels from D on read as 0."""
+    columns j < i) with rows of x under the per-channel decays, [C, BD] fp32: sum_j m_ij x_jc exp(Γ_i - Γ_j)[c] (row
+    i), or TRANS: sum_i m_ij x_ic exp(Γ_i - Γ_j)[c] (row j). The backward's counterpart of channel_scores, with its
+    decays: the result's rows of sub-chunk I take them from I's start, exp(P_i) on the result and exp(X_j + the
+    totals between J and I) on the rows j of x of earlier sub-chunks, exp(-P_j) within I where the tile is factored
+    (TRANS: from the end of the result row's sub-chunk J, exp(X_j) on the result and exp(P_i + the totals between),
+    within J exp(-X_i), on x's later rows): one 2-D product of m (or m^T) with decayed x a sub-chunk, fp32 operands at
+    PRECISION (16-bit operands left the gate's gradient 1.05e-2 off in bf16, where its bound is 1e-2). A tile
+    with a stronger sub-chunk keeps the decay inside the sum within the sub-chunks, exp(g summed over (j, i]) per
+    channel in fp32, a column j at a time. sums: channel_sums of the tile's channels (shared with the caller's
+    decays); x points at the chunk's first token and its head, XS apart a row; rows from n on and channels from D on
+    read as 0."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
+    block = r // SUB
     s = tl.arange(0, SUB)
-    sub = tl.arange(0, NS)
     c = d0 + tl.arange(0, BD)
     b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0)
-    x3 = tl.reshape(b_x.to(tl.float32), (NS, SUB, BD))
+    b_x = b_x.to(tl.float32)
     g3, p3, q3, t = sums
-    between = totals_between(t, NS)  # [I, J, BD]
-    same = sub[:, None, None, None] == sub[None, None, :, None]
-    m_diag = tl.sum(tl.where(same, tl.reshape(m, (NS, SUB, NS, SUB)), 0.0), axis=2)  # [sub-chunk, i, j]
-    if factored(t):
-        # exp(g summed over (j, i]) = exp(P_i) exp(-P_j): m's strictly lower blocks times scaled rows, fp32 products
-        m_diag = tl.where((s[:, None] > s[None, :])[None, :, :], m_diag, 0.0)
-        if TRANS:
-            inner = mm(tl.permute(m_diag, (0, 2, 1)), x3 * tl.exp(p3), "ieee") * tl.exp(-p3)
-        else:
-            inner = mm(m_diag, x3 * tl.exp(-p3), "ieee") * tl.exp(p3)
+    fac = factored(t)
+    fac_block = tl.where(fac, block, -1)
+    b_p = tl.reshape(p3, (C, BD))
+    b_after = tl.reshape(q3, (C, BD))
+    if TRANS:
+        b_m = tl.trans(m)
     else:
+        b_m = m
+    out = tl.zeros([C, BD], dtype=tl.float32)
+    between = tl.zeros([C, BD], dtype=tl.float32)
+    for step in tl.static_range(NS):
+        if TRANS:
+            # result rows of sub-chunk J = NS - 1 - step; x's rows i of later sub-chunks I decayed to J's end
+            later = (block > NS - 1 - step)[:, None]
+            within = (fac_block == NS - 1 - step)[:, None]
+            expo = tl.where(later, b_p + between, tl.where(within, -b_after, 0.0))
+            b_y = tl.where(later | within, b_x * tl.exp(expo), 0.0)
+            out += tl.where((block == NS - 1 - step)[:, None], mm(b_m, b_y, PRECISION), 0.0)
+            between += tl.where(later, sub_chunk_total(t, NS - 1 - step)[None, :], 0.0)
+        else:
+            # result rows of sub-chunk I = step; x's rows j of earlier sub-chunks J decayed to I's start
+            earlier = (block < step)[:, None]
+            within = (fac_block == step)[:, None]
+            expo = tl.where(earlier, b_after + between, tl.where(within, -b_p, 0.0))
+            b_y = tl.where(earlier | within, b_x * tl.exp(expo), 0.0)
+            out += tl.where((block == step)[:, None], mm(b_m, b_y, PRECISION), 0.0)
+            between += tl.where(earlier, sub_chunk_total(t, step)[None, :], 0.0)
+    out *= tl.exp(b_after if TRANS else b_p)
+    if not fac:
+        x3 = tl.reshape(b_x, (NS, SUB, BD))
+        sub = tl.arange(0, NS)
+        same = sub[:, None, None, None] == sub[None, None, :, None]
+        m_diag = tl.sum(tl.where(same, tl.reshape(m, (NS, SUB, NS, SUB)), 0.0), axis=2)  # [sub-chunk, i, j]
         inner = tl.zeros([NS, SUB, BD], dtype=tl.float32)
         for j in range(SUB):
             # column j of every sub-chunk: exp(g summed over (j, i]) on rows i > j, a running sum down the rows
-            later = (s > j)[None, :, None]
-            decay = tl.where(later, tl.exp(tl.cumsum(tl.where(later, g3, 0.0), axis=1)), 0.0)  # [sub-chunk, i, BD]
+            later_rows = (s > j)[None, :, None]
+            decay = tl.where(later_rows, tl.exp(tl.cumsum(tl.where(later_rows, g3, 0.0), axis=1)), 0.0)
             m_j = tl.sum(tl.where((s == j)[None, None, :], m_diag, 0.0), axis=2)  # [sub-chunk, i]
             if TRANS:
                 row = tl.sum(m_j[:, :, None] * x3 * decay, axis=1)  # result row j
@@ -331,18 +376,8 @@ def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.cons
             else:
                 x_j = tl.sum(tl.where((s == j)[None, :, None], x3, 0.0), axis=1)
                 inner += m_j[:, :, None] * x_j[:, None, :] * decay
-    if TRANS:
-        # result row j of sub-chunk J: the rows i of sub-chunks I > J scaled by exp(P_i + totals between), then exp(X_j)
-        scaled = tl.exp(p3[None, :, :, :] + tl.permute(between, (1, 0, 2))[:, :, None, :])  # [J, I, SUB, BD]
-        scaled = tl.where((sub[None, :] > sub[:, None])[:, :, None, None], scaled, 0.0) * x3[None, :, :, :]
-        m_t = tl.reshape(tl.trans(m), (NS, SUB, C))
-        cross = mm(m_t.to(DT), tl.reshape(scaled, (NS, C, BD)).to(DT), PRECISION) * tl.exp(q3)
-    else:
-        # result row i of sub-chunk I: the rows j of sub-chunks J < I scaled by exp(X_j + totals between), then exp(P_i)
-        scaled = tl.exp(q3[None, :, :, :] + between[:, :, None, :])  # [I, J, SUB, BD]
-        scaled = tl.where((sub[None, :] < sub[:, None])[:, :, None, None], scaled, 0.0) * x3[None, :, :, :]
-        cross = mm(tl.reshape(m, (NS, SUB, C)).to(DT), tl.reshape(scaled, (NS, C, BD)).to(DT), PRECISION) * tl.exp(p3)
-    return tl.reshape(cross + inner, (C, BD))
+        out += tl.reshape(inner, (C, BD))
+    return out
 
 
 @triton.jit

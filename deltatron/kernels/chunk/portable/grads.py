@@ -136,10 +136,8 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
         # dP = scale dO V'^T, strictly lower through the decays; the diagonal (decay 1) apart
         b_dpd = scale * tl.sum(tl.where(r[:, None] == r[None, :], b_ds, 0.0), axis=1)
         b_dp = tl.where(r[:, None] > r[None, :], b_ds * scale, 0.0)
-        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, False, dt,
-                          PRECISION)
-        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, True, dt,
-                          PRECISION)
+        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, False, PRECISION)
+        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, True, PRECISION)
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
         # dΓ_i: through exp(Γ_i) of Q S, and through the scores' decays (row i as the later token, minus as the
         # earlier); x_i through exp(Γ_C - Γ_i) of the state update; exp(Γ_C) rowsum(S ⊙ dS_next) for the chunk
@@ -200,8 +198,7 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
         dq = q.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(q)
     dk = k.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(k)
     dw = k.new_empty(per_value_head)
-    # KDA: channel_mix's fp32 terms grow with BK ([C/16, C/16, 16, BK] across sub-chunks), so K-tiles as
-    # channel_scores' channel tile
+    # KDA: K-tiles as channel_scores' channel tile (channel_mix's [C, BK] fp32 terms, one set a sub-chunk)
     BK = head_tile(K) if gk is None else min(head_tile(K), SCORE_TILE.value)
     TT, NT = info.total_tokens, chunks.num_chunks
     dg = None

@@ -127,9 +127,8 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
             sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for exp(Γ) and channel_mix
             b_e = tl.exp(decays_of_sums(sums, C)[0])
             b_tdw = mm(b_tt_in, b_dw, PRECISION)
-            b_ya = channel_mix(b_da, k_c, sums, n, HK * K, i_k * BK, K, C, BK, False, tl.float32, PRECISION)
-            b_za = channel_mix(tl.trans(b_dat), k_c, sums, n, HK * K, i_k * BK, K, C, BK, True, tl.float32,
-                               PRECISION)
+            b_ya = channel_mix(b_da, k_c, sums, n, HK * K, i_k * BK, K, C, BK, False, PRECISION)
+            b_za = channel_mix(tl.trans(b_dat), k_c, sums, n, HK * K, i_k * BK, K, C, BK, True, PRECISION)
             b_dkb = b_tdw * b_e + b_ya
             b_dk_wy = b_beta[:, None] * b_dkb + b_za
             b_dbeta_k = tl.sum(b_dkb * b_k, axis=1)
@@ -182,10 +181,7 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     if cfg is None:
         cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None)
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
-    # KDA's fp32 products in ieee, also for 16-bit inputs: compiled by triton 3.6 for sm_90 with tf32 products, this
-    # kernel's KDA variant returned inf or wrong dK, dbeta, dg for fp16 and faulted on packed bf16 sequences
-    # (tests/kernels/chunk/test_kda_gpu.py), while the interpreter's results were right; with ieee both pass
-    precision = "ieee" if gk is not None else dot_precision(k.dtype)
+    precision = dot_precision(k.dtype)
     if chunks.num_chunks:
         launch(
             wy_bwd_kernel, (chunks.num_chunks, H),
