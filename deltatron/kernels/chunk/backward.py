@@ -19,7 +19,7 @@ import torch
 
 from ..utils import side_stream
 from .plan import ChunkPlan
-from .portable.gate import channel_decay_stage, channel_gate_grad, gate_grad, stage_gates
+from .portable.gate import channel_decay_buffers, channel_gate_grad, gate_grad, stage_gates
 from .portable.grads import dqkw, dv_local, group_sum
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
@@ -67,13 +67,15 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
 
     cfg = plan.recompute_launch
     gam, gk = stage_gates(g, info, chunk_size)
-    # KDA: the decays of the serial passes, made once for the recompute walk and the reverse pass
-    decays = None if gk is None else channel_decay_stage(k, gk, info, chunk_size, q)
+    # KDA: the decays of the serial passes, written by the recompute's WY stage beside W, for the recompute walk and
+    # the reverse pass
+    decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size, with_q=True)
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
     elif plan.overlap:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk,
+                             decays=decays, q=None if decays is None else q)
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # an event after recompute_w_u: the walk waits for W, U, not for the reverse pass
         # the reverse pass queued first, so that its programs take their SMs first
@@ -88,7 +90,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         v_new.record_stream(main)
         del u
     else:
-        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk)
+        w, u = recompute_w_u(k, v, beta, tinv, info, chunk_size, cfg=plan.recompute_wy_launch, gam=gam, gk=gk,
+                             decays=decays, q=None if decays is None else q)
         h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=decays)
         del u
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays)

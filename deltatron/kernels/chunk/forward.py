@@ -18,7 +18,7 @@ import torch
 
 from ..utils import SeqInfo
 from .plan import ChunkPlan, call_plan
-from .portable.gate import stage_gates
+from .portable.gate import channel_decay_buffers, stage_gates
 from .portable.output import output_fwd
 from .portable.walk import state_fwd, state_output_fwd
 from .portable.wy import tinv_pair_fwd, wy_fwd
@@ -70,12 +70,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if plan is None:
         plan = plan_call(q, k, v, info, needs_backward, chunk_size, save_states, g, output_chunk_states)
     gam, gk = stage_gates(g, info, chunk_size)
+    decays = None  # KDA: the serial passes' decays, which the WY stage writes beside W from the sums it forms anyway
     if plan.residual:  # the walks' W and U slots take Tb and V
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
         u = v
     else:
+        decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size)
         tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam,
-                             gk=gk)
+                             gk=gk, decays=decays)
     split = (split_plan_for(info, plan.split_partitions, plan.split_min_tokens, chunk_size, k.device)
              if plan.split else None)
     if split is not None:
@@ -91,14 +93,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     if plan.walk == "portable":
         h, v_new, final_state = state_fwd(k, w, u, initial_state, output_final_state, info, chunk_size,
                                           cfg=plan.walk_launch, gam=gam, states_dtype=torch.float32 if
-                                          plan.problem.chunk_states else None, gk=gk)
+                                          plan.problem.chunk_states else None, gk=decays)
         del w, u  # not needed by the output: its peak is h, v_new and o
         o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam, gk=gk)
         if plan.problem.chunk_states:
             return o, final_state, (tinv,) if needs_backward else (), (h,)
     else:
         o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info, gam=gam,
-                                          gk=gk)
+                                          gk=decays)
     if split is not None and final_state is not None:  # each sequence's last partition's
         final_state = final_state.index_select(0, split.last_part)
     return o, final_state, (tinv,) if needs_backward else (), ()

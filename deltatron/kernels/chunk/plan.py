@@ -603,7 +603,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     if plan.residual:
         wy = "portable.wy (T~ and its Tb pair)"
     elif p.per_channel:
-        wy = "portable.wy (T~, W, U; KDA's per-channel decays summed on chip)"
+        wy = "portable.wy (T~, W, U; KDA's per-channel decays summed on chip, the walk's decayed K beside W)"
     else:
         wy = "portable.wy (T~, W, U)"
     fwd = ["portable.gate (γ)", wy] if p.gated and not p.per_channel else [wy]
@@ -611,19 +611,17 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         fwd += [f"{walk} pass 1 without output, on U (and on W beside it, side stream)", "combine (torch)",
                 f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
     else:
-        if p.per_channel:
-            fwd.append("portable.gate (KDA's decayed K and exp(Γ_C) for the walk)")
         fwd.append(walk + (" (stores S^T, V'^T per chunk)" if plan.keep_states else ""))
     if plan.walk == "portable":
         fwd.append("portable.output")
     if not p.training:
         return tuple(fwd), ()
-    bwd = (["portable.gate (γ)"] if p.gated and not p.per_channel else
-           ["portable.gate (KDA's decayed K, Q and exp(Γ_C) for both serial passes)"] if p.per_channel else [])
+    bwd = ["portable.gate (γ)"] if p.gated and not p.per_channel else []
     if plan.recompute == "on_chip":
         bwd.append("portable.walk (W, U on chip from T~)")
     elif plan.recompute == "two_launch":
-        bwd += ["portable.wy (W, U from T~)",
+        bwd += ["portable.wy (W, U from T~" + ("; KDA's decayed K, Q for both serial passes beside W)" if p.per_channel
+                                               else ")"),
                 "portable.walk" + (" (side stream, beside the reverse pass)" if plan.overlap or plan.segments > 1
                                    else "")]
     rev = f"{plan.reverse}.reverse"

@@ -165,6 +165,19 @@ def decays_of_sums(sums, C: tl.constexpr):
 
 
 @triton.jit
+def store_decays(b_k, q, decays, kd, qd, dc, src, dst, mask, c, D: tl.constexpr, STORE_Q: tl.constexpr):
+    """One channel tile of channel_decay_stage's tensors, from the tile's channel_decays (decays): exp(Γ_C - Γ) ⊙ K
+    (b_k, the tile as loaded) at kd + dst, exp(Γ_C) at dc + c (channels c < D), and with STORE_Q exp(Γ) ⊙ Q (loaded
+    from q + src) at qd + dst; the decayed rows rounded to the input dtype."""
+    b_gam, b_rest, b_last = decays
+    tl.store(kd + dst, (b_k.to(tl.float32) * tl.exp(b_rest)).to(b_k.dtype), mask=mask)
+    if STORE_Q:
+        b_q = tl.load(q + src, mask=mask, other=0.0)
+        tl.store(qd + dst, (b_q.to(tl.float32) * tl.exp(b_gam)).to(b_q.dtype), mask=mask)
+    tl.store(dc + c, tl.exp(b_last), mask=c < D)
+
+
+@triton.jit
 def channel_decay_kernel(k, q, g, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                          K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, STORE_Q: tl.constexpr):
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -172,42 +185,48 @@ def channel_decay_kernel(k, q, g, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.c
     i_hk = i_h // (H // HK)
     r = tl.arange(0, C)
     c = i_k * BK + tl.arange(0, BK)
-    b_gam, b_rest, b_last = channel_decays(g + start * H * K + i_h * K, n, H * K, i_k * BK, K, C, BK)
+    decays = channel_decays(g + start * H * K + i_h * K, n, H * K, i_k * BK, K, C, BK)
     mask = (r[:, None] < n) & (c[None, :] < K)
     src = (start + r[:, None]) * (HK * K) + i_hk * K + c[None, :]
     dst = (start + r[:, None]) * (H * K) + i_h * K + c[None, :]
     b_k = tl.load(k + src, mask=mask, other=0.0)
-    tl.store(kd + dst, (b_k.to(tl.float32) * tl.exp(b_rest)).to(b_k.dtype), mask=mask)
-    if STORE_Q:
-        b_q = tl.load(q + src, mask=mask, other=0.0)
-        tl.store(qd + dst, (b_q.to(tl.float32) * tl.exp(b_gam)).to(b_q.dtype), mask=mask)
-    tl.store(dc + (i_c * H + i_h) * K + c, tl.exp(b_last), mask=c < K)
+    store_decays(b_k, q, decays, kd, qd, dc + (i_c * H + i_h) * K, src, dst, mask, c, K, STORE_Q)
 
 
 class ChannelDecays(NamedTuple):
-    """KDA's per-channel decays as the serial passes take them (channel_decay_stage): formed once a chunk, in
-    parallel over chunks, rather than once a chunk in every V-block program of a walk."""
+    """KDA's per-channel decays as the serial passes take them (written by the WY stage beside W, or by
+    channel_decay_stage): formed once a chunk, in parallel over chunks, rather than once a chunk in every V-block
+    program of a walk."""
     g: torch.Tensor              # the gate [.., TT, H, K]: the scores, where a pass forms them (a forced fused walk)
     k: torch.Tensor              # exp(Γ_C - Γ) ⊙ K [.., TT, H, K] per value head, rounded to k's dtype
     q: Optional[torch.Tensor]    # exp(Γ) ⊙ Q likewise (the reverse pass), or None
     chunk: torch.Tensor          # exp(Γ_C) [NT, H, K] fp32: the state's decay over each chunk
 
 
+def channel_decay_buffers(k: torch.Tensor, g: torch.Tensor, info: SeqInfo, chunk_size: int,
+                          with_q: bool = False) -> ChannelDecays:
+    """ChannelDecays of g with its tensors allocated, not yet written: for channel_decay_stage, or for the WY stage
+    to fill beside W (wy.wy_fwd, wy.recompute_w_u: decays=)."""
+    H, K = g.shape[-2], k.shape[-1]
+    kd = k.new_empty(*k.shape[:-2], H, K)
+    return ChannelDecays(g, kd, torch.empty_like(kd) if with_q else None,
+                         g.new_empty(info.chunks(chunk_size).num_chunks, H, K, dtype=torch.float32))
+
+
 def channel_decay_stage(k: torch.Tensor, g: torch.Tensor, info: SeqInfo, chunk_size: int,
                         q: Optional[torch.Tensor] = None) -> ChannelDecays:
     """The decays of KDA's state updates (DESIGN.md §12): exp(Γ_C - Γ) ⊙ K, exp(Γ_C) per chunk, and with q
-    exp(Γ) ⊙ Q, each factor from channel_decays (sums within sub-chunks), rounded as the passes did on chip."""
+    exp(Γ) ⊙ Q, each factor from channel_decays (sums within sub-chunks), rounded as the passes did on chip. A launch
+    of its own, for the passes called without the WY stage that makes them otherwise."""
     HK, K = k.shape[-2], k.shape[-1]
     H = g.shape[-2]
     chunks = info.chunks(chunk_size)
-    kd = k.new_empty(*k.shape[:-2], H, K)
-    qd = None if q is None else torch.empty_like(kd)
-    dc = g.new_empty(chunks.num_chunks, H, K, dtype=torch.float32)
+    decays = channel_decay_buffers(k, g, info, chunk_size, q is not None)
     BK = min(64, next_power_of_2(K))
     if chunks.num_chunks:
-        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, g, kd, qd, dc, info.cu_seqlens,
-               chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None, num_warps=4)
-    return ChannelDecays(g, kd, qd, dc)
+        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, g, decays.k, decays.q, decays.chunk,
+               info.cu_seqlens, chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None, num_warps=4)
+    return decays
 
 
 def serial_decays(gk, k: torch.Tensor, info: SeqInfo, chunk_size: int, q: Optional[torch.Tensor] = None

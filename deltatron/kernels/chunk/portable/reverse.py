@@ -6,7 +6,8 @@ each sequence, from dht (or zero) after the last chunk to dh0 before the first:
 with dV'_local = scale (Q K^T ⊙ M)^T dO. Gated (USE_G, DESIGN.md §11): dV' = dV'_local + exp(γ_C - γ) ⊙ K dS_next with
 (Q K^T ⊙ E ⊙ M) in dV'_local, dS = scale (exp(γ) ⊙ Q)^T dO + exp(γ_C) dS_next - W^T dV'. Per-channel gate (USE_GK,
 KDA, DESIGN.md §12): dV' = scale P^T dO + (exp(Γ_C - Γ) ⊙ K) dS_next with P from gate.channel_scores, dS = scale
-(exp(Γ) ⊙ Q)^T dO + diag(exp(Γ_C)) dS_next - W^T dV', the decayed K, Q and exp(Γ_C) from gate.channel_decay_stage.
+(exp(Γ) ⊙ Q)^T dO + diag(exp(Γ_C)) dS_next - W^T dV', the decayed K, Q and exp(Γ_C) from gate.ChannelDecays (the
+recompute's WY stage writes them).
 Grouped value heads: q, k of the value head's key head. One program per (V-block, sequence x head) keeps its [K, BV]
 slice of the state gradient in fp32 registers for the whole sequence: the V columns are independent.
 

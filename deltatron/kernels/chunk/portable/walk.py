@@ -13,8 +13,9 @@ Variants (constexprs of state_fwd_kernel):
 Gated (USE_G, DESIGN.md §11): S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V'), O = scale (exp(γ) ⊙ Q S + (Q K^T ⊙ E ⊙ M)
 V'), and W's pair on chip takes exp(γ). Per-channel gate (USE_GK, KDA, DESIGN.md §12; the forward's variants only):
 S <- diag(exp(Γ_C)) S + (exp(Γ_C - Γ) ⊙ K)^T V', O = scale ((exp(Γ) ⊙ Q) S + P V') with P from gate.channel_scores,
-every exponent a sum within sub-chunks (gate.channel_decays); the decayed K and exp(Γ_C) come from
-gate.channel_decay_stage, made in parallel over chunks before the walk, so the serial chain does no exponent work.
+every exponent a sum within sub-chunks (gate.channel_decays); the decayed K and exp(Γ_C) (gate.ChannelDecays) come
+from the WY stage, which writes them beside W, or from gate.channel_decay_stage, made in parallel over chunks before the
+walk either way, so the serial chain does no exponent work.
 Grouped value heads: a program walks a value head, reading q, k of its key head. The loads do not depend on S, so the
 compiler fetches the next chunk's tiles while the current chunk's products run. Launches (V-block, warps) come from the plan (plan.walk_launch)."""
 from __future__ import annotations

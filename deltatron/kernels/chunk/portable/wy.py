@@ -10,7 +10,9 @@ One kernel, four entry points:
 Gated (USE_G, DESIGN.md §11): A carries exp(γ_i - γ_j) and W = T~ (beta exp(γ) K), so W's pair is T~ diag(beta
 exp(γ)) while U's stays T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12): A from
 gate.channel_scores and W = T~ diag(beta) (exp(Γ) ⊙ K), the per-channel factor on K's columns (rounded with K to the
-input dtype for the product), T~'s pair as the ungated rule's. Grouped value heads: W, U and T~ per value head, K read
+input dtype for the product), T~'s pair as the ungated rule's; KDA's W pass also writes the serial passes' decays
+(exp(Γ_C - Γ) ⊙ K, exp(Γ_C) and in the backward exp(Γ) ⊙ Q: gate.store_decays) from the sums it forms for exp(Γ), so
+no launch of their own makes them. Grouped value heads: W, U and T~ per value head, K read
 from its key head. W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
 walk.state_wy_fwd, goes through tinv_beta_pair and wy_product, so they agree bit for bit. The plan chooses the form
 (plan.residual); the launch comes from plan.wy_launch."""
@@ -25,7 +27,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import WY_PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, load_rows, mm, store_rows, tril_precision
 from ..plan import Launch, wy_launch
-from .gate import channel_decays, load_gamma
+from .gate import ChannelDecays, channel_decays, load_gamma, store_decays
 from .solve_tril import tril_inverse
 
 
@@ -60,11 +62,13 @@ def wy_product(t_hi, t_lo, b_x, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def apply_tinv(t_hi, t_lo, x, y, g, n, HX: tl.constexpr, H: tl.constexpr, GS: tl.constexpr, D: tl.constexpr,
-               BD: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+               BD: tl.constexpr, C: tl.constexpr, GK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+               q, kd, qd, dc, DECAYS: tl.constexpr, DECAYS_Q: tl.constexpr):
     """y = (t_hi + t_lo) x for one chunk, BD columns of the head dimension D at a time (t_lo only with
     SPLIT); GK: y = (t_hi + t_lo) (exp(Γ) ⊙ x), Γ from KDA's g (g at the chunk's first token and its head, GS apart a
     row). x and y point at the chunk's first token and its head (of HX and H heads: K of a key head makes W of a
-    value head); t_hi, t_lo have x's dtype."""
+    value head); t_hi, t_lo have x's dtype. DECAYS (GK, x = K): the serial passes' decays of each tile too, from the
+    same channel_decays (gate.store_decays into kd, dc and, DECAYS_Q, qd from q, laid out as x and y)."""
     rows = tl.arange(0, C)
     cols = tl.arange(0, BD)
     # one tile of offsets for all steps, the base pointers moved by d0: offsets computed per step are carried
@@ -75,24 +79,28 @@ def apply_tinv(t_hi, t_lo, x, y, g, n, HX: tl.constexpr, H: tl.constexpr, GS: tl
         mask = (rows[:, None] < n) & (d0 + cols[None, :] < D)
         b_x = tl.load(x + d0 + x_offs, mask=mask, other=0.0)
         if GK:
-            b_gam, _, _ = channel_decays(g, n, GS, d0, D, C, BD)
-            b_x = (b_x.to(tl.float32) * tl.exp(b_gam)).to(b_x.dtype)
+            decays = channel_decays(g, n, GS, d0, D, C, BD)
+            if DECAYS:
+                store_decays(b_x, q, decays, kd, qd, dc, d0 + x_offs, d0 + y_offs, mask, d0 + cols, D, DECAYS_Q)
+            b_x = (b_x.to(tl.float32) * tl.exp(decays[0])).to(b_x.dtype)
         b_y = wy_product(t_hi, t_lo, b_x, SPLIT, PRECISION)
         tl.store(y + d0 + y_offs, b_y.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-              K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
-              FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr, STORE_PAIR: tl.constexpr,
-              USE_G: tl.constexpr, USE_GK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-              TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
+def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.constexpr,
+              HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
+              BV: tl.constexpr, FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr,
+              STORE_PAIR: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAYS: tl.constexpr,
+              DECAYS_Q: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr,
+              NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U.
     STORE_PAIR: Tinv diag(beta) as its 16-bit pair into tb [.., H, 2C], hi in columns [0, C), lo in [C, 2C)
     (one [C, 2C] row block a chunk and head, so a TMA box of W's shape [64, 128] takes both halves).
     Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators). H value heads
     (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam), which the residual form's pair does not take;
-    USE_GK: by KDA's per-channel g (gam [.., H, K])."""
+    USE_GK: by KDA's per-channel g (gam [.., H, K]); DECAYS: with W, the serial passes' decays (gate.ChannelDecays:
+    kd, dc and, DECAYS_Q, qd from q)."""
     tl.static_assert(not ((USE_G or USE_GK) and STORE_PAIR), "the residual form's pair is the ungated rule's")
     tl.static_assert(not (USE_G and USE_GK), "one gate: per head (USE_G) or per channel (USE_GK)")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -107,6 +115,13 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.
         gam_c = gam + start * H + i_h
     if USE_GK:
         gam_c = gam + start * H * K + i_h * K
+    q_c, kd_c, qd_c, dc_c = q, kd, qd, dc
+    if DECAYS:
+        kd_c = kd + start * H * K + i_h * K
+        dc_c = dc + (i_c * H + i_h) * K
+    if DECAYS_Q:
+        q_c = q + start * HK * K + (i_h // (H // HK)) * K
+        qd_c = qd + start * H * K + i_h * K
     if FUSED:
         # (A comes from K here: the first argument, A's address, is not read)
         b_t = tril_inverse(k_c, k_c, beta_c, gam_c, n, H, HK, C, K, BK, True, USE_G, USE_GK, PRECISION, TRIL_PREC,
@@ -123,18 +138,22 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, cu_seqlens, chunk_indices, H: tl.
     if APPLY:
         b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, False)
         apply_tinv(b_tb_hi, b_tb_lo, v + start * H * V + i_h * V, u + start * H * V + i_h * V, gam_c, n, H, H, H * K,
-                   V, BV, C, False, SPLIT, PRECISION)
+                   V, BV, C, False, SPLIT, PRECISION, q_c, kd_c, qd_c, dc_c, False, False)
         if USE_G:  # W's pair takes the decay exp(γ) beside beta
             b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, True)
         apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, gam_c, n, HK, H, H * K, K, BW, C, USE_GK,
-                   SPLIT, PRECISION)
+                   SPLIT, PRECISION, q_c, kd_c, qd_c, dc_c, DECAYS, DECAYS_Q)
 
 
 def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, cfg: Optional[Launch] = None,
-        gam: Optional[torch.Tensor] = None, gk: Optional[torch.Tensor] = None):
+        gam: Optional[torch.Tensor] = None, gk: Optional[torch.Tensor] = None,
+        decays: Optional[ChannelDecays] = None, q: Optional[torch.Tensor] = None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
     no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd). gam: the gated rule's
-    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] instead. Value heads are beta's, key heads k's."""
+    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] instead. decays (with gk and v): gate.channel_decay_buffers'
+    tensors, written beside W (their q tensor from q). Value heads are beta's, key heads k's."""
+    if decays is not None and (gk is None or v is None or (decays.q is None) != (q is None)):
+        raise ValueError("wy: decays are written beside W under KDA's gate, their decayed q from q")
     HK, K = k.shape[2], k.shape[3]
     H = beta.shape[2]
     V = K if v is None else v.shape[3]
@@ -146,9 +165,11 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
-            k, v, beta, gk if gam is None else gam, tinv, w, u, tb, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
+            k, v, beta, gk if gam is None else gam, tinv, w, u, tb, q, decays and decays.k, decays and decays.q,
+            decays and decays.chunk, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
             chunk_size, cfg.tile_k, cfg.tile_k, cfg.tile_v,
-            fused, tinv is not None, v is not None, tb is not None, gam is not None, gk is not None, split,
+            fused, tinv is not None, v is not None, tb is not None, gam is not None, gk is not None,
+            decays is not None, q is not None, split,
             dot_precision(k.dtype),
             *tril_precision(k.dtype),
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
@@ -158,19 +179,22 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
 
 def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: torch.Tensor, info: SeqInfo,
                   chunk_size: int, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None,
-                  gk: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  gk: Optional[torch.Tensor] = None, decays: Optional[ChannelDecays] = None,
+                  q: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """W = Tinv (beta*K) [B, T, H, K] (gated: Tinv (beta exp(γ) K); KDA's gk: Tinv diag(beta) (exp(Γ) ⊙ K)),
-    U = Tinv (beta*V) [B, T, H, V], in the input dtype."""
-    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
+    U = Tinv (beta*V) [B, T, H, V], in the input dtype; decays (KDA): written beside W, as _wy says."""
+    return _wy(k, v, beta, Tinv, False, info, chunk_size, cfg=cfg, gam=gam, gk=gk, decays=decays, q=q)
 
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
            chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None,
-           gk: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+           gk: Optional[torch.Tensor] = None, decays: Optional[ChannelDecays] = None
+           ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
-    (inference: nothing needs it after W and U), w, u). gam: the gated rule's γ; gk: KDA's per-channel g."""
+    (inference: nothing needs it after W and U), w, u). gam: the gated rule's γ; gk: KDA's per-channel g; decays
+    (KDA, without their q): the walk's decays, written beside W."""
     tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32) if store_tinv else None
-    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam, gk=gk)
+    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam, gk=gk, decays=decays)
     return tinv, w, u
 
 

@@ -1,12 +1,15 @@
 """portable/wy.py: T~, W, U per chunk (wy_fwd, recompute_w_u, tinv_fwd) and the residual form's pair Tb (tinv_pair_fwd)
-against float64 intra_chunk_wy on the same (dtype-rounded) inputs."""
+against float64 intra_chunk_wy on the same (dtype-rounded) inputs; KDA's decays written beside W against the decay
+stage's."""
 import pytest
 import torch
 
 from deltatron.kernels.chunk.portable import wy
+from deltatron.kernels.chunk.portable.gate import channel_decay_buffers, channel_decay_stage
+from deltatron.kernels.utils import seq_info
 from deltatron.reference.chunk import intra_chunk_wy
 
-from ....helpers import DEVICE, nearly_parallel_keys, rel_rms
+from ....helpers import DEVICE, nearly_parallel_keys, random_cu_seqlens, rel_rms
 from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, packed, per_sequence_chunks
 
 pytestmark = needs_triton
@@ -86,3 +89,36 @@ def test_tinv_pair_grouped_heads(poison):
     want_tinv, want_tb = wy.tinv_pair_fwd(k1.expand(inp["k"].shape).contiguous(), inp["beta"], info, 64)
     assert torch.equal(tinv, want_tinv) and torch.equal(tb, want_tb)
     assert torch.equal(wy.tinv_fwd(k1, inp["beta"], info, 64), want_tinv)
+
+
+@pytest.mark.parametrize("dtype, C, lengths, HK, H, K", [
+    (torch.float32, 16, [0, 17, 33], 1, 2, 40),
+    (torch.bfloat16, 64, [65, 1], 2, 2, 64),
+    (torch.float16, 32, [31, 0, 64], 1, 3, 24),
+])
+@pytest.mark.parametrize("gates", ["soft", "strong"])
+def test_wy_writes_kda_decays_as_the_decay_stage(poison, dtype, C, lengths, HK, H, K, gates):
+    # KDA: the WY stage writes the serial passes' decays beside W (exp(Γ_C - Γ) ⊙ K per value head, exp(Γ_C) per
+    # chunk, and for the backward exp(Γ) ⊙ Q), the same bits as gate.channel_decay_stage makes in a launch of its own;
+    # W and U as without them; grouped value heads, partial K-tiles, empty sequences
+    TT = sum(lengths)
+    gen = torch.Generator().manual_seed(6)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, TT, HK, K, generator=gen), dim=-1).to(dtype)
+            for _ in range(2))
+    v = torch.randn(1, TT, H, 16, generator=gen).to(dtype)
+    beta = torch.rand(1, TT, H, generator=gen).to(dtype)
+    g = -20 * torch.rand(1, TT, H, K, generator=gen) if gates == "strong" else -torch.rand(1, TT, H, K, generator=gen)
+    q, k, v, beta, g = (x.to(DEVICE) for x in (q, k, v, beta, g))
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, TT, torch.device(DEVICE), cu, cu.cpu())
+    want = channel_decay_stage(k, g, info, C, q)
+    fwd = channel_decay_buffers(k, g, info, C)
+    tinv, w, u = wy.wy_fwd(k, v, beta, info, C, gk=g, decays=fwd)
+    assert torch.equal(fwd.k, want.k) and torch.equal(fwd.chunk, want.chunk) and fwd.q is None
+    assert all(torch.equal(x, y) for x, y in zip((tinv, w, u), wy.wy_fwd(k, v, beta, info, C, gk=g)))
+    bwd = channel_decay_buffers(k, g, info, C, with_q=True)
+    w2, u2 = wy.recompute_w_u(k, v, beta, tinv, info, C, gk=g, decays=bwd, q=q)
+    assert torch.equal(w2, w) and torch.equal(u2, u)
+    assert torch.equal(bwd.k, want.k) and torch.equal(bwd.q, want.q) and torch.equal(bwd.chunk, want.chunk)
+    with pytest.raises(ValueError, match="decayed q"):
+        wy.recompute_w_u(k, v, beta, tinv, info, C, gk=g, decays=bwd)
