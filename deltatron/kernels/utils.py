@@ -74,6 +74,25 @@ def mm_split_tf32(a, b):
 
 
 @triton.jit
+def take_diagonal_blocks(a, B: tl.constexpr):
+    """The diagonal B x B blocks of a square tile a [C, C] as a batch [C/B, B, B]:
+    out[b, i, j] = a[b*B + i, b*B + j]."""
+    NB: tl.constexpr = a.shape[0] // B
+    nb = tl.arange(0, NB)
+    same_block = nb[:, None, None, None] == nb[None, None, :, None]
+    return tl.sum(tl.where(same_block, tl.reshape(a, (NB, B, NB, B)), 0.0), axis=2)
+
+
+@triton.jit
+def place_diagonal_blocks(blocks, C: tl.constexpr):
+    """[C, C]: a batch of square blocks [C/B, B, B] on the diagonal (take_diagonal_blocks' inverse), 0 elsewhere."""
+    NB: tl.constexpr = blocks.shape[0]
+    nb = tl.arange(0, NB)
+    same_block = nb[:, None, None, None] == nb[None, None, :, None]
+    return tl.reshape(tl.where(same_block, tl.expand_dims(blocks, 2), 0.0), (C, C))
+
+
+@triton.jit
 def tile_offsets(row0, row_end, stride, col0, col_end, BR: tl.constexpr, BC: tl.constexpr):
     """Offsets and mask of the [BR, BC] tile x[row0 + i, col0 + j] of a row-major view whose rows are
     `stride` elements apart; rows at or past row_end and columns at or past col_end are masked. Row offsets

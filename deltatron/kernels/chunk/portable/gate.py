@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import SeqInfo, cdiv, chunk_span, mm, next_power_of_2
+from ...utils import (SeqInfo, cdiv, chunk_span, mm, next_power_of_2, place_diagonal_blocks,
+                      take_diagonal_blocks)
 
 
 @triton.jit
@@ -261,15 +262,6 @@ def decayed_operand(x, DT: tl.constexpr):
 
 
 @triton.jit
-def diagonal_blocks(blocks, C: tl.constexpr):
-    """[C, C]: the sub-chunk blocks [C/SUB, SUB, SUB] on the diagonal, 0 elsewhere."""
-    NS: tl.constexpr = C // SUB
-    sub = tl.arange(0, NS)
-    same = sub[:, None, None, None] == sub[None, None, :, None]
-    return tl.reshape(tl.where(same, tl.expand_dims(blocks, 2), 0.0), (C, C))
-
-
-@triton.jit
 def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.constexpr, K: tl.constexpr,
                    C: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
     """[C, C] fp32 scores of one chunk under the per-channel gate: sum_c x_ic k_jc exp(Γ_i - Γ_j)[c] for j < i (DIAG:
@@ -321,7 +313,7 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
                 k_j = tl.sum(tl.where((s == j)[None, :, None], k3, 0.0), axis=1)  # [NS, BK]
                 d_j = tl.sum(x3 * k_j[:, None, :] * decay, axis=2)  # [NS, SUB]: rows i, column j
                 diag += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
-            scores += diagonal_blocks(diag, C)
+            scores += place_diagonal_blocks(diag, C)
     if DIAG:
         return tl.where(r[:, None] >= r[None, :], scores, 0.0)
     return tl.where(r[:, None] > r[None, :], scores, 0.0)
@@ -354,35 +346,27 @@ def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.cons
     fac_block = tl.where(fac, block, -1)
     b_p = tl.reshape(p3, (C, BD))
     b_after = tl.reshape(q3, (C, BD))
-    if TRANS:
-        b_m = tl.trans(m)
-    else:
-        b_m = m
+    # mix: the result's sub-chunks I in order, x's rows of earlier sub-chunks decayed to I's start by exp(X + the
+    # totals between), I's own by exp(-P), the result's rows by exp(P). mixᵀ mirrors it: the result's sub-chunks from
+    # the last, x's rows of later sub-chunks decayed to its end by exp(P + the totals between), its own by exp(-X),
+    # the result's rows by exp(X)
+    b_m = tl.trans(m) if TRANS else m
+    b_near = b_after if TRANS else b_p  # the exponent inside the result's own sub-chunk
+    b_far = b_p if TRANS else b_after  # the exponent of x's rows of the other sub-chunks, to their boundary
     out = tl.zeros([C, BD], dtype=tl.float32)
     between = tl.zeros([C, BD], dtype=tl.float32)
     for step in tl.static_range(NS):
-        if TRANS:
-            # result rows of sub-chunk J = NS - 1 - step; x's rows i of later sub-chunks I decayed to J's end
-            later = (block > NS - 1 - step)[:, None]
-            within = (fac_block == NS - 1 - step)[:, None]
-            expo = tl.where(later, b_p + between, tl.where(within, -b_after, 0.0))
-            b_y = tl.where(later | within, b_x * tl.exp(expo), 0.0)
-            out += tl.where((block == NS - 1 - step)[:, None], mm(b_m, b_y, PRECISION), 0.0)
-            between += tl.where(later, sub_chunk_total(t, NS - 1 - step)[None, :], 0.0)
-        else:
-            # result rows of sub-chunk I = step; x's rows j of earlier sub-chunks J decayed to I's start
-            earlier = (block < step)[:, None]
-            within = (fac_block == step)[:, None]
-            expo = tl.where(earlier, b_after + between, tl.where(within, -b_p, 0.0))
-            b_y = tl.where(earlier | within, b_x * tl.exp(expo), 0.0)
-            out += tl.where((block == step)[:, None], mm(b_m, b_y, PRECISION), 0.0)
-            between += tl.where(earlier, sub_chunk_total(t, step)[None, :], 0.0)
-    out *= tl.exp(b_after if TRANS else b_p)
+        I = NS - 1 - step if TRANS else step  # the result's sub-chunk
+        other = ((block > I) if TRANS else (block < I))[:, None]  # x's rows on the far side of I's boundary
+        within = (fac_block == I)[:, None]
+        expo = tl.where(other, b_far + between, tl.where(within, -b_near, 0.0))
+        b_y = tl.where(other | within, b_x * tl.exp(expo), 0.0)
+        out += tl.where((block == I)[:, None], mm(b_m, b_y, PRECISION), 0.0)
+        between += tl.where(other, sub_chunk_total(t, I)[None, :], 0.0)
+    out *= tl.exp(b_near)
     if not fac:
         x3 = tl.reshape(b_x, (NS, SUB, BD))
-        sub = tl.arange(0, NS)
-        same = sub[:, None, None, None] == sub[None, None, :, None]
-        m_diag = tl.sum(tl.where(same, tl.reshape(m, (NS, SUB, NS, SUB)), 0.0), axis=2)  # [sub-chunk, i, j]
+        m_diag = take_diagonal_blocks(m, SUB)  # [sub-chunk, i, j]
         inner = tl.zeros([NS, SUB, BD], dtype=tl.float32)
         for j in range(SUB):
             # column j of every sub-chunk: exp(g summed over (j, i]) on rows i > j, a running sum down the rows

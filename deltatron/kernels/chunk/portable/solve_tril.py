@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...utils import mm, mm_split_tf32
+from ...utils import mm, mm_split_tf32, place_diagonal_blocks, take_diagonal_blocks
 from .kkt import kkt_tile
 
 
@@ -37,19 +37,15 @@ def invert_diagonal_blocks(a, C: tl.constexpr, B: tl.constexpr, PRECISION: tl.co
     doubling as merge_diagonal_blocks (1-blocks are identities; each level T <- T - T E T doubles the
     block size), with batched products: log2(B) dependent levels, no per-row steps."""
     tl.static_assert(B == 16, "diagonal blocks are 16 x 16: four doubling levels")
-    NB: tl.constexpr = C // B
-    nb = tl.arange(0, NB)
     i = tl.arange(0, B)
-    same_block = nb[:, None, None, None] == nb[None, None, :, None]
-    # d[b, i, j] = a[b*B + i, b*B + j]
-    d = tl.sum(tl.where(same_block, tl.reshape(a, (NB, B, NB, B)), 0.0), axis=2)
+    d = take_diagonal_blocks(a, B)
     # the first level (S = 1) needs no product: from T = I it gives T = I - E
     t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)[None, :, :] - tl.where(below_diagonal_blocks(i, 1), d, 0.0)
     S: tl.constexpr = 2
     for _ in tl.static_range(0, 3):  # S = 2, 4, 8
         t = t - mm(t, mm(tl.where(below_diagonal_blocks(i, S), d, 0.0), t, PRECISION), PRECISION)
         S = S * 2
-    return tl.reshape(tl.where(same_block, tl.expand_dims(t, 2), 0.0), (C, C))
+    return place_diagonal_blocks(t, C)
 
 
 @triton.jit
