@@ -17,8 +17,10 @@ def test_smoke_rows():
                                      ["deltatron.chunk_kda", "b2-t40-h1-k16"],
                                      ["deltatron.chunk_gated", "b2-t40-hk1-hv2-k16"]]
     for r in rows:  # fwd µs, launches, ops, fwd+bwd µs, launches, ops
-        fwd_us, fwd_launches, _, fb_us, fb_launches, _ = (float(c) for c in r[2:])
-        assert fwd_us > 0 and fb_us > fwd_us and 0 < fwd_launches < fb_launches
+        fwd_us, fwd_launches, fwd_ops, fb_us, fb_launches, fb_ops = (float(c) for c in r[2:])
+        # Smoke mode times two calls on a shared CPU, so only the counts are ordered; the times need only exist.
+        assert fwd_us > 0 and fb_us > 0
+        assert 0 < fwd_launches < fb_launches and 0 < fwd_ops < fb_ops
 
 
 def test_refuses_other_rows():
