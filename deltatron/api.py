@@ -18,7 +18,7 @@ from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_refer
 from .reference.common import compute_dtype, prepare_qk
 from .validation import (check_gate_shape, check_inputs, check_state_pool, check_token_buffer, offsets_tensor,
                          reject_unknown_kwargs, warn_if_head_first)
-from .varlen import VarlenMetadata
+from .varlen import VarlenMetadata, capturing
 
 _TORCH_IMPLS = {
     "chunk": chunk_delta_rule_reference,
@@ -175,11 +175,13 @@ def chunk_delta_rule(
             (sm_90, 16-bit, K = V = 128, chunk_size 64, no sequence split, an unsegmented backward; DESIGN.md §6);
             elsewhere, and under torch.compile's forward, it changes nothing.
         inplace_final_state, ssm_state_indices: a prefill into a serving engine's state pool, as
-            fused_recurrent_delta_rule's (inference only). The chunk form gathers the slots into dense states and
-            writes the final states back (copies of N states).
+            fused_recurrent_delta_rule's (inference only). The chunk form reads the slots into dense states and
+            writes the final states back (copies of N states, on the device only: capturable in a CUDA graph with
+            prepare_varlen's metadata).
         output_chunk_states: also return the state entering every chunk, [NT, H, K, V] fp32 (chunks of
             chunk_size tokens along each sequence, sequence after sequence; an empty sequence has none), for prefix
-            caching: chunk c + 1's entry is the state after chunk c. Not under torch.compile yet.
+            caching: chunk c + 1's entry is the state after chunk c (on a state pool, zeros for a padding entry's
+            chunks). Not under torch.compile yet.
         cp_group: context parallelism (DESIGN.md §13): a torch.distributed ProcessGroup over which the token stream
             is sharded; each rank passes its contiguous shard (ranks in group order; with cu_seqlens, T tokens on
             every rank and cu_seqlens the whole stream's offsets). o is the rank's shard; initial_state [N, ...]
@@ -198,12 +200,12 @@ def chunk_delta_rule(
                                        output_chunk_states=output_chunk_states))
     if not isinstance(save_states, bool):
         raise TypeError(f"chunk_delta_rule: save_states must be a bool, got {save_states!r}")
-    states = _chunk_states_option("chunk_delta_rule", output_chunk_states, ssm_state_indices)
+    states = _chunk_states_option("chunk_delta_rule", output_chunk_states)
     if ssm_state_indices is not None:
         return _state_pool("chunk_delta_rule", chunk_delta_rule, q, k, v, beta, dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, **kwargs), initial_state, ssm_state_indices,
-            output_final_state, inplace_final_state, kernel_slots=False)[0]
+            cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, **states, **kwargs), initial_state,
+            ssm_state_indices, output_final_state, inplace_final_state, kernel_slots=False)[0]
     if inplace_final_state:
         _check_inplace(q, k, v, beta, initial_state)
         o, final_state, *extras = _run("chunk", q, k, v, beta, scale, initial_state, True, use_qk_l2norm_in_kernel,
@@ -407,8 +409,10 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     """A call on states held in a pool by slot (ssm_state_indices), as (result, kernel options). Without slots:
     (None, {}). Where the Triton kernel reads and writes the slots itself (kernel_slots: the fused_recurrent kernel):
     (None, the options that pass the slots to it). Elsewhere (the PyTorch backend, which defines the semantics, the
-    chunk form, state_v_first pools, torch.compile): (fn's (o, final_state) on the slots gathered into dense states,
-    with the results written back into the slots (inplace) or returned per sequence, padding entries zeroed, {}).
+    chunk form, state_v_first pools, torch.compile): (fn's (o, final_state, and chunk states where options ask) on
+    the slots read into dense states, with the final states written back into the slots (inplace) or returned per
+    sequence, padding entries zeroed, {}); on the Triton backend the slots are read and written on the device only
+    (kernels.state_pool), so that the call can be captured in a CUDA graph.
     Slots per token ([N, W]): the sequence starts from column num_accepted_tokens - 1 (or 0) and, inplace, the state
     after its token j goes to slot [n, j] (the states after each token made one token at a time)."""
     if state_indices is None:
@@ -419,10 +423,11 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first, num_accepted_tokens)
     if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
         return None, {"state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens}
-    if pool.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{fn_name}: this form gathers and scatters the pool's slots around the call, which reads "
-                           f"the live slots back from the device and cannot be captured in a CUDA graph; capture "
-                           f"fused_recurrent (decode) on a pool, or pass this form dense states [N, ...]")
+    token_states = state_indices.dim() == 2 and inplace  # the PyTorch definition, one token at a time
+    if capturing() and (token_states or not _slot_kernels(q)):
+        raise RuntimeError(f"{fn_name}: {'a state per token' if token_states else 'the PyTorch backend'} reads the "
+                           f"pool's slots back on the host and cannot be captured in a CUDA graph; capture the Triton "
+                           f"backend's fused_recurrent (decode, verify) or chunk (prefill) on a [S, Hv, K, V] pool")
     gate = {} if g is None else {"g": g}
     cu = offsets_tensor(cu)
     first = state_indices
@@ -431,29 +436,54 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
                   torch.zeros_like(state_indices[:, 0]))
         first = state_indices.gather(1, column.long()[:, None]).squeeze(1)
     live = first >= 0
-    h0 = pool.index_select(0, first.clamp(min=0)) * live.view(-1, 1, 1, 1)
-    if state_indices.dim() == 2 and inplace:
+    h0 = _read_slots(pool, first, q)
+    if token_states:
         return (_token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live), pool), {}
-    o, final_state = fn(q, k, v, beta=beta, initial_state=h0, output_final_state=True, **gate, **options)
+    o, final_state, *extras = fn(q, k, v, beta=beta, initial_state=h0, output_final_state=True, **gate, **options)
     if cu is None:
         o = o * live.view(-1, 1, 1, 1).to(o.dtype)
     else:  # each token's sequence, from the offsets
         # each row's sequence (N past the last one: prepared metadata's spare rows, zeroed with the padding)
         seq = torch.searchsorted(cu[1:].long(), torch.arange(o.shape[1], device=o.device), right=True)
         o = o * torch.cat([live, live.new_zeros(1)])[seq].view(1, -1, 1, 1).to(o.dtype)
+    if extras:  # output_chunk_states: a padding entry's chunks read as zeros too
+        C = options["chunk_size"]
+        chunks = (torch.full_like(live, -(-o.shape[1] // C), dtype=torch.long) if cu is None else
+                  (cu[1:] - cu[:-1]).long().add(C - 1).div(C, rounding_mode="floor"))
+        extras = [extras[0] * live.repeat_interleave(chunks).view(-1, 1, 1, 1)]
     if inplace:
-        rows = live.nonzero().squeeze(1)
-        pool.index_copy_(0, state_indices.index_select(0, rows).long(), final_state.index_select(0, rows))
-        return (o, pool), {}
-    return (o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None), {}
+        _write_slots(pool, final_state, first, q)
+        return (o, pool, *extras), {}
+    return (o, final_state * live.view(-1, 1, 1, 1) if output_final_state else None, *extras), {}
 
 
-def _chunk_states_option(fn_name, output_chunk_states, state_indices) -> dict:
+def _slot_kernels(q) -> bool:
+    """Whether a pool's slots are read and written by kernels.state_pool (the Triton backend outside torch.compile,
+    no host read of the slots) rather than by torch's index ops."""
+    return backends.select_backend(q) == "triton" and not torch.compiler.is_compiling()
+
+
+def _read_slots(pool, slots, q) -> torch.Tensor:
+    """pool[slots] as dense states [N, ...], zeros where the slot is -1."""
+    if _slot_kernels(q):
+        from .kernels.state_pool import read_slots
+        return read_slots(pool, slots)
+    return pool.index_select(0, slots.clamp(min=0)) * (slots >= 0).view(-1, 1, 1, 1)
+
+
+def _write_slots(pool, states, slots, q) -> None:
+    """pool[slots[n]] = states[n] where the slot is not -1."""
+    if _slot_kernels(q):
+        from .kernels.state_pool import write_slots
+        return write_slots(pool, states, slots)
+    rows = (slots >= 0).nonzero().squeeze(1)
+    pool.index_copy_(0, slots.index_select(0, rows).long(), states.index_select(0, rows))
+
+
+def _chunk_states_option(fn_name, output_chunk_states) -> dict:
     """The chunk form's options for output_chunk_states (checked)."""
     if not isinstance(output_chunk_states, bool):
         raise TypeError(f"{fn_name}: output_chunk_states must be a bool, got {output_chunk_states!r}")
-    if output_chunk_states and state_indices is not None:
-        raise ValueError(f"{fn_name}: output_chunk_states does not combine with ssm_state_indices yet")
     return {"output_chunk_states": True} if output_chunk_states else {}
 
 
@@ -668,7 +698,10 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
         return _torch_rows((o, h0.copy_(final_state) if inplace_final_state else final_state, *extras), q.shape[1])
     if form == "chunk" and g.dim() == 4:
         from .kernels.chunk.plan import kda_chunk_refusal
-        if kda_chunk_refusal(q.shape[-1], v.shape[-1]):  # head sizes KDA's chunk kernels do not take (DESIGN.md §12)
+        refusal = kda_chunk_refusal(q.shape[-1], v.shape[-1])
+        if refusal and output_chunk_states:
+            raise ValueError(f"chunk_kda: output_chunk_states needs the chunk kernels' walk, and {refusal}")
+        if refusal:  # head sizes KDA's chunk kernels do not take (DESIGN.md §12)
             form = "fused_recurrent"
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
@@ -706,12 +739,12 @@ def _chunk_gated(fn_name, entry, per_channel, q, k, v, g, beta, scale, initial_s
                 output_chunk_states=output_chunk_states), per_channel)
         flip = state_v_first and final_state is not None
         return o, final_state.transpose(-1, -2).contiguous() if flip else final_state
-    states = _chunk_states_option(fn_name, output_chunk_states, ssm_state_indices)
+    states = _chunk_states_option(fn_name, output_chunk_states)
     if ssm_state_indices is not None:
         return _state_pool(fn_name, entry, q, k, v, beta, dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, state_v_first=state_v_first,
-            **dict(zip(_GATE_ARGS, gate)), **kwargs), initial_state, ssm_state_indices, output_final_state,
+            **dict(zip(_GATE_ARGS, gate)), **states, **kwargs), initial_state, ssm_state_indices, output_final_state,
             inplace_final_state, g=g, kernel_slots=False)[0]
     return _run_gated("chunk", fn_name, q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, kwargs, gate, state_v_first,
@@ -838,6 +871,7 @@ def chunk_kda(
     state_v_first: bool = False,
     inplace_final_state: bool = False,
     ssm_state_indices: Optional[torch.Tensor] = None,
+    output_chunk_states: bool = False,
     cp_group=None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -855,7 +889,7 @@ def chunk_kda(
     return _chunk_gated("chunk_kda", chunk_kda, True, q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
                         (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),
-                        state_v_first, inplace_final_state, ssm_state_indices, False, kwargs, cp_group)
+                        state_v_first, inplace_final_state, ssm_state_indices, output_chunk_states, kwargs, cp_group)
 
 
 def fused_recurrent_kda(

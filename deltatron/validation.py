@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .varlen import VarlenMetadata
+from .varlen import VarlenMetadata, capturing
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # float64 runs on the PyTorch backend only (oracles, gradcheck).
@@ -240,8 +240,7 @@ def check_token_buffer(fn: str, buffer, rows, steps, num_seqs: int, state_shape,
 def _check_index_range(fn: str, name: str, indices: torch.Tensor, size: int, letter: str) -> bool:
     """Raises unless every index lies in [-1, size); reading them syncs with the device, so nothing is read (and False
     returned) while a CUDA graph is being captured or torch.compile traces the call, or when there are none."""
-    capturing = indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not indices.numel() or capturing or torch.compiler.is_compiling():
+    if not indices.numel() or capturing() or torch.compiler.is_compiling():
         return False
     low, high = int(indices.min()), int(indices.max())
     if low < -1 or high >= size:

@@ -16,6 +16,11 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no host reads or copies may happen then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass
 class ChunkIndex:
     """Chunks of the packed batch. chunk_indices: int32 [NT, 2] = (sequence, chunk within sequence) of
@@ -119,7 +124,7 @@ class VarlenMetadata(SeqInfo):
         """Writes new packed lengths (cu_seqlens on the host: a list or a CPU tensor, starting at 0, non-decreasing,
         at most max_sequences sequences of max_tokens tokens in all) into this object's tensors, in place. Not while
         a CUDA graph is being captured (it copies from the host); between replays."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError("VarlenMetadata.update copies from the host: call it before capture or between "
                                "replays, not while a CUDA graph is being captured")
         cu = _host_offsets(cu_seqlens_cpu)
@@ -134,7 +139,7 @@ class VarlenMetadata(SeqInfo):
         return self
 
     def _chunk_index(self, chunk_size: int) -> ChunkIndex:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError(f"the varlen metadata has no chunk index for chunk size {chunk_size}, and it cannot be "
                                f"built while a CUDA graph is being captured: pass chunk_sizes=({chunk_size},) to "
                                f"prepare_varlen, or make one call before capture")

@@ -1,6 +1,7 @@
-"""output_chunk_states of chunk_delta_rule and chunk_gated_delta_rule (prefix caching): the state entering every chunk
-of every sequence, on both backends (Triton in its interpreter without a GPU), against the float64 recurrence over
-each chunk's prefix; o and the final state as without the option; the plan's walk that stores the states."""
+"""output_chunk_states of chunk_delta_rule, chunk_gated_delta_rule and chunk_kda (prefix caching): the state
+entering every chunk of every sequence, on both backends (Triton in its interpreter without a GPU), against the
+float64 recurrence over each chunk's prefix; o and the final state as without the option; the plan's walk that
+stores the states."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from deltatron.reference import recurrent_gated_delta_rule
 
 from .helpers import BOUNDS, DEVICE, INTERPRET, rel_rms
 
-FORMS = {False: deltatron.chunk_delta_rule, True: deltatron.chunk_gated_delta_rule}
+FORMS = {"delta": deltatron.chunk_delta_rule, "gated": deltatron.chunk_gated_delta_rule, "kda": deltatron.chunk_kda}
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -21,9 +22,9 @@ def backend(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rule", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_chunk_states(backend, gated, dtype):
+def test_chunk_states(backend, rule, dtype):
     C, lengths = 16, [37, 0, 16, 5]
     Hk, Hv, K, V = 1, 2, 16, 24
     device = DEVICE if backend == "triton" else "cpu"
@@ -32,15 +33,15 @@ def test_chunk_states(backend, gated, dtype):
     q = torch.randn(1, T, Hk, K, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(1, T, Hk, K, generator=gen), dim=-1)
     v, beta = torch.randn(1, T, Hv, V, generator=gen), torch.rand(1, T, Hv, generator=gen)
-    g = -torch.rand(1, T, Hv, generator=gen) * (1.0 if gated else 0.0)
+    g = -torch.rand(1, T, Hv, *([K] if rule == "kda" else []), generator=gen) * (0.0 if rule == "delta" else 1.0)
     h0 = torch.randn(len(lengths), Hv, K, V, generator=gen)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x = [t.to(device, dtype) for t in (q, k, v)] + [beta.to(device)]
-    gate = {"g": g.to(device)} if gated else {}
+    gate = {} if rule == "delta" else {"g": g.to(device)}
     args = dict(initial_state=h0.to(device), output_final_state=True, cu_seqlens=cu.to(device), chunk_size=C)
     with torch.no_grad():
-        o, ht, states = FORMS[gated](*x[:3], beta=x[3], **gate, output_chunk_states=True, **args)
-        o_plain, ht_plain = FORMS[gated](*x[:3], beta=x[3], **gate, **args)
+        o, ht, states = FORMS[rule](*x[:3], beta=x[3], **gate, output_chunk_states=True, **args)
+        o_plain, ht_plain = FORMS[rule](*x[:3], beta=x[3], **gate, **args)
     # the walk that stores the states and the output stage apart: o up to the order of fp32 sums over K
     assert rel_rms(o, o_plain) <= 1e-6 and torch.equal(ht, ht_plain)
     NT = sum((n + C - 1) // C for n in lengths)
@@ -68,9 +69,15 @@ def test_chunk_states_plan_and_errors():
     with pytest.raises(ValueError, match="output_chunk_states needs the walk that stores the states"):
         plan.make_plan(problem, plan.named_capabilities("sm90"), plan.Overrides(fused_output=True))
     q = torch.randn(1, 4, 1, 8)
-    with pytest.raises(ValueError, match="output_chunk_states does not combine with ssm_state_indices"):
-        deltatron.chunk_delta_rule(q, q, q, torch.rand(1, 4, 1), initial_state=torch.zeros(2, 1, 8, 8),
-                                   cu_seqlens=torch.tensor([0, 4]), ssm_state_indices=torch.tensor([1]),
-                                   output_chunk_states=True)
     with pytest.raises(TypeError, match="output_chunk_states must be a bool"):
         deltatron.chunk_delta_rule(q, q, q, torch.rand(1, 4, 1), output_chunk_states=1)
+
+
+def test_kda_chunk_states_need_the_chunk_kernels(monkeypatch):
+    if DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    q = torch.randn(1, 4, 1, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="output_chunk_states needs the chunk kernels' walk.*K, V <= 128"):
+        deltatron.chunk_kda(q, q, q, -torch.rand(1, 4, 1, 256, device=DEVICE), torch.rand(1, 4, 1, device=DEVICE),
+                            output_chunk_states=True)

@@ -298,3 +298,57 @@ def test_verify_errors(change, match):
         deltatron.fused_sigmoid_gating_delta_rule_update(
             torch.zeros(Hv), a, torch.zeros(Hv), 1.0, 20.0, q, k, v, b, torch.zeros(3, Hv, K, V),
             torch.tensor([0, 1]), cu_seqlens=cu, **args)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_pool_chunk_states(backend, rule):
+    # output_chunk_states on a pool: each live entry's chunks as on its dense state, a padding entry's zeros
+    lengths, slots, C = [20, 5, 0, 17], [2, -1, 0, 4], 16
+    Hk, Hv, K, V = 1, 2, 16, 8
+    device = _device(backend)
+    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=5, rule=rule)
+    pool = torch.randn(6, Hv, K, V, generator=torch.Generator().manual_seed(6)).to(device)
+    idx = torch.tensor(slots, dtype=torch.int32, device=device)
+    h0 = torch.stack([pool[s] if s >= 0 else torch.zeros_like(pool[0]) for s in slots])
+    gate = {} if rule == "delta" else dict(g=g)
+    fn = FORMS[rule, "chunk"]
+    with torch.no_grad():
+        o, _, states = fn(q, k, v, beta=beta, **gate, initial_state=pool.clone(), cu_seqlens=cu, chunk_size=C,
+                          inplace_final_state=True, ssm_state_indices=idx, output_chunk_states=True)
+        _, _, want = fn(q, k, v, beta=beta, **gate, initial_state=h0, cu_seqlens=cu, chunk_size=C,
+                        output_chunk_states=True)
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor([-(-n // C) for n in lengths]))
+    for c, n in enumerate(seq_of_chunk.tolist()):
+        if slots[n] >= 0:
+            assert torch.equal(states[c], want[c]), c
+        else:
+            assert torch.count_nonzero(states[c]) == 0, c
+
+
+def test_pool_prefill_reads_no_slot_on_the_host(monkeypatch):
+    # the Triton backend's chunk prefill on a pool with prepare_varlen's metadata reads the slots on the device only
+    # (what CUDA-graph capture needs): with every host read of a tensor's values refused, the same bits as eagerly
+    if DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
+    lengths, slots = [5, 0, 19], [3, -1, 0, -1]
+    (q, k, v, beta, g), _ = _inputs(lengths, 1, 2, 16, 8, DEVICE, seed=7)
+    q, k, v, beta, g = (torch.cat([x, torch.randn_like(x[:, :6])], 1) for x in (q, k, v, beta, g))  # spare rows
+    meta = deltatron.prepare_varlen([0, 5, 5, 24], max_sequences=4, max_tokens=30, chunk_sizes=(16,), device=DEVICE)
+    pool = torch.randn(5, 2, 16, 8, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    idx = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+
+    def call(pool):
+        with torch.no_grad():
+            return deltatron.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, cu_seqlens=meta,
+                                                    chunk_size=16, inplace_final_state=True, ssm_state_indices=idx)
+
+    eager_o, eager_pool = call(pool.clone())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _name=name, **kw: pytest.fail(f"Tensor.{_name} read"))
+    o, pooled = call(pool.clone())
+    monkeypatch.undo()
+    assert torch.equal(o, eager_o) and torch.equal(pooled, eager_pool)
+    assert torch.equal(pooled[[1, 2, 4]], pool[[1, 2, 4]])  # slots no live entry names

@@ -1,8 +1,8 @@
 """prepare_varlen's metadata under CUDA-graph capture (marked gpu): a varlen chunk prefill of the gated rule (dense
-states) and a decode step on a state pool (fused_recurrent, in place; and the fused gating entry) captured once,
-then replayed on new lengths (update()) and new inputs copied into the captured tensors, each replay equal to the
-eager call on plain cu_seqlens tensors (the prefill within bf16's bound: its eager call is planned for its own
-lengths)."""
+states, and on a state pool in place), and a decode step on a state pool (fused_recurrent, in place; and the fused
+gating entry) captured once, then replayed on new lengths (update()), slots and inputs copied into the captured
+tensors, each replay equal to the eager call (the dense prefill on plain cu_seqlens tensors within bf16's bound: its
+eager call is planned for its own lengths; the pooled prefill bit for bit on the same metadata)."""
 import pytest
 import torch
 
@@ -62,6 +62,37 @@ def test_varlen_prefill_replays_on_new_lengths():
         bound = BOUNDS[torch.bfloat16]
         assert rel_rms(o[:, :T], want_o) <= bound and rel_rms(ht[:N], want_ht) <= bound
         assert not o[:, T:].any() and torch.equal(ht[N:], h0[N:])
+
+
+@torch.no_grad()
+def test_pool_prefill_replays_on_new_lengths_and_slots():
+    max_sequences, max_tokens, S = 4, 300, 9
+    meta = deltatron.prepare_varlen([0, 100, 100, 180], max_sequences, max_tokens)
+    q, k = (torch.empty(1, max_tokens, Hk, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(1, max_tokens, Hv, V, device="cuda", dtype=torch.bfloat16)
+    g, beta = (torch.empty(1, max_tokens, Hv, device="cuda") for _ in range(2))
+    pool = torch.randn(S, Hv, K, V, device="cuda")
+    slots = torch.tensor([4, -1, 0, -1], device="cuda", dtype=torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    _fill(gen, q, k, v, g, beta)
+
+    def prefill():
+        return deltatron.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, cu_seqlens=meta,
+                                                inplace_final_state=True, ssm_state_indices=slots)[0]
+
+    graph, o = _captured(prefill)
+    for cu, new_slots in (([0, 300], [7, -1, -1, -1]), ([0, 7, 7, 150, 299], [2, 8, -1, 5]),
+                          ([0, 64, 128, 192], [1, 3, 6, -1])):
+        meta.update(cu)
+        slots.copy_(torch.tensor(new_slots))
+        _fill(gen, q, k, v, g, beta)
+        before = pool.clone()
+        graph.replay()
+        replayed, after = o.clone(), pool.clone()
+        pool.copy_(before)
+        assert torch.equal(replayed, prefill()) and torch.equal(after, pool), cu
+        untouched = [s for s in range(S) if s not in new_slots]
+        assert torch.equal(after[untouched], before[untouched]) and not replayed[:, cu[-1]:].any()
 
 
 @torch.no_grad()

@@ -412,8 +412,6 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     nh = f"sequences x heads {p.states}"
     if p.per_channel and kda_chunk_refusal(p.K, p.V):
         raise ValueError(kda_chunk_refusal(p.K, p.V))
-    if p.per_channel and p.chunk_states:
-        raise ValueError("output_chunk_states is not offered for the per-channel gate (KDA)")
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
                    and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states and not p.per_channel)
