@@ -59,9 +59,6 @@ def _run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l
                                          cu_seqlens_cpu, options.get("chunk_size"), grouped=grouped)
     prepared = _check_prepared(f"{form}_delta_rule", form, cu_seqlens, options.get("output_chunk_states"))
     if torch.compiler.is_compiling():
-        if options.get("output_chunk_states"):
-            raise RuntimeError(f"{form}_delta_rule: output_chunk_states is not supported under torch.compile yet; "
-                               f"call it outside the compiled region")
         # one opaque custom op (deltatron/library.py): no graph break; it runs this function at run time
         return library.run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state,
                                     use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **options)
@@ -181,7 +178,7 @@ def chunk_delta_rule(
         output_chunk_states: also return the state entering every chunk, [NT, H, K, V] fp32 (chunks of
             chunk_size tokens along each sequence, sequence after sequence; an empty sequence has none), for prefix
             caching: chunk c + 1's entry is the state after chunk c (on a state pool, zeros for a padding entry's
-            chunks). Not under torch.compile yet.
+            chunks). Under torch.compile with cu_seqlens, their number is an unbacked size of the graph.
         cp_group: context parallelism (DESIGN.md §13): a torch.distributed ProcessGroup over which the token stream
             is sharded; each rank passes its contiguous shard (ranks in group order; with cu_seqlens, T tokens on
             every rank and cu_seqlens the whole stream's offsets). o is the rank's shard; initial_state [N, ...]
@@ -660,13 +657,10 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     _check_prepared(fn, form, cu_seqlens, output_chunk_states)
     extras = ()
     if torch.compiler.is_compiling():
-        if output_chunk_states:
-            raise RuntimeError(f"{fn}: output_chunk_states is not supported under torch.compile yet; call it "
-                               f"outside the compiled region")
         # the same custom op as the ungated rule's, carrying g (deltatron/library.py): no graph break
-        o, final_state = library.run_compiled(form, q, k, v, beta, scale, h0, output_final_state,
-                                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, g=g,
-                                              **({} if chunk_size is None else {"chunk_size": chunk_size}))
+        o, final_state, *extras = library.run_compiled(
+            form, q, k, v, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
+            g=g, output_chunk_states=output_chunk_states, **({} if chunk_size is None else {"chunk_size": chunk_size}))
     else:
         in_place = inplace_final_state and not state_v_first and form == "fused_recurrent"
         o, final_state, *extras = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state,

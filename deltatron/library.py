@@ -8,14 +8,17 @@ which checks the cu_seqlens values, picks the backend and runs it (PyTorch, or t
 DeltaRuleFunction). So compiled and eager runs compute the same function with the same code.
 
     deltatron::delta_rule(q, k, v, beta, g?, initial_state?, cu_seqlens?, cu_seqlens_cpu?, form, scale,
-                          output_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states)
-        -> (o, final_state, attentions)          # empty [0] tensors stand for "not asked for"
+                          output_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states,
+                          output_chunk_states)
+        -> (o, final_state, extra)               # empty [0] tensors stand for "not asked for"
     deltatron::delta_rule_backward(do, dht?, q, k, v, beta, g?, initial_state?, cu_seqlens?, cu_seqlens_cpu?,
                                    form, scale, use_qk_l2norm, chunk_size, save_states)
         -> (dq, dk, dv, dbeta, dg, dh0)          # dg, dh0 are [0] without a gate, an initial state
 
 g is the gated rule's log decays (api.chunk_gated_delta_rule's, after its gate and beta transforms, which are
-traced as ordinary torch operations); v may have more heads than q and k (grouped value heads).
+traced as ordinary torch operations); v may have more heads than q and k (grouped value heads). extra is the output
+that takes no gradient: the parallel form's attentions or the chunk form's states entering every chunk (with
+cu_seqlens their number depends on the lengths: an unbacked size to the compiler).
 
 The backward op recomputes the forward with autograd and returns torch.autograd.grad; on the Triton
 backend that runs the form's forward and backward (deltatron.autograd), with save_states (chunk_delta_rule's)
@@ -43,7 +46,7 @@ _NOT_ASKED = (0,)
 
 
 def _eager(form, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-           use_qk_l2norm, chunk_size, output_attentions, save_states):
+           use_qk_l2norm, chunk_size, output_attentions, save_states, output_chunk_states=False):
     from . import api  # here, not at the top: api imports this module
 
     if g is not None:  # the cu_seqlens values are checked here, at run time, as api._run checks the ungated op's
@@ -51,10 +54,11 @@ def _eager(form, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, sc
         _, cu_seqlens_cpu = api.check_inputs(q, k, v, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
                                              chunk_size, g=g, grouped=True, per_channel_gate=g.dim() == 4)
         return api._gated_core(form, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                               cu_seqlens, cu_seqlens_cpu, chunk_size)
+                               cu_seqlens, cu_seqlens_cpu, chunk_size, output_chunk_states=output_chunk_states)
     options = dict(chunk_size=chunk_size, output_attentions=output_attentions, save_states=save_states)
+    chunk_states = {"output_chunk_states": True} if output_chunk_states else {}
     return api._run(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
-                    cu_seqlens_cpu, {}, **{name: options[name] for name in FORM_OPTIONS[form]})
+                    cu_seqlens_cpu, {}, **{name: options[name] for name in FORM_OPTIONS[form]}, **chunk_states)
 
 
 def _unaliased(x: Tensor, inputs) -> Tensor:
@@ -71,29 +75,36 @@ def _unaliased(x: Tensor, inputs) -> Tensor:
 def delta_rule(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor], form: str, scale: float, output_final_state: bool,
-    use_qk_l2norm: bool, chunk_size: int, output_attentions: bool, save_states: bool,
+    use_qk_l2norm: bool, chunk_size: int, output_attentions: bool, save_states: bool, output_chunk_states: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():
         o, final_state, *extras = _eager(form, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
                                          output_final_state, use_qk_l2norm, chunk_size, output_attentions,
-                                         save_states)
+                                         save_states, output_chunk_states)
     inputs = (q, k, v, beta, g, initial_state)
     final_state = q.new_empty(_NOT_ASKED) if final_state is None else _unaliased(final_state, inputs)
-    attentions = _unaliased(extras[0], inputs) if output_attentions else q.new_empty(_NOT_ASKED)
-    return _unaliased(o, inputs), final_state, attentions
+    extra = _unaliased(extras[0], inputs) if extras else q.new_empty(_NOT_ASKED)
+    return _unaliased(o, inputs), final_state, extra
 
 
 @delta_rule.register_fake
 def _(q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm,
-      chunk_size, output_attentions, save_states):
+      chunk_size, output_attentions, save_states, output_chunk_states):
     B, T, _, K = q.shape
     H, V = v.shape[-2:]  # value heads
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state_dtype = compute_dtype(q.dtype)  # fp32 (float64 for float64 inputs), as the implementations return
     o = q.new_empty(B, T, H, V)
     final_state = q.new_empty((N, H, K, V) if output_final_state else _NOT_ASKED, dtype=state_dtype)
-    attentions = q.new_empty((B, H, T, T) if output_attentions else _NOT_ASKED, dtype=state_dtype)
-    return o, final_state, attentions
+    if output_attentions:
+        extra = (B, H, T, T)
+    elif output_chunk_states:  # chunks of chunk_size tokens along each sequence
+        num_chunks = (B * -(-T // chunk_size) if cu_seqlens is None else
+                      torch.library.get_ctx().new_dynamic_size())
+        extra = (num_chunks, H, K, V)
+    else:
+        extra = _NOT_ASKED
+    return o, final_state, q.new_empty(extra, dtype=state_dtype)
 
 
 @contextlib.contextmanager
@@ -143,7 +154,7 @@ def _(do, dht, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form
 
 def _setup_context(ctx, inputs, output):
     q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale, output_final_state, use_qk_l2norm, \
-        chunk_size, _, save_states = inputs
+        chunk_size, _, save_states, _ = inputs
     ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu)
     ctx.has_initial_state, ctx.has_gate = initial_state is not None, g is not None
     ctx.args = (form, scale, use_qk_l2norm, chunk_size, save_states)
@@ -156,7 +167,7 @@ def _backward(ctx, do, dht, _):
         do, dht if ctx.output_final_state else None, q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu,
         *ctx.args,
     )
-    return (dq, dk, dv, dbeta, dg if ctx.has_gate else None, dh0 if ctx.has_initial_state else None) + (None,) * 9
+    return (dq, dk, dv, dbeta, dg if ctx.has_gate else None, dh0 if ctx.has_initial_state else None) + (None,) * 10
 
 
 delta_rule.register_autograd(_backward, setup_context=_setup_context)
@@ -164,15 +175,17 @@ delta_rule.register_autograd(_backward, setup_context=_setup_context)
 
 def run_compiled(form, q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
                  cu_seqlens_cpu, chunk_size: int = 64, output_attentions: bool = False,
-                 inplace_final_state: bool = False, save_states: bool = False, g: Optional[Tensor] = None):
+                 inplace_final_state: bool = False, save_states: bool = False, g: Optional[Tensor] = None,
+                 output_chunk_states: bool = False):
     """api._run (and api._run_gated, with g) under torch.compile (inputs already validated): the same results
     through the custom op."""
-    o, final_state, attentions = delta_rule(
+    o, final_state, extra = delta_rule(
         q, k, v, beta, g, initial_state, cu_seqlens, cu_seqlens_cpu, form, scale,
         output_final_state or inplace_final_state, use_qk_l2norm, chunk_size, output_attentions, save_states,
+        output_chunk_states,
     )
     if inplace_final_state:
         final_state = initial_state.copy_(final_state)
     elif not output_final_state:
         final_state = None
-    return (o, final_state, attentions) if output_attentions else (o, final_state)
+    return (o, final_state, extra) if output_attentions or output_chunk_states else (o, final_state)

@@ -122,6 +122,49 @@ def test_attentions_and_unrequested_state_under_compile():
     assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(attn, attn_ref) <= 1e-6
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fn", [chunk_delta_rule, chunk_gated_delta_rule, chunk_kda], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_chunk_states_under_compile(fn, varlen, backend, monkeypatch):
+    # the states entering every chunk as the op's extra output: B * ceil(T / C) of them, or with cu_seqlens a number
+    # the graph learns at run time; o, the final state and the gradients as eagerly on the PyTorch backend
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(10)
+    B, T = (1, 21) if varlen else (2, 21)
+    q, k = torch.randn(B, T, 1, 8, generator=gen), torch.randn(B, T, 1, 8, generator=gen)
+    v, beta = torch.randn(B, T, 2, 4, generator=gen), torch.rand(B, T, 2, generator=gen)
+    g = -torch.rand(B, T, 2, *((8,) if fn is chunk_kda else ()), generator=gen)
+    cu = torch.tensor([0, 4, 4, 21]) if varlen else None
+
+    def run(q, k, v, beta, g, cu):
+        return fn(q, k, v, beta=beta, **({} if fn is chunk_delta_rule else {"g": g}), output_final_state=True,
+                  chunk_size=16, output_chunk_states=True, cu_seqlens=cu)
+
+    def results(x, compiled, device):
+        x = [t.to(device).requires_grad_(i < 3) if t is not None else t for i, t in enumerate(x)]
+        out = (torch.compile(run, backend="aot_eager", fullgraph=True) if compiled else run)(*x)
+        return [t.cpu() for t in list(out) + list(_grads(out[:2], x[:3]))]
+
+    monkeypatch.setenv("DELTATRON_BACKEND", backend)
+    got = results((q, k, v, beta, g, cu), True, device)
+    monkeypatch.setenv("DELTATRON_BACKEND", "torch")
+    ref = results((q, k, v, beta, g, cu), False, "cpu")
+    assert got[2].shape == ref[2].shape == ((3 if varlen else 4), 2, 8, 4)
+    for x, x_ref in zip(got, ref):
+        assert rel_rms(x, x_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("output", ["attentions", "chunk_states"])
+def test_opcheck_extra_output(output):
+    inp = make_inputs(1, 7, 2, 8, 4, seed=11, requires_grad=True)
+    form, cu = ("parallel", None) if output == "attentions" else ("chunk", random_cu_seqlens([2, 0, 5]))
+    args = (inp["q"], inp["k"], inp["v"], inp["beta"], None, None, cu, None, form, 0.3, False, False, 16,
+            output == "attentions", False, output == "chunk_states")
+    torch.library.opcheck(delta_rule, args)
+
+
 def test_cu_seqlens_values_still_checked_under_compile():
     inp = make_inputs(1, 10, 2, 8, 8, seed=4)
     compiled = torch.compile(chunk_delta_rule, backend="aot_eager", fullgraph=True)
@@ -138,7 +181,7 @@ def test_opcheck(with_state, save_states):
     lengths = [2, 0, 5]
     inp = make_inputs(1, 7, 2, 8, 4, initial_state=with_state, N=3, seed=5, requires_grad=True)
     args = (inp["q"], inp["k"], inp["v"], inp["beta"], None, inp.get("initial_state"), random_cu_seqlens(lengths),
-            None, "chunk", 0.3, with_state, True, 16, False, save_states)
+            None, "chunk", 0.3, with_state, True, 16, False, save_states, False)
     torch.library.opcheck(delta_rule, args)
 
 
@@ -151,7 +194,8 @@ def test_opcheck_gated_grouped(per_channel):
     v, h0 = torch.randn(1, 7, 4, 4, generator=gen).requires_grad_(), torch.randn(3, 4, 8, 4).requires_grad_()
     beta = torch.rand(1, 7, 4).requires_grad_()
     g = (-torch.rand(1, 7, 4, *((8,) if per_channel else ()))).requires_grad_()
-    args = (q, k, v, beta, g, h0, random_cu_seqlens([2, 0, 5]), None, "chunk", 0.3, True, True, 16, False, False)
+    args = (q, k, v, beta, g, h0, random_cu_seqlens([2, 0, 5]), None, "chunk", 0.3, True, True, 16, False, False,
+            False)
     torch.library.opcheck(delta_rule, args)
 
 
