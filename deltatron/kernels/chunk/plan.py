@@ -373,8 +373,9 @@ def kda_chunk_refusal(K: int, V: int) -> Optional[str]:
     token-serial fused_recurrent kernels, forward and backward), or None where it can."""
     if max(K, V) <= KDA_CHUNK_MAX_HEAD:
         return None
-    return (f"KDA's chunk kernels take K, V <= {KDA_CHUNK_MAX_HEAD} (here K = {K}, V = {V}: the walk's per-channel "
-            f"decays overflow sm_90's shared memory at 256), so chunk_kda runs fused_recurrent")
+    return (f"KDA's chunk kernels take K, V <= {KDA_CHUNK_MAX_HEAD} (here K = {K}, V = {V}: at 256 they compile for "
+            f"sm_90 and match the float64 oracle in Triton's interpreter, but have not been checked or timed on a "
+            f"GPU), so chunk_kda runs fused_recurrent")
 
 
 _CALL_PLANS: dict = {}  # the plans of recent calls by their key: the host's cost of a call's plan is a lookup
