@@ -1,8 +1,9 @@
 """State pools by slot (ssm_state_indices) in the fused_recurrent (decode) and chunk (prefill) forms of the delta rule,
 the gated delta rule and KDA (per-channel gates), on both backends (Triton in its interpreter without a GPU):
 sequences start from their slots of a pool [S, H, K, V], padding entries (-1) output zeros and touch no slot,
-inplace_final_state writes the final states back into the slots and leaves every other slot as it was; a serving
-loop with requests arriving and leaving against the float64 recurrence of each request."""
+inplace_final_state writes the final states back into the slots and leaves every other slot as it was; serving loops
+with requests arriving and leaving (one with speculative steps accepting part of their drafts) against the float64
+recurrence of each request."""
 import pytest
 import torch
 
@@ -134,6 +135,74 @@ def test_serving_loop(backend):
     for r, parts in streams.items():
         x = [torch.cat([p[0][i] for p in parts], 1) for i in range(5)]
         o = torch.cat([p[1] for p in parts], 1)
+        o_ref, _ = recurrent_gated_delta_rule(*(t.double() for t in (x[0], x[1], x[2], x[4], x[3])), K ** -0.5)
+        assert rel_rms(o, o_ref) <= BOUNDS[torch.float32], r
+
+
+def test_serving_loop_with_speculative_steps(backend):
+    # an engine's loop in vLLM's speculative layout: each request owns W slots of the pool; it arrives with a chunk
+    # prefill into its first slot, then takes speculative steps (W draft tokens verified in one fused_recurrent call
+    # that writes the state after each into the request's slots, of which a random number are accepted: the next
+    # step starts from the last accepted token's slot) and plain decode steps (one token, the same layout), and
+    # leaves, its slots reused; every accepted token's output against the float64 recurrence over the request's
+    # accepted tokens
+    Hk, Hv, K, V, W, R = 1, 2, 16, 16, 3, 3  # R requests at once, each with W slots
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.zeros(R * W, Hv, K, V, device=device)
+    accepted_tokens, accepted_outputs = {}, {}  # request -> its accepted tokens (q, k, v, beta, g) and outputs
+    free, blocks, start_column, next_id = list(range(R)), {}, {}, 0
+
+    def tokens(T):
+        x = [torch.randn(1, T, Hk, K, generator=gen), torch.randn(1, T, Hk, K, generator=gen),
+             torch.randn(1, T, Hv, V, generator=gen), torch.rand(1, T, Hv, generator=gen),
+             -torch.rand(1, T, Hv, generator=gen)]
+        x[1] = torch.nn.functional.normalize(x[1], dim=-1)
+        return x
+
+    def keep(r, x, o, count):
+        accepted_tokens.setdefault(r, []).append([t[:, :count] for t in x])
+        accepted_outputs.setdefault(r, []).append(o[:, :count].cpu())
+
+    def step(requests, length):  # every request takes `length` tokens; returns its tokens and outputs
+        cu = torch.arange(len(requests) + 1, dtype=torch.int32, device=device) * length
+        x = tokens(len(requests) * length)
+        slots = torch.tensor([[blocks[r] * W + j for j in range(W)] for r in requests], dtype=torch.int32,
+                             device=device)
+        accepted = torch.tensor([start_column[r] + 1 for r in requests], dtype=torch.int32, device=device)
+        with torch.no_grad():
+            o, _ = deltatron.fused_recurrent_gated_delta_rule(
+                *(t.to(device) for t in x[:3]), x[4].to(device), x[3].to(device), initial_state=pool, cu_seqlens=cu,
+                ssm_state_indices=slots, num_accepted_tokens=accepted, inplace_final_state=True)
+        return [([t[:, n * length:(n + 1) * length] for t in x], o[:, n * length:(n + 1) * length])
+                for n in range(len(requests))]
+
+    for round_ in range(5):
+        if free:  # a new request: a chunk prefill of 4 + round_ tokens into its first slot
+            r, next_id = next_id, next_id + 1
+            blocks[r], start_column[r] = free.pop(0), 0
+            pool[blocks[r] * W] = 0.0  # a new request's state (the slot may hold a previous request's)
+            x = tokens(4 + round_)
+            idx = torch.tensor([blocks[r] * W], dtype=torch.int32, device=device)
+            with torch.no_grad():
+                o, _ = deltatron.chunk_gated_delta_rule(*(t.to(device) for t in x[:3]), x[4].to(device),
+                                                        x[3].to(device), initial_state=pool, chunk_size=16,
+                                                        inplace_final_state=True, ssm_state_indices=idx)
+            keep(r, x, o, x[0].shape[1])
+        active = sorted(blocks)
+        for r, (x, o) in zip(active, step(active, W)):  # a speculative step: a random number of drafts accepted
+            count = int(torch.randint(1, W + 1, (1,), generator=gen))
+            keep(r, x, o, count)
+            start_column[r] = count - 1
+        for r, (x, o) in zip(active, step(active, 1)):  # a decode step: its one token, into the first slot
+            keep(r, x, o, 1)
+            start_column[r] = 0
+        if round_ == 2:  # the oldest request leaves; its slots are reused
+            oldest = min(blocks)
+            free.append(blocks.pop(oldest))
+    for r, parts in accepted_tokens.items():
+        x = [torch.cat([p[i] for p in parts], 1) for i in range(5)]
+        o = torch.cat(accepted_outputs[r], 1)
         o_ref, _ = recurrent_gated_delta_rule(*(t.double() for t in (x[0], x[1], x[2], x[4], x[3])), K ** -0.5)
         assert rel_rms(o, o_ref) <= BOUNDS[torch.float32], r
 
