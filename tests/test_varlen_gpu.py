@@ -37,6 +37,16 @@ def _captured(fn):
     return graph, out
 
 
+def _replay_then_eager(graph, out, step, pool):
+    """Replays graph (whose output is out), then runs step eagerly from the same pool: (the pool before, the replay's
+    output, the pool after the replay, the eager output); the pool is left as the eager step wrote it."""
+    before = pool.clone()
+    graph.replay()
+    replayed, after = out.clone(), pool.clone()
+    pool.copy_(before)
+    return before, replayed, after, step()
+
+
 @torch.no_grad()
 def test_varlen_prefill_replays_on_new_lengths():
     max_sequences, max_tokens = 4, 300
@@ -86,11 +96,8 @@ def test_pool_prefill_replays_on_new_lengths_and_slots():
         meta.update(cu)
         slots.copy_(torch.tensor(new_slots))
         _fill(gen, q, k, v, g, beta)
-        before = pool.clone()
-        graph.replay()
-        replayed, after = o.clone(), pool.clone()
-        pool.copy_(before)
-        assert torch.equal(replayed, prefill()) and torch.equal(after, pool), cu
+        before, replayed, after, want = _replay_then_eager(graph, o, prefill, pool)
+        assert torch.equal(replayed, want) and torch.equal(after, pool), cu
         untouched = [s for s in range(S) if s not in new_slots]
         assert torch.equal(after[untouched], before[untouched]) and not replayed[:, cu[-1]:].any()
 
@@ -117,10 +124,5 @@ def test_pool_decode_replays_with_new_slots():
         for new_slots in ([11, -1, 3, 4, 0, 9, -1, 2], [0, 1, 2, 3, 4, 5, 6, 7]):
             slots.copy_(torch.tensor(new_slots))
             _fill(gen, q, k, v, g, beta)
-            before = pool.clone()
-            graph.replay()
-            replayed, after = o.clone(), pool.clone()
-            pool.copy_(before)
-            want = step()
-            assert torch.equal(replayed, want), name
-            assert torch.equal(after, pool), name
+            _, replayed, after, want = _replay_then_eager(graph, o, step, pool)
+            assert torch.equal(replayed, want) and torch.equal(after, pool), name
