@@ -48,7 +48,16 @@ def reject_unknown_kwargs(fn_name: str, kwargs: dict) -> None:
             "(q, k: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H]); transpose head-first inputs with "
             "x.transpose(1, 2) before the call"
         )
+    gate = sorted(set(kwargs) & _GATE_KWARGS)
+    if gate and fn_name in ("fused_chunk_delta_rule", "parallel_delta_rule"):
+        raise TypeError(f"{fn_name}: {gate} given, but this form runs the ungated delta rule only; the gated rule "
+                        f"and KDA run in chunk_gated_delta_rule / chunk_kda (chunkwise) and "
+                        f"fused_recurrent_gated_delta_rule / fused_recurrent_kda (token by token)")
     raise TypeError(f"{fn_name}: unexpected keyword argument(s) {sorted(kwargs)}")
+
+
+# the gated ops' arguments, named in the error of a form that takes none of them
+_GATE_KWARGS = {"g", "gk", "A_log", "dt_bias", "use_gate_in_kernel"}
 
 
 def _shape(x: torch.Tensor) -> str:

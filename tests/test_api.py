@@ -152,6 +152,13 @@ def test_unknown_keywords(fn):
     _raises(TypeError, r"unexpected keyword argument\(s\) \['chunksize'\]", *_args(), fn=fn, chunksize=64)
 
 
+@pytest.mark.parametrize("fn", [fused_chunk_delta_rule, parallel_delta_rule])
+def test_forms_without_the_gate_say_where_it_runs(fn):
+    q, k, v, b = _args()
+    _raises(TypeError, r"\['g'\] given, but this form runs the ungated delta rule only; the gated rule and KDA run in "
+            r"chunk_gated_delta_rule", q, k, v, b, fn=fn, g=-torch.rand(b.shape))
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "0.5", True])
 def test_scale_errors(bad):
     _raises(ValueError, r"scale must be a positive finite number", *_args(), scale=bad)
