@@ -418,7 +418,7 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
         return None, {}
     cu, v_first = options.get("cu_seqlens"), options.get("state_v_first", False)
     N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first, num_accepted_tokens)
-    if kernel_slots and backends.select_backend(q) == "triton" and not v_first and not torch.compiler.is_compiling():
+    if kernel_slots and not v_first and _slot_kernels(q):
         return None, {"state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens}
     token_states = state_indices.dim() == 2 and inplace  # the PyTorch definition, one token at a time
     if capturing() and (token_states or not _slot_kernels(q)):
@@ -455,9 +455,10 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
 
 
 def _slot_kernels(q) -> bool:
-    """Whether a pool's slots are read and written by kernels.state_pool (the Triton backend outside torch.compile,
-    no host read of the slots) rather than by torch's index ops."""
-    return backends.select_backend(q) == "triton" and not torch.compiler.is_compiling()
+    """Whether Triton kernels read and write a pool's slots (the fused_recurrent kernel itself, or kernels.state_pool
+    around a call on dense states; no host read of the slots): on the Triton backend outside torch.compile, whose
+    custom op takes dense states (there torch's index ops serve)."""
+    return not torch.compiler.is_compiling() and backends.select_backend(q) == "triton"
 
 
 def _read_slots(pool, slots, q) -> torch.Tensor:

@@ -156,6 +156,34 @@ def test_chunk_states_under_compile(fn, varlen, backend, monkeypatch):
         assert rel_rms(x, x_ref) <= 1e-4
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fn", [fused_recurrent_gated_delta_rule, chunk_gated_delta_rule], ids=lambda f: f.__name__)
+def test_state_pool_under_compile(fn, backend, monkeypatch):
+    # a decode step and a chunk prefill on a pool's slots (one a padding entry) in place: one graph, the eager
+    # call's outputs and pool bit for bit
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(12)
+    B, T = 3, (1 if fn is fused_recurrent_gated_delta_rule else 20)
+    q, k = torch.randn(B, T, 1, 16, generator=gen), torch.randn(B, T, 1, 16, generator=gen)
+    x = [t.to(device) for t in (q, torch.nn.functional.normalize(k, dim=-1), torch.randn(B, T, 2, 8, generator=gen),
+                                -torch.rand(B, T, 2, generator=gen), torch.rand(B, T, 2, generator=gen))]
+    pool = torch.randn(5, 2, 16, 8, generator=gen).to(device)
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32, device=device)
+
+    def step(q, k, v, g, beta, pool, slots):
+        return fn(q, k, v, g, beta, initial_state=pool, inplace_final_state=True, ssm_state_indices=slots)[0]
+
+    monkeypatch.setenv("DELTATRON_BACKEND", backend)
+    eager_pool, compiled_pool = pool.clone(), pool.clone()
+    with torch.no_grad():
+        want = step(*x, eager_pool, slots)
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(*x, compiled_pool, slots)
+    assert torch.equal(got, want) and torch.equal(compiled_pool, eager_pool)
+    assert not torch.equal(eager_pool[[1, 4]], pool[[1, 4]]) and torch.equal(eager_pool[[0, 2, 3]], pool[[0, 2, 3]])
+
+
 @pytest.mark.parametrize("output", ["attentions", "chunk_states"])
 def test_opcheck_extra_output(output):
     inp = make_inputs(1, 7, 2, 8, 4, seed=11, requires_grad=True)
