@@ -357,7 +357,7 @@ def fused_sigmoid_gating_delta_rule_update(
     token_buffer = check_token_buffer(fn, intermediate_states_buffer, intermediate_state_indices, cache_steps, N,
                                       tuple(initial_state_source.shape[1:]) if isinstance(
                                           initial_state_source, torch.Tensor) else None, q.device)
-    if backends.select_backend(q) == "torch" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or backends.select_backend(q) == "torch":
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=softplus_beta,
                                               threshold=softplus_threshold)
         args = (q, k, v, g, b.float().sigmoid())
@@ -367,6 +367,7 @@ def fused_sigmoid_gating_delta_rule_update(
             return fused_recurrent_gated_delta_rule(*args, initial_state=initial_state_source,
                                                     inplace_final_state=not disable_state_update,
                                                     ssm_state_indices=initial_state_indices, **options)[0]
+        _refuse_token_states_under_compile(fn)
         return _verify_torch(args, options, initial_state_source, initial_state_indices, token_buffer,
                              disable_state_update)
     scale, cu_seqlens_cpu = check_inputs(q, k, v, b, scale, None, cu_seqlens, cu_seqlens_cpu, g=a, grouped=True)
@@ -435,6 +436,7 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
     live = first >= 0
     h0 = _read_slots(pool, first, q)
     if token_states:
+        _refuse_token_states_under_compile(fn_name)
         return (_token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live), pool), {}
     o, final_state, *extras = fn(q, k, v, beta=beta, initial_state=h0, output_final_state=True, **gate, **options)
     if cu is None:
@@ -506,6 +508,15 @@ def _chunk_states_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, chun
     return torch.stack(states) if states else v.new_zeros(0, Hv, q.shape[-1], v.shape[-1], dtype=dt)
 
 
+def _refuse_token_states_under_compile(fn_name) -> None:
+    """The per-token states of a verify step (slots [N, W] written in place, SGLang's intermediate_states_buffer) are
+    made one token at a time outside the Triton kernel, which torch.compile cannot trace."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{fn_name}: a state per token (ssm_state_indices [N, W] with inplace_final_state, or "
+                           f"intermediate_states_buffer) is not supported under torch.compile; call the step outside "
+                           f"the compiled region (on the Triton backend it is one kernel launch, CUDA-graph safe)")
+
+
 def _token_states_into_pool(fn, q, k, v, beta, g, h0, options, pool, state_indices, live) -> torch.Tensor:
     """o of fn run one token at a time from the states h0, each live sequence's state after its token j written into
     slot state_indices[n, j] (where j < W and the slot is not -1); padding sequences output zeros."""
@@ -546,7 +557,7 @@ def _verify_torch(args, options, pool, slots, token_buffer, disable_state_update
     q, k, v, g, beta = args
     buffer, rows = token_buffer
     live = slots >= 0
-    h0 = pool.index_select(0, slots.clamp(min=0)) * live.view(-1, 1, 1, 1)
+    h0 = _read_slots(pool, slots, q)
     row_of, last = rows.tolist(), {}
 
     def store(n, j, state):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
+import deltatron
 from deltatron import (chunk_delta_rule, chunk_gated_delta_rule, chunk_kda, fused_recurrent_delta_rule,
                        fused_recurrent_gated_delta_rule, fused_recurrent_kda, parallel_delta_rule)
 from deltatron.library import delta_rule
@@ -182,6 +183,48 @@ def test_state_pool_under_compile(fn, backend, monkeypatch):
         got = torch.compile(step, backend="aot_eager", fullgraph=True)(*x, compiled_pool, slots)
     assert torch.equal(got, want) and torch.equal(compiled_pool, eager_pool)
     assert not torch.equal(eager_pool[[1, 4]], pool[[1, 4]]) and torch.equal(eager_pool[[0, 2, 3]], pool[[0, 2, 3]])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_gating_decode_step_under_compile(backend, monkeypatch):
+    # vLLM's fused decode step compiles to one graph (the gate, sigmoid beta and the norms as torch operations around
+    # the op): the eager step's outputs and pool, to fp32 rounding on the Triton backend (one kernel eagerly)
+    if backend == "triton":
+        pytest.importorskip("triton")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(13)
+    q, k, a, b = (torch.randn(3, 1, *shape, generator=gen).to(device) for shape in ((1, 16), (1, 16), (2,), (2,)))
+    v = torch.randn(3, 1, 2, 8, generator=gen).to(device)
+    A_log, dt_bias = (torch.randn(2, generator=gen).to(device) for _ in range(2))
+    pool = torch.randn(5, 2, 16, 8, generator=gen).to(device)
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32, device=device)
+
+    def step(q, k, v, a, b, pool, slots):
+        return deltatron.fused_sigmoid_gating_delta_rule_update(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, pool, slots,
+                                                                use_qk_l2norm_in_kernel=True)
+
+    monkeypatch.setenv("DELTATRON_BACKEND", backend)
+    eager_pool, compiled_pool = pool.clone(), pool.clone()
+    with torch.no_grad():
+        want = step(q, k, v, a, b, eager_pool, slots)
+        got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, a, b, compiled_pool, slots)
+    bound = 0.0 if backend == "torch" else 1e-6
+    assert rel_rms(got, want) <= bound and rel_rms(compiled_pool, eager_pool) <= bound
+
+
+def test_token_states_refused_under_compile():
+    # a verify step's state per token is made one token at a time outside the kernel: refused by name under compile
+    q = torch.randn(2, 2, 1, 8)
+    slots, accepted = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32)
+    pool = torch.zeros(4, 1, 8, 8)
+
+    def verify(q, pool):
+        return fused_recurrent_gated_delta_rule(q, q, q, -torch.ones(2, 2, 1), torch.ones(2, 2, 1), initial_state=pool,
+                                                ssm_state_indices=slots, num_accepted_tokens=accepted,
+                                                inplace_final_state=True)[0]
+
+    with torch.no_grad(), pytest.raises(Exception, match="a state per token .* not supported under torch.compile"):
+        torch.compile(verify, backend="aot_eager", fullgraph=True)(q, pool)
 
 
 @pytest.mark.parametrize("output", ["attentions", "chunk_states"])
