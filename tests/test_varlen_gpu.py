@@ -1,8 +1,9 @@
 """prepare_varlen's metadata under CUDA-graph capture (marked gpu): a varlen chunk prefill of the gated rule (dense
-states, and on a state pool in place), and a decode step on a state pool (fused_recurrent, in place; and the fused
-gating entry) captured once, then replayed on new lengths (update()), slots and inputs copied into the captured
-tensors, each replay equal to the eager call (the dense prefill on plain cu_seqlens tensors within bf16's bound: its
-eager call is planned for its own lengths; the pooled prefill bit for bit on the same metadata)."""
+states, and on a state pool in place), and a decode step on a state pool (fused_recurrent of the gated rule and of
+KDA with its gate made in the op, in place; and the fused gating entry) captured once, then replayed on new lengths
+(update()), slots and inputs copied into the captured tensors, each replay equal to the eager call (the dense prefill
+on plain cu_seqlens tensors within bf16's bound: its eager call is planned for its own lengths; the pooled prefill
+bit for bit on the same metadata)."""
 import pytest
 import torch
 
@@ -108,7 +109,9 @@ def test_pool_decode_replays_with_new_slots():
     q, k = (torch.empty(B, 1, Hk, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.empty(B, 1, Hv, V, device="cuda", dtype=torch.bfloat16)
     g, beta = (torch.empty(B, 1, Hv, device="cuda") for _ in range(2))
+    gk = torch.empty(B, 1, Hv, K, device="cuda")  # KDA's raw per-channel gate projection
     A_log, dt_bias = torch.randn(Hv, device="cuda"), torch.randn(Hv, device="cuda")
+    kda_dt_bias = torch.randn(Hv * K, device="cuda")
     pool = torch.randn(S, Hv, K, V, device="cuda")
     slots = torch.arange(B, device="cuda", dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)
@@ -118,11 +121,15 @@ def test_pool_decode_replays_with_new_slots():
             q, k, v, g, beta, initial_state=pool, inplace_final_state=True, ssm_state_indices=slots)[0],
         "fused_gating": lambda: deltatron.fused_sigmoid_gating_delta_rule_update(
             A_log, g, dt_bias, 1.0, 20.0, q, k, v, beta, pool, slots, use_qk_l2norm_in_kernel=True),
+        "fused_recurrent_kda": lambda: deltatron.fused_recurrent_kda(
+            q, k, v, gk, beta, initial_state=pool, inplace_final_state=True, ssm_state_indices=slots,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=kda_dt_bias, use_qk_l2norm_in_kernel=True)[0],
     }
     for name, step in steps.items():
         graph, o = _captured(step)
         for new_slots in ([11, -1, 3, 4, 0, 9, -1, 2], [0, 1, 2, 3, 4, 5, 6, 7]):
             slots.copy_(torch.tensor(new_slots))
             _fill(gen, q, k, v, g, beta)
+            gk.copy_(torch.randn(gk.shape, generator=gen))
             _, replayed, after, want = _replay_then_eager(graph, o, step, pool)
             assert torch.equal(replayed, want) and torch.equal(after, pool), name
