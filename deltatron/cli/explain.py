@@ -6,6 +6,7 @@ why (the call's plan).
     deltatron explain --batch 8 --seqlen 4096 --heads 32 --key-heads 16 --gated     # Qwen3-Next's layout
     deltatron explain --batch 1 --seqlen 8192 --heads 32 --kda --inference            # a KDA prefill
     deltatron explain --kda --head-dim 256      # KDA at heads its chunk kernels do not take: fused_recurrent, why
+    deltatron explain --gated --inference --chunk-states                            # a prefill for prefix caching
 
 Runs on any machine: the plan is made for the named GPU's capabilities (--gpu), or this machine's (--gpu here)."""
 from __future__ import annotations
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
                         "or this machine's device ('here'; default sm90)")
     p.add_argument("--inference", action="store_true", help="a forward without backward (default: training)")
     p.add_argument("--save-states", action="store_true", help="chunk_delta_rule(..., save_states=True)")
+    p.add_argument("--chunk-states", action="store_true",
+                   help="output_chunk_states=True (the state entering every chunk, for prefix caching)")
     return p
 
 
@@ -65,6 +68,10 @@ def main(argv=None) -> int:
     if max(args.head_dim, V) > 256:
         print(f"deltatron explain: head sizes up to 256, got K = {args.head_dim}, V = {V}", file=sys.stderr)
         return 2
+    if args.kda and chunk_plan.kda_chunk_refusal(args.head_dim, V) and args.chunk_states:
+        print(f"deltatron explain: --chunk-states needs the chunk kernels' walk, and "
+              f"{chunk_plan.kda_chunk_refusal(args.head_dim, V)}", file=sys.stderr)
+        return 2
     if args.kda and chunk_plan.kda_chunk_refusal(args.head_dim, V):
         print(f"form: fused_recurrent: {chunk_plan.kda_chunk_refusal(args.head_dim, V)}")
         return 0
@@ -77,6 +84,7 @@ def main(argv=None) -> int:
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (args.batch, args.batch * args.seqlen)
     problem = chunk_plan.Problem(DTYPES[args.dtype], args.heads, args.head_dim, V, num_seqs, tokens,
                                  args.chunk_size, not args.inference, args.save_states, True, args.gated or args.kda,
-                                 0 if key_heads == args.heads else key_heads, per_channel=args.kda)
+                                 0 if key_heads == args.heads else key_heads, chunk_states=args.chunk_states,
+                                 per_channel=args.kda)
     print(chunk_plan.explain(chunk_plan.make_plan(problem, caps)))
     return 0

@@ -10,6 +10,18 @@ def test_gated_grouped_layout(capsys):
     assert any(line.startswith("forward:  portable.gate (γ) -> portable.wy") for line in lines)
 
 
+def test_chunk_states(capsys):
+    # output_chunk_states: the portable walk that stores the state entering each chunk, for every rule
+    for rule in ([], ["--gated"], ["--kda"]):
+        assert explain.main([*rule, "--inference", "--chunk-states"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].endswith("inference, output_chunk_states")
+        assert any(line.split()[:2] == ["walk", "portable"] and "stores the state entering each chunk" in line
+                   for line in lines)
+    assert explain.main(["--kda", "--chunk-states", "--head-dim", "256"]) == 2
+    assert "--chunk-states needs the chunk kernels' walk" in capsys.readouterr().err
+
+
 def test_key_heads_must_divide_heads(capsys):
     assert explain.main(["--heads", "32", "--key-heads", "12"]) == 2
     assert "--key-heads must divide --heads (32), got 12" in capsys.readouterr().err

@@ -644,7 +644,8 @@ def explain(plan: ChunkPlan) -> str:
     gate = "per-channel gate (KDA), " if p.per_channel else "gated, " if p.gated else ""
     lines = [f"problem: {gate}{p.num_seqs} sequences, {p.total_tokens} tokens, {heads}, "
              f"K = {p.K}, V = {p.V}, {_DTYPES.get(p.dtype, p.dtype)}, chunk {p.chunk_size}, "
-             f"{'training' if p.training else 'inference'}" + (", save_states" if p.save_states else ""),
+             f"{'training' if p.training else 'inference'}" + (", save_states" if p.save_states else "")
+             + (", output_chunk_states" if p.chunk_states else ""),
              f"device:  {plan.caps.name}", "choices:"]
     backward = p.training
     values = {"walk": f"{plan.walk} [{plan.walk_launch}]",
