@@ -405,9 +405,9 @@ def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_fi
 def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output_final_state, inplace, g=None,
                 kernel_slots=True, num_accepted_tokens=None):
     """A call on states held in a pool by slot (ssm_state_indices), as (result, kernel options). Without slots:
-    (None, {}). Where the Triton kernel reads and writes the slots itself (kernel_slots: the fused_recurrent kernel):
-    (None, the options that pass the slots to it). Elsewhere (the PyTorch backend, which defines the semantics, the
-    chunk form, state_v_first pools, torch.compile): (fn's (o, final_state, and chunk states where options ask) on
+    (None, {}). Where the Triton kernel reads and writes the slots itself (kernel_slots: the fused_recurrent kernel,
+    [K, V] or [V, K] states): (None, the options that pass the slots to it). Elsewhere (the PyTorch backend, which
+    defines the semantics, the chunk form, torch.compile): (fn's (o, final_state, and chunk states where options ask) on
     the slots read into dense states, with the final states written back into the slots (inplace) or returned per
     sequence, padding entries zeroed, {}); on the Triton backend the slots are read and written on the device only
     (kernels.state_pool), so that the call can be captured in a CUDA graph.
@@ -419,7 +419,7 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
         return None, {}
     cu, v_first = options.get("cu_seqlens"), options.get("state_v_first", False)
     N = _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu, v_first, num_accepted_tokens)
-    if kernel_slots and not v_first and _slot_kernels(q):
+    if kernel_slots and _slot_kernels(q):
         return None, {"state_indices": state_indices, "num_accepted_tokens": num_accepted_tokens}
     token_states = state_indices.dim() == 2 and inplace  # the PyTorch definition, one token at a time
     if capturing() and (token_states or not _slot_kernels(q)):
@@ -674,11 +674,16 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
             form, q, k, v, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
             g=g, output_chunk_states=output_chunk_states, **({} if chunk_size is None else {"chunk_size": chunk_size}))
     else:
-        in_place = inplace_final_state and not state_v_first and form == "fused_recurrent"
-        o, final_state, *extras = _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state,
-                                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
-                                              in_place, state_indices, num_accepted_tokens, output_chunk_states)
-        if in_place:  # the kernel wrote the caller's state
+        # inference on the Triton backend: the fused_recurrent kernel reads and writes [V, K] states itself
+        v_first_kernel = (state_v_first and form == "fused_recurrent" and backends.select_backend(q) == "triton"
+                          and not (torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                                                   for x in (q, k, v, g, beta, initial_state))))
+        in_place = inplace_final_state and form == "fused_recurrent" and (v_first_kernel or not state_v_first)
+        o, final_state, *extras = _gated_core(form, q, k, v, g, beta, scale, initial_state if v_first_kernel else h0,
+                                              output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,
+                                              chunk_size, in_place, state_indices, num_accepted_tokens,
+                                              output_chunk_states, v_first_kernel)
+        if in_place or v_first_kernel:  # the kernel wrote the caller's state, or [V, K] states
             return o, final_state
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2).contiguous()
@@ -689,11 +694,11 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
 
 def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                 cu_seqlens_cpu, chunk_size=None, inplace_final_state=False, state_indices=None,
-                num_accepted_tokens=None, output_chunk_states=False):
+                num_accepted_tokens=None, output_chunk_states=False, state_v_first=False):
     """(o, final_state [N, Hv, K, V]) of the gated rule on validated inputs (g and beta as the recurrence takes
     them), on the call's backend; inplace_final_state: the final state is written into h0 (by the Triton
     fused_recurrent kernel itself) and h0 returned; output_chunk_states (chunk): the state entering every chunk
-    after them."""
+    after them; state_v_first (the Triton fused_recurrent form, inference): h0 and the final state are [.., V, K]."""
     if backends.select_backend(q) == "torch":
         cu_seqlens = offsets_tensor(cu_seqlens)
         o, final_state = _run_gated_torch(form, q, k, v, g, beta, scale, h0, output_final_state,
@@ -716,7 +721,8 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
     q, k, v, beta, g = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous()
     if h0 is not None:
         h0 = h0.contiguous()  # the caller's own tensor where the kernel updates it in place (checked contiguous)
-    options = ({"inplace_final_state": inplace_final_state} if form == "fused_recurrent" else
+    options = ({"inplace_final_state": inplace_final_state, **({"state_v_first": True} if state_v_first else {})}
+               if form == "fused_recurrent" else
                {"chunk_size": chunk_size, **({"output_chunk_states": True} if output_chunk_states else {})})
     if state_indices is not None:
         options.update(state_indices=state_indices, num_accepted_tokens=num_accepted_tokens)

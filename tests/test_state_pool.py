@@ -421,3 +421,36 @@ def test_pool_prefill_reads_no_slot_on_the_host(monkeypatch):
     monkeypatch.undo()
     assert torch.equal(o, eager_o) and torch.equal(pooled, eager_pool)
     assert torch.equal(pooled[[1, 2, 4]], pool[[1, 2, 4]])  # slots no live entry names
+
+
+@pytest.mark.parametrize("rule", ["gated", "kda"])
+@pytest.mark.parametrize("layout", ["slots", "slots_per_token", "dense"])
+def test_v_first_states_as_the_kernel_reads_them(backend, rule, layout):
+    # state_v_first (vLLM's and FlashInfer's [V, K] states) in the fused_recurrent form: a pool by slot (in place,
+    # a padding entry), a slot per token (a committed verify step) and dense states, each the same bits as the [K, V]
+    # call on the transposed states (on the Triton backend the kernel reads and writes [V, K] tiles itself)
+    Hk, Hv, K, V = 1, 2, 16, 24
+    lengths = [2, 3, 1]
+    device = _device(backend)
+    (q, k, v, beta, g), cu = _inputs(lengths, Hk, Hv, K, V, device, seed=9, rule=rule)
+    pool = torch.randn(7, Hv, K, V, generator=torch.Generator().manual_seed(10)).to(device)
+    fn = FORMS[rule, "fused_recurrent"]
+    args = dict(beta=beta, g=g, cu_seqlens=cu)
+    if layout == "slots":
+        args.update(ssm_state_indices=torch.tensor([5, -1, 2], dtype=torch.int32, device=device),
+                    inplace_final_state=True)
+    elif layout == "slots_per_token":
+        args.update(ssm_state_indices=torch.tensor([[0, 1, -1], [2, 3, 4], [-1, 6, 5]], dtype=torch.int32,
+                                                   device=device),
+                    num_accepted_tokens=torch.tensor([1, 3, 2], dtype=torch.int32, device=device),
+                    inplace_final_state=True)
+    else:
+        pool = pool[:3]
+        args.update(output_final_state=True)
+    k_first, v_first = pool.clone(), pool.transpose(-1, -2).contiguous()
+    with torch.no_grad():
+        o, ht = fn(q, k, v, initial_state=k_first, **args)
+        o_vf, ht_vf = fn(q, k, v, initial_state=v_first, state_v_first=True, **args)
+    assert torch.equal(o_vf, o) and torch.equal(ht_vf.transpose(-1, -2), ht)
+    if layout != "dense":
+        assert ht_vf is v_first

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..reference.common import L2NORM_EPS
 from .launch import launch
-from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_offsets
+from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_offsets, state_offsets_v_first
 
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
@@ -57,7 +57,7 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
                                USE_INDICES: tl.constexpr,
                                FINAL_IN_POOL: tl.constexpr, TOKEN_STATES: tl.constexpr, SPEC: tl.constexpr,
                                TOKEN_BUFFER: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
-                               BETA_SIGMOID: tl.constexpr, QK_L2NORM: tl.constexpr):
+                               BETA_SIGMOID: tl.constexpr, QK_L2NORM: tl.constexpr, V_FIRST: tl.constexpr):
     """H value heads (of v, beta, g, o, the state), HK key heads (of q, k; HK divides H). USE_G: g [tokens, H]
     log decays, S <- exp(g_t) S before each token's write; with USE_GK g [tokens, H, K], one per key channel (KDA),
     S <- diag(exp(g_t)) S. SAVE_FOR_BACKWARD: also e [tokens, H, V] (against
@@ -73,9 +73,11 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
     Inference only (a serving engine's fused decode step): GATE_IN_KERNEL: g holds the raw projection a and
     g = -exp(A_log) softplus(a + dt_bias) per token (softplus with softplus_beta and softplus_threshold, as
     torch's); BETA_SIGMOID: beta holds logits, beta = beta_scale sigmoid(beta); QK_L2NORM: q and k L2-normalized
-    per token (kernels/l2norm.py's formula)."""
-    tl.static_assert(not (SAVE_FOR_BACKWARD and (GATE_IN_KERNEL or BETA_SIGMOID or QK_L2NORM)),
-                     "the in-kernel gate, beta and norm are for inference")
+    per token (kernels/l2norm.py's formula); V_FIRST: h0, ht and the pool's slots hold states as [V, K] (vLLM's and
+    FlashInfer's layout; the same [BK, BV] tiles, read and written transposed)."""
+    tl.static_assert(not (SAVE_FOR_BACKWARD and (GATE_IN_KERNEL or BETA_SIGMOID or QK_L2NORM or V_FIRST)),
+                     "the in-kernel gate, beta and norm and V-first states are for inference")
+    tl.static_assert(not (V_FIRST and TOKEN_BUFFER), "the token buffer takes [K, V] states")
     tl.static_assert(USE_INDICES or not TOKEN_BUFFER, "the token buffer goes with a pool's slots")
     tl.static_assert(not (USE_GK and GATE_IN_KERNEL), "the in-kernel gate is the per-head one")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -95,9 +97,9 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    # this program's [BK, BV] slice of the [K, V] state; rows of V contiguous (coalesced)
-    p_S, m_S = state_offsets(i_nh, 0, i_v * BV, K, V, BK, BV)
-    p_S0, m_S0 = state_offsets(i_s, 0, i_v * BV, K, V, BK, BV)
+    # this program's [BK, BV] slice of the [K, V] state; rows of V contiguous (coalesced), or of K with V_FIRST
+    p_S, m_S = _state_tile(i_nh, i_v, K, V, BK, BV, V_FIRST)
+    p_S0, m_S0 = _state_tile(i_s, i_v, K, V, BK, BV, V_FIRST)
     if USE_INDICES:  # (a bound on the rows: Triton's interpreter rejects a mask combined with a scalar one)
         m_S0 = m_S0 & (tl.arange(0, BK)[:, None] < tl.where(live, BK, 0))
     if USE_INITIAL_STATE:
@@ -164,7 +166,7 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
             j = t - bos
             slot_t = tl.load(state_indices + i_n * indices_stride + j, mask=j < indices_stride, other=-1).to(tl.int64)
             ok = live & (slot_t >= 0) & (slot_t < num_slots)
-            p_St, m_St = state_offsets(tl.where(ok, slot_t, 0) * H + i_h, 0, i_v * BV, K, V, BK, BV)
+            p_St, m_St = _state_tile(tl.where(ok, slot_t, 0) * H + i_h, i_v, K, V, BK, BV, V_FIRST)
             tl.store(h0 + p_St, b_S, mask=m_St & (tl.arange(0, BK)[:, None] < tl.where(ok, BK, 0)))
         if TOKEN_BUFFER:  # the state after this token into the sequence's buffer row, at step j
             j = t - bos
@@ -187,6 +189,16 @@ def fused_recurrent_fwd_kernel(q, k, v, beta, g, A_log, dt_bias, o, e, h, h0, ht
             tl.store(ht + p_S, b_S * tl.where(live, 1.0, 0.0), mask=m_S)
         else:
             tl.store(ht + p_S, b_S, mask=m_S)
+
+
+@triton.jit
+def _state_tile(i_s, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, V_FIRST: tl.constexpr):
+    """Offsets and mask of V-block i_v's [BK, BV] tile of state i_s in a [*, K, V] tensor, or [*, V, K] (V_FIRST)."""
+    if V_FIRST:
+        offsets, mask = state_offsets_v_first(i_s, 0, i_v * BV, K, V, BK, BV)
+    else:
+        offsets, mask = state_offsets(i_s, 0, i_v * BV, K, V, BK, BV)
+    return offsets, mask
 
 
 @triton.jit
@@ -350,7 +362,7 @@ def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch
 
 def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs_backward=True,
             inplace_final_state=False, g=None, state_indices=None, raw_gate=None, beta_logits_scale=None,
-            qk_l2norm=False, num_accepted_tokens=None, token_buffer=None):
+            qk_l2norm=False, num_accepted_tokens=None, token_buffer=None, state_v_first=False):
     """Returns (o, final_state, saved, extras). q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta and g (None: the
     ungated rule; log decays in any float dtype, read as fp32) [B, T, Hv], or [B, T, Hv, K] per key channel (KDA);
     Hk divides Hv. With
@@ -364,7 +376,8 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     raw_gate = (A_log, dt_bias, softplus_beta, softplus_threshold): g holds the raw projection and the gate is made in
     the kernel; beta_logits_scale: beta holds logits, beta = beta_logits_scale sigmoid(beta); qk_l2norm: q, k
     normalized in the kernel; token_buffer = (buffer [R, steps, Hv, K, V] fp32, rows [N]): the state after token j
-    of sequence n written into buffer[rows[n], j] (j < steps; rows[n] = -1: none)."""
+    of sequence n written into buffer[rows[n], j] (j < steps; rows[n] = -1: none); state_v_first (inference):
+    initial_state and the final state (the pool with state_indices) hold states as [V, K]."""
     HK, K = k.shape[2], k.shape[3]
     H, V = v.shape[2], v.shape[3]
     assert H % HK == 0, f"the value heads ({H}) must be a multiple of the key heads ({HK})"
@@ -374,7 +387,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
     if inplace_final_state:
         ht = initial_state
     elif output_final_state or needs_backward:  # the backward starts from the final state
-        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+        ht = torch.empty(N, H, *((V, K) if state_v_first else (K, V)), dtype=torch.float32, device=q.device)
     else:
         ht = None
     e = h = segment_offsets = None
@@ -404,7 +417,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
         FINAL_IN_POOL=state_indices is not None and state_indices.dim() == 1 and inplace_final_state,
         TOKEN_STATES=token_states, TOKEN_BUFFER=token_buffer is not None,
         GATE_IN_KERNEL=raw_gate is not None, BETA_SIGMOID=beta_logits_scale is not None, QK_L2NORM=qk_l2norm,
-        num_warps=num_warps,
+        V_FIRST=state_v_first, num_warps=num_warps,
     )
     saved = (e, h, ht) if needs_backward else ()
     return o, ht if output_final_state or inplace_final_state else None, saved, ()

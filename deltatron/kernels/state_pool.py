@@ -1,7 +1,7 @@
-"""States of a pool by slot (ssm_state_indices) for the forms that run on dense states [N, ...] (the chunk prefill,
-state_v_first pools): the slots read into dense states before the call and the final states written back after it,
-with the slot values read on the device only, so that the call can be captured in a CUDA graph (DESIGN.md §9).
-A slot of -1 marks a padding entry: it reads as zeros and is never written."""
+"""States of a pool by slot (ssm_state_indices) for the form that runs on dense states [N, ...] (the chunk prefill;
+fused_recurrent reads and writes slots in its own kernel): the slots read into dense states before the call and the
+final states written back after it, with the slot values read on the device only, so that the call can be captured
+in a CUDA graph (DESIGN.md §9). A slot of -1 marks a padding entry: it reads as zeros and is never written."""
 from __future__ import annotations
 
 import torch

@@ -149,6 +149,15 @@ def state_offsets(i_s, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     return tile_offsets(i_s.to(tl.int64) * K + k0, (i_s.to(tl.int64) + 1) * K, V, v0, V, BK, BV)
 
 
+@triton.jit
+def state_offsets_v_first(i_s, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """state_offsets' tile [k0:k0+BK, v0:v0+BV] of state i_s, in a [*, V, K] state tensor (the V-first layout of
+    vLLM's and FlashInfer's state pools): the same [BK, BV] tile, read from and written to its transpose."""
+    ck = k0 + tl.arange(0, BK)
+    cv = v0 + tl.arange(0, BV)
+    return i_s.to(tl.int64) * (K * V) + cv[None, :] * K + ck[:, None], (ck[:, None] < K) & (cv[None, :] < V)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """Precision of fp32 dots for inputs of this dtype: fp32 inputs must stay ieee-accurate (bound 1e-4),
     16-bit inputs round their fp32 intermediates to 16 bits anyway, so tf32 costs nothing there."""
