@@ -46,6 +46,7 @@ IMPLS = (
     "deltatron.fused_recurrent",
     "fla.fused_recurrent_gated",        # decode rows only: the gated decode step, the state in place (GATED)
     "deltatron.fused_recurrent_gated",  # decode rows only
+    "deltatron.fused_recurrent_gated_v_first",  # decode rows only: the state as [V, K] (vLLM's pools), in place
     "deltatron.verify_gated",  # verify rows only: fused_recurrent_gated_delta_rule with per-token state slots
     "deltatron.chunk_kda",    # chunk_kda with a real per-channel gate (KDA); K, V > 128: token-serial, T <= 4096
     "fla.chunk_kda",
@@ -55,7 +56,8 @@ OURS = tuple(i for i in IMPLS if i.startswith("deltatron."))
 # The gated delta rule, with the inputs of make_inputs(gated=True), the gradients of GATED_GRAD_INPUTS and the
 # ratios against the gated competitors (report.baseline_impl).
 GATED_CHUNK = ("deltatron.chunk_gated", "fla.chunk_gated", "flash_qla.gated")
-GATED_DECODE = ("fla.fused_recurrent_gated", "deltatron.fused_recurrent_gated")
+GATED_DECODE = ("fla.fused_recurrent_gated", "deltatron.fused_recurrent_gated",
+                "deltatron.fused_recurrent_gated_v_first")
 # The speculative verify step as vLLM and SGLang call it: num_accepted_tokens picks each sequence's starting state
 # among the previous step's per-token slots, and the state after every token goes to its own slot
 VERIFY = ("deltatron.verify_gated",)
@@ -245,7 +247,7 @@ def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool 
 def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = False,
                 per_channel: bool = False) -> Dict[str, torch.Tensor]:
     """bf16 q and k (unit-norm) with Hk heads, v with H; beta = sigmoid(randn); do for the backward; decode: an fp32
-    state h; verify: a state pool with a slot per token and the accepted tokens of the previous step. g: zeros
+    state h (and h_v_first, the same states as [V, K]); verify: a state pool with a slot per token and the accepted tokens of the previous step. g: zeros
     (FlashQLA's log decay for the plain delta rule), or with gated the real gate of gate() (fp32, a leaf that takes
     a gradient), drawn after everything else so the other inputs are the same."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -264,6 +266,7 @@ def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = Fals
         x["accepted"] = torch.randint(1, T + 1, (B,), generator=gen, device=device, dtype=torch.int32)
     elif cfg.decode:
         x["h"] = randn(B, H, K, V)
+        x["h_v_first"] = x["h"].transpose(-1, -2).contiguous()  # the same states as [V, K]
     if cfg.decode:
         if gated:
             x["g"] = gate(B, T, H, gen, device)

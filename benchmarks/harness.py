@@ -149,10 +149,12 @@ def _flash_qla_gated() -> Callable:
     return call
 
 
-def _ours_gated_decode() -> Callable:
+def _ours_gated_decode(v_first: bool) -> Callable:
     def call(x):
-        return api.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h"],
-                                                    inplace_final_state=True, **GATED_OPTIONS)[0]
+        return api.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                    initial_state=x["h_v_first" if v_first else "h"],
+                                                    inplace_final_state=True, state_v_first=v_first,
+                                                    **GATED_OPTIONS)[0]
     return call
 
 
@@ -186,8 +188,8 @@ def resolve(impl: str, smoke: bool) -> Callable:
     package, form = impl.split(".")
     if impl == "deltatron.chunk_gated":
         return _ours_gated()
-    if impl == "deltatron.fused_recurrent_gated":
-        return _ours_gated_decode()
+    if impl in ("deltatron.fused_recurrent_gated", "deltatron.fused_recurrent_gated_v_first"):
+        return _ours_gated_decode(impl.endswith("v_first"))
     if impl == "deltatron.verify_gated":
         return _ours_gated_verify()
     if impl == "deltatron.chunk_kda":
