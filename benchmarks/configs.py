@@ -247,9 +247,10 @@ def roofline(cfg: Config, times_ms: Dict[str, float], peaks: Peaks, gated: bool 
 def make_inputs(cfg: Config, device: torch.device, seed: int, gated: bool = False,
                 per_channel: bool = False) -> Dict[str, torch.Tensor]:
     """bf16 q and k (unit-norm) with Hk heads, v with H; beta = sigmoid(randn); do for the backward; decode: an fp32
-    state h (and h_v_first, the same states as [V, K]); verify: a state pool with a slot per token and the accepted tokens of the previous step. g: zeros
-    (FlashQLA's log decay for the plain delta rule), or with gated the real gate of gate() (fp32, a leaf that takes
-    a gradient), drawn after everything else so the other inputs are the same."""
+    state h (and h_v_first, the same states as [V, K]); verify: a state pool with a slot per token and the accepted
+    tokens of the previous step. g: zeros (FlashQLA's log decay for the plain delta rule), or with gated the real
+    gate of gate() (fp32, a leaf that takes a gradient), drawn after everything else so the other inputs are the
+    same."""
     gen = torch.Generator(device=device).manual_seed(seed)
     B, T, H, Hk, K, V = cfg.B, cfg.T, cfg.H, cfg.Hk, cfg.K, cfg.V
 
