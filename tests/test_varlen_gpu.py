@@ -1,9 +1,10 @@
 """prepare_varlen's metadata under CUDA-graph capture (marked gpu): a varlen chunk prefill of the gated rule (dense
-states, and on a state pool in place), and a decode step on a state pool (fused_recurrent of the gated rule and of
-KDA with its gate made in the op, in place; and the fused gating entry) captured once, then replayed on new lengths
-(update()), slots and inputs copied into the captured tensors, each replay equal to the eager call (the dense prefill
-on plain cu_seqlens tensors within bf16's bound: its eager call is planned for its own lengths; the pooled prefill
-bit for bit on the same metadata)."""
+states, and on a state pool in place), and a decode step on a state pool (fused_recurrent of the gated rule, on
+[K, V] and on [V, K] states, and of KDA with its gate made in the op, in place; and the fused gating entry) captured
+once, then replayed on new lengths (update()), slots and inputs copied into the captured tensors, each replay equal
+to the eager call (the dense prefill on plain cu_seqlens tensors within bf16's bound: its eager call is planned for
+its own lengths; the pooled prefill bit for bit on the same metadata); the [V, K] step bit for bit as the [K, V]
+one."""
 import pytest
 import torch
 
@@ -113,12 +114,16 @@ def test_pool_decode_replays_with_new_slots():
     A_log, dt_bias = torch.randn(Hv, device="cuda"), torch.randn(Hv, device="cuda")
     kda_dt_bias = torch.randn(Hv * K, device="cuda")
     pool = torch.randn(S, Hv, K, V, device="cuda")
+    pool_v_first = pool.transpose(-1, -2).contiguous()  # vLLM's layout, [S, Hv, V, K]
     slots = torch.arange(B, device="cuda", dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)
     _fill(gen, q, k, v, g, beta)
     steps = {
         "fused_recurrent": lambda: deltatron.fused_recurrent_gated_delta_rule(
             q, k, v, g, beta, initial_state=pool, inplace_final_state=True, ssm_state_indices=slots)[0],
+        "fused_recurrent_v_first": lambda: deltatron.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=pool_v_first, inplace_final_state=True, ssm_state_indices=slots,
+            state_v_first=True)[0],
         "fused_gating": lambda: deltatron.fused_sigmoid_gating_delta_rule_update(
             A_log, g, dt_bias, 1.0, 20.0, q, k, v, beta, pool, slots, use_qk_l2norm_in_kernel=True),
         "fused_recurrent_kda": lambda: deltatron.fused_recurrent_kda(
@@ -131,5 +136,10 @@ def test_pool_decode_replays_with_new_slots():
             slots.copy_(torch.tensor(new_slots))
             _fill(gen, q, k, v, g, beta)
             gk.copy_(torch.randn(gk.shape, generator=gen))
-            _, replayed, after, want = _replay_then_eager(graph, o, step, pool)
-            assert torch.equal(replayed, want) and torch.equal(after, pool), name
+            states = pool_v_first if name.endswith("v_first") else pool
+            _, replayed, after, want = _replay_then_eager(graph, o, step, states)
+            assert torch.equal(replayed, want) and torch.equal(after, states), name
+    # the kernel's [V, K] tiles: the same bits as [K, V] on the GPU
+    pool_v_first.copy_(pool.transpose(-1, -2))
+    assert torch.equal(steps["fused_recurrent_v_first"](), steps["fused_recurrent"]())
+    assert torch.equal(pool_v_first, pool.transpose(-1, -2))
