@@ -8,8 +8,11 @@ flushed before each replay, so the host's launch cost is out of it. A configurat
 than 4 state elements a thread is skipped. The fixed cost beside them: one launch of a kernel that stores one
 number, timed the same way (the least any one-launch step can read).
 
-    python tools/decode_launch_sweep.py [--batches 1 8 64 256] [--out F.json]
+    python tools/decode_launch_sweep.py [--batches 1 8 64 256] [--v-first] [--out F.json]
     python tools/decode_launch_sweep.py --smoke   # CPU, interpreter, tiny sizes, eager wall clock
+
+--v-first sweeps the step on [V, K] states (state_v_first, the benchmark's deltatron.fused_recurrent_gated_v_first
+row: vLLM's pool layout, the kernel's V_FIRST tiles).
 """
 from __future__ import annotations
 
@@ -60,11 +63,12 @@ def launch_config(choice):
         fused_recurrent._launch_config = planned
 
 
-def sweep(cfg: configs.Config, opts: timing.Options, tbps: float, choices) -> dict:
-    """{label: (step µs, % of floor)} for the plan's choice ("plan BV/warps") and each of choices."""
+def sweep(cfg: configs.Config, opts: timing.Options, tbps: float, choices, impl: str) -> dict:
+    """{label: (step µs, % of floor)} for the plan's choice ("plan BV/warps") and each of choices, of the benchmark
+    row impl."""
     sets = configs.input_sets(cfg, opts.device, opts.l2_bytes, timing.SMOKE_INPUT_SETS if opts.smoke else
                               configs.MAX_INPUT_SETS, gated=True)
-    call = harness.resolve("deltatron.fused_recurrent_gated", smoke=False)
+    call = harness.resolve(impl, smoke=False)
 
     def step(x):
         with torch.no_grad():
@@ -87,7 +91,9 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--out", type=Path, help="write the results as JSON")
     p.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes, eager wall clock")
+    p.add_argument("--v-first", action="store_true", help="the step on [V, K] states (state_v_first)")
     args = p.parse_args()
+    impl = "deltatron.fused_recurrent_gated" + ("_v_first" if args.v_first else "")
     if args.smoke:
         opts = timing.Options("smoke", 0, 0, 0.0)
         cfgs = [configs.Config(f"decode-smoke-b{B}", B, 1, 2, 16, 16, decode=True, Hk=1) for B in (1, 2)]
@@ -98,11 +104,11 @@ def main() -> int:
         choices = [(bv, w) for bv, w in itertools.product(V_BLOCKS, WARPS) if 128 * bv // (32 * w) >= 4]
         tbps = timing.copy_tbps(opts)
         torch.cuda.empty_cache()
-    results = {"fixed_cost_us": fixed_cost_us(opts)}
-    print(f"copy rate {tbps:.2f} TB/s; one launch of a one-store kernel {results['fixed_cost_us']:.1f} µs; "
+    results = {"fixed_cost_us": fixed_cost_us(opts), "impl": impl}
+    print(f"{impl}: copy rate {tbps:.2f} TB/s; one launch of a one-store kernel {results['fixed_cost_us']:.1f} µs; "
           f"step µs (% of floor) per V-block/warps")
     for cfg in cfgs:
-        r = results[cfg.name] = sweep(cfg, opts, tbps, choices)
+        r = results[cfg.name] = sweep(cfg, opts, tbps, choices, impl)
         best = min(r["times"].items(), key=lambda kv: kv[1][0])
         print(f"{cfg.name}: floor {r['floor_us']:.1f} µs, best {best[0]} {best[1][0]:.1f} µs ({best[1][1]:.1f} %)")
         print("  " + "  ".join(f"{k} {us:.1f} ({pct:.0f})" for k, (us, pct) in r["times"].items()), flush=True)
