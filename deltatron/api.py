@@ -17,7 +17,7 @@ from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_refer
                         recurrent_delta_rule, recurrent_gated_delta_rule)
 from .reference.common import compute_dtype, prepare_qk
 from .validation import (check_gate_shape, check_inputs, check_state_pool, check_token_buffer, offsets_tensor,
-                         reject_unknown_kwargs, warn_if_head_first)
+                         reject_unknown_kwargs, takes_grad, warn_if_head_first)
 from .varlen import VarlenMetadata, capturing
 
 _TORCH_IMPLS = {
@@ -396,8 +396,7 @@ def _check_pool(fn_name, q, k, v, beta, g, pool, state_indices, cu_seqlens, v_fi
     K, V = q.shape[-1], v.shape[-1]
     check_state_pool(fn_name, pool, state_indices, N, v.shape[2], *((V, K) if v_first else (K, V)), q.device,
                      num_accepted_tokens)
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                       for x in (q, k, v, beta, g, pool)):
+    if takes_grad(q, k, v, beta, g, pool):
         raise ValueError(f"{fn_name}: a state pool is for inference: call it under torch.no_grad()")
     return N
 
@@ -595,9 +594,7 @@ def _check_inplace(q, k, v, beta, initial_state) -> None:
             f"inplace_final_state=True needs a contiguous float32 initial_state, got {initial_state.dtype}"
             f"{'' if initial_state.is_contiguous() else ', non-contiguous'}"
         )
-    if torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, beta, initial_state)
-    ):
+    if takes_grad(q, k, v, beta, initial_state):
         raise ValueError("inplace_final_state=True is for inference: call it under torch.no_grad()")
 
 
@@ -676,8 +673,7 @@ def _run_gated(form, fn, q, k, v, g, beta, scale, initial_state, output_final_st
     else:
         # inference on the Triton backend: the fused_recurrent kernel reads and writes [V, K] states itself
         v_first_kernel = (state_v_first and form == "fused_recurrent" and backends.select_backend(q) == "triton"
-                          and not (torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                                                   for x in (q, k, v, g, beta, initial_state))))
+                          and not takes_grad(q, k, v, g, beta, initial_state))
         in_place = inplace_final_state and form == "fused_recurrent" and (v_first_kernel or not state_v_first)
         o, final_state, *extras = _gated_core(form, q, k, v, g, beta, scale, initial_state if v_first_kernel else h0,
                                               output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.l2norm import l2norm_bwd, l2norm_fwd
+from .validation import takes_grad
 
 
 def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_qk_l2norm, info, options, g=None):
@@ -28,7 +29,7 @@ def run_form(form, q, k, v, beta, initial_state, scale, output_final_state, use_
     in-place state update returns the caller's own state tensor). g: the gated rule's log decays (DESIGN.md §11),
     passed to the form as g= (and its gradient returned) only where given."""
     inputs = (q, k, v, beta, initial_state, g)
-    needs_backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    needs_backward = takes_grad(*inputs)
     gate = {} if g is None else {"g": g}
     plan_call = getattr(form, "plan_call", None)
     if plan_call is not None:  # one plan for the call: its forward and backward execute it

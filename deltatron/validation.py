@@ -49,7 +49,7 @@ def reject_unknown_kwargs(fn_name: str, kwargs: dict) -> None:
             "x.transpose(1, 2) before the call"
         )
     gate = sorted(set(kwargs) & _GATE_KWARGS)
-    if gate and fn_name in ("fused_chunk_delta_rule", "parallel_delta_rule"):
+    if gate:  # (the gated ops take these by name: they reach here only from the ungated rule's forms)
         raise TypeError(f"{fn_name}: {gate} given, but this form runs the ungated delta rule only; the gated rule "
                         f"and KDA run in chunk_gated_delta_rule / chunk_kda (chunkwise) and "
                         f"fused_recurrent_gated_delta_rule / fused_recurrent_kda (token by token)")
@@ -57,7 +57,13 @@ def reject_unknown_kwargs(fn_name: str, kwargs: dict) -> None:
 
 
 # the gated ops' arguments, named in the error of a form that takes none of them
-_GATE_KWARGS = {"g", "gk", "A_log", "dt_bias", "use_gate_in_kernel"}
+_GATE_KWARGS = {"g", "A_log", "dt_bias", "use_gate_in_kernel"}
+
+
+def takes_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these (None and non-tensors skipped): grad mode on and one of them
+    requiring a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -166,7 +172,7 @@ def _check_metadata(meta, cu_seqlens_cpu, q, others) -> torch.Tensor:
                          f"H, K], got {_shape(q)}")
     if meta.cu_seqlens.device != q.device:
         raise ValueError(f"the varlen metadata is on {meta.cu_seqlens.device} but q is on {q.device}")
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (q, *others)):
+    if takes_grad(q, *others):
         raise ValueError("prepare_varlen's metadata is for inference (CUDA-graph capture): call under torch.no_grad(), "
                          "or pass cu_seqlens as a tensor for training")
     if torch.compiler.is_compiling():

@@ -152,7 +152,7 @@ def test_unknown_keywords(fn):
     _raises(TypeError, r"unexpected keyword argument\(s\) \['chunksize'\]", *_args(), fn=fn, chunksize=64)
 
 
-@pytest.mark.parametrize("fn", [fused_chunk_delta_rule, parallel_delta_rule])
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
 def test_forms_without_the_gate_say_where_it_runs(fn):
     q, k, v, b = _args()
     _raises(TypeError, r"\['g'\] given, but this form runs the ungated delta rule only; the gated rule and KDA run in "
