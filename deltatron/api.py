@@ -18,7 +18,7 @@ from .reference import (chunk_delta_rule_reference, chunk_gated_delta_rule_refer
 from .reference.common import compute_dtype, prepare_qk
 from .validation import (check_gate_shape, check_inputs, check_state_pool, check_token_buffer, offsets_tensor,
                          reject_unknown_kwargs, takes_grad, warn_if_head_first)
-from .varlen import VarlenMetadata, capturing
+from .varlen import VarlenMetadata, capturing, chunk_table
 
 _TORCH_IMPLS = {
     "chunk": chunk_delta_rule_reference,
@@ -445,10 +445,9 @@ def _state_pool(fn_name, fn, q, k, v, beta, options, pool, state_indices, output
         seq = torch.searchsorted(cu[1:].long(), torch.arange(o.shape[1], device=o.device), right=True)
         o = o * torch.cat([live, live.new_zeros(1)])[seq].view(1, -1, 1, 1).to(o.dtype)
     if extras:  # output_chunk_states: a padding entry's chunks read as zeros too
-        C = options["chunk_size"]
-        chunks = (torch.full_like(live, -(-o.shape[1] // C), dtype=torch.long) if cu is None else
-                  (cu[1:] - cu[:-1]).long().add(C - 1).div(C, rounding_mode="floor"))
-        extras = [extras[0] * live.repeat_interleave(chunks).view(-1, 1, 1, 1)]
+        offsets = torch.arange(N + 1) * o.shape[1] if cu is None else cu.cpu()
+        seq_of_chunk = chunk_table(offsets, options["chunk_size"])[0].to(live.device)
+        extras = [extras[0] * live[seq_of_chunk].view(-1, 1, 1, 1)]
     if inplace:
         _write_slots(pool, final_state, first, q)
         return (o, pool, *extras), {}
