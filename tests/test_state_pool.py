@@ -428,7 +428,8 @@ def test_pool_prefill_reads_no_slot_on_the_host(monkeypatch):
 def test_v_first_states_as_the_kernel_reads_them(backend, rule, layout):
     # state_v_first (vLLM's and FlashInfer's [V, K] states) in the fused_recurrent form: a pool by slot (in place,
     # a padding entry), a slot per token (a committed verify step) and dense states, each the same bits as the [K, V]
-    # call on the transposed states (on the Triton backend the kernel reads and writes [V, K] tiles itself)
+    # call on the transposed states (on the Triton backend the kernel reads and writes [V, K] tiles itself; on a GPU
+    # it reduces over K along the tile's other axis, so there the same values up to the order of fp32 sums)
     Hk, Hv, K, V = 1, 2, 16, 24
     lengths = [2, 3, 1]
     device = _device(backend)
@@ -451,6 +452,7 @@ def test_v_first_states_as_the_kernel_reads_them(backend, rule, layout):
     with torch.no_grad():
         o, ht = fn(q, k, v, initial_state=k_first, **args)
         o_vf, ht_vf = fn(q, k, v, initial_state=v_first, state_v_first=True, **args)
-    assert torch.equal(o_vf, o) and torch.equal(ht_vf.transpose(-1, -2), ht)
+    same = torch.equal if device == "cpu" else (lambda a, b: rel_rms(a, b) <= 1e-6)
+    assert same(o_vf, o) and same(ht_vf.transpose(-1, -2), ht)
     if layout != "dense":
         assert ht_vf is v_first

@@ -139,7 +139,9 @@ def test_pool_decode_replays_with_new_slots():
             states = pool_v_first if name.endswith("v_first") else pool
             _, replayed, after, want = _replay_then_eager(graph, o, step, states)
             assert torch.equal(replayed, want) and torch.equal(after, states), name
-    # the kernel's [V, K] tiles: the same bits as [K, V] on the GPU
+    # the kernel's [V, K] tiles: the [K, V] step's values up to the order of its fp32 sums (S^T k and S^T q reduce
+    # over K along the tile's other axis), so o within one bf16 rounding and the states within fp32's
     pool_v_first.copy_(pool.transpose(-1, -2))
-    assert torch.equal(steps["fused_recurrent_v_first"](), steps["fused_recurrent"]())
-    assert torch.equal(pool_v_first, pool.transpose(-1, -2))
+    o_v_first, o = steps["fused_recurrent_v_first"](), steps["fused_recurrent"]()
+    assert torch.allclose(o_v_first.float(), o.float(), rtol=2 ** -7, atol=0)
+    assert rel_rms(pool_v_first, pool.transpose(-1, -2)) <= 1e-6
