@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from deltatron.kernels.chunk.plan import kda_chunk_refusal
 
 CHUNK = 64                    # C of the floor model
 ANCHOR_TFLOPS = 800.0         # H200 ceilings, used when the run does not measure its own (smoke)
@@ -48,7 +47,7 @@ IMPLS = (
     "deltatron.fused_recurrent_gated",  # decode rows only
     "deltatron.fused_recurrent_gated_v_first",  # decode rows only: the state as [V, K] (vLLM's pools), in place
     "deltatron.verify_gated",  # verify rows only: fused_recurrent_gated_delta_rule with per-token state slots
-    "deltatron.chunk_kda",    # chunk_kda with a real per-channel gate (KDA); K, V > 128: token-serial, T <= 4096
+    "deltatron.chunk_kda",    # chunk_kda with a real per-channel gate (KDA)
     "fla.chunk_kda",
     "deltatron.fused_chunk",
 )
@@ -168,8 +167,6 @@ def skip_reason(impl: str, cfg: Config) -> Optional[str]:
         return f"the token-serial form runs T <= {RECURRENT_MAX_T} only"
     if impl in KDA and cfg.Hk != cfg.H:
         return "KDA rows at Kimi Linear's layout only: as many query/key heads as value heads"
-    if impl == "deltatron.chunk_kda" and cfg.T > RECURRENT_MAX_T and kda_chunk_refusal(cfg.K, cfg.V):
-        return f"chunk_kda runs the token-serial kernels at K, V > 128: T <= {RECURRENT_MAX_T} only"
     if impl.startswith("flash_qla.") and not cfg.K == cfg.V == 128:
         return "FlashQLA's kernels take K = V = 128 only"
     return None

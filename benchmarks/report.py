@@ -128,9 +128,9 @@ def legend(meta: dict, rows: Sequence[dict] = ()) -> str:
                  "channel as Kimi Linear makes it (configs.kimi_gate: its forget gate at its initialization, A_log = "
                  "log(uniform(1, 16)) per head, dt_bias the inverse softplus of dt log-uniform in [1e-3, 1e-1] per "
                  "head and channel, the projection's output randn), compared with fla.chunk_kda; ours runs the "
-                 "chunkwise kernels on the Triton backend, the token-serial ones at K, V > 128 "
-                 f"(T <= {RECURRENT_MAX_T}); tools/kernel_breakdown.py --strong-kda-gate times Qwen3-Next's per-head "
-                 "gate drawn per channel instead (down to -64 a token: our per-channel stages' exact path).")
+                 "chunkwise kernels on the Triton backend; tools/kernel_breakdown.py --strong-kda-gate times "
+                 "Qwen3-Next's per-head gate drawn per channel instead (down to -64 a token: our per-channel stages' "
+                 "exact path).")
     if any(r.get("verify") for r in rows):
         text += (" Verify rows (" + ", ".join(VERIFY) + "): a speculative-decoding verify step as vLLM and SGLang "
                  "call it, T draft tokens per sequence from the state slot num_accepted_tokens picks, the state "

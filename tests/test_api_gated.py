@@ -191,10 +191,9 @@ def test_kda_argument_errors_name_the_argument(form, change, match):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_chunk_kda_runs_chunkwise_and_large_heads_token_serially(dtype, monkeypatch):
+def test_chunk_kda_runs_chunkwise_at_every_head_size(dtype, monkeypatch):
     """On the Triton backend chunk_kda runs the chunk form's kernels, inference and training calls alike, every option
-    of fla's signature on, with the gradients of the float64 recurrence; at K = 256, which the chunk kernels do not
-    take, the token-serial fused_recurrent form."""
+    of fla's signature on, with the gradients of the float64 recurrence; at K = V = 256, the largest heads, too."""
     if DEVICE == "cpu" and not INTERPRET:
         pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
@@ -238,5 +237,11 @@ def test_chunk_kda_runs_chunkwise_and_large_heads_token_serially(dtype, monkeypa
 
     x = {n: t.to(DEVICE, dtype) if n in ("q", "k", "v", "a", "b") else t.to(DEVICE)
          for n, t in raw_inputs(1, 9, 1, 1, 256, 256, 1, seed=5, per_channel=True).items()}
-    deltatron.chunk_kda(x["q"], x["k"], x["v"], x["a"].sigmoid().log(), x["b"].sigmoid())
-    assert ran[2:] == ["fused_recurrent"]
+    g = x["a"].float().sigmoid().log()
+    with torch.no_grad():
+        o, _ = deltatron.chunk_kda(l2(x["q"]), l2(x["k"]), x["v"], g, x["b"].float().sigmoid())
+    assert ran[2:] == ["chunk"]
+    ref = {n: t.cpu().double() for n, t in x.items()}
+    o_ref, _ = recurrent_gated_delta_rule(l2(ref["q"]), l2(ref["k"]), ref["v"], g.cpu().double(),
+                                          ref["b"].sigmoid(), 256 ** -0.5)
+    assert rel_rms(o, o_ref) <= BOUNDS[dtype]

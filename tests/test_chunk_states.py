@@ -71,13 +71,3 @@ def test_chunk_states_plan_and_errors():
     q = torch.randn(1, 4, 1, 8)
     with pytest.raises(TypeError, match="output_chunk_states must be a bool"):
         deltatron.chunk_delta_rule(q, q, q, torch.rand(1, 4, 1), output_chunk_states=1)
-
-
-def test_kda_chunk_states_need_the_chunk_kernels(monkeypatch):
-    if DEVICE == "cpu" and not INTERPRET:
-        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
-    monkeypatch.setenv("DELTATRON_BACKEND", "triton")
-    q = torch.randn(1, 4, 1, 256, device=DEVICE)
-    with pytest.raises(ValueError, match="output_chunk_states needs the chunk kernels' walk.*K, V <= 128"):
-        deltatron.chunk_kda(q, q, q, -torch.rand(1, 4, 1, 256, device=DEVICE), torch.rand(1, 4, 1, device=DEVICE),
-                            output_chunk_states=True)

@@ -68,13 +68,6 @@ def main(argv=None) -> int:
     if max(args.head_dim, V) > 256:
         print(f"deltatron explain: head sizes up to 256, got K = {args.head_dim}, V = {V}", file=sys.stderr)
         return 2
-    if args.kda and chunk_plan.kda_chunk_refusal(args.head_dim, V) and args.chunk_states:
-        print(f"deltatron explain: --chunk-states needs the chunk kernels' walk, and "
-              f"{chunk_plan.kda_chunk_refusal(args.head_dim, V)}", file=sys.stderr)
-        return 2
-    if args.kda and chunk_plan.kda_chunk_refusal(args.head_dim, V):
-        print(f"form: fused_recurrent: {chunk_plan.kda_chunk_refusal(args.head_dim, V)}")
-        return 0
     if args.gpu == "here":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         caps = chunk_plan.device_capabilities(device)

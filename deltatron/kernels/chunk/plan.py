@@ -363,21 +363,6 @@ def _forced(name: str, value, rule_value, reason: str) -> Tuple[object, str]:
     return (rule_value, reason) if value is None else (value, f"forced by overrides({name}={value!r})")
 
 
-# KDA's chunk kernels take head sizes up to this: at K = V = 256 the walk's per-channel decays, formed on the whole
-# [C, K] tile, need 335,872 B of shared memory on sm_90 (232,448 there; tools/offline_compile.py --kda, triton 3.6)
-KDA_CHUNK_MAX_HEAD = 128
-
-
-def kda_chunk_refusal(K: int, V: int) -> Optional[str]:
-    """Why KDA's per-channel gate cannot run the chunk kernels at these head sizes (chunk_kda then runs the
-    token-serial fused_recurrent kernels, forward and backward), or None where it can."""
-    if max(K, V) <= KDA_CHUNK_MAX_HEAD:
-        return None
-    return (f"KDA's chunk kernels take K, V <= {KDA_CHUNK_MAX_HEAD} (here K = {K}, V = {V}: at 256 they compile for "
-            f"sm_90 and match the float64 oracle in Triton's interpreter, but have not been checked or timed on a "
-            f"GPU), so chunk_kda runs fused_recurrent")
-
-
 _CALL_PLANS: dict = {}  # the plans of recent calls by their key: the host's cost of a call's plan is a lookup
 _MAX_CALL_PLANS = 4096
 
@@ -411,8 +396,6 @@ def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] 
 def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons = []
     nh = f"sequences x heads {p.states}"
-    if p.per_channel and kda_chunk_refusal(p.K, p.V):
-        raise ValueError(kda_chunk_refusal(p.K, p.V))
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
                    and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states and not p.per_channel)

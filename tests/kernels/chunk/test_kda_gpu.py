@@ -1,6 +1,6 @@
 """KDA's chunkwise kernels at realistic sizes on the GPU (marked gpu): the inference forward and the training forward
 and backward, bf16 with K = V = 128 and 4096 tokens, grouped value heads, strong gates, both walks, 20 packed sequences
-with empty ones, K = V = 64, a bitwise-deterministic backward; against the float64 recurrence (its chunkwise form's
+with empty ones, K = V = 64 and 256, a bitwise-deterministic backward; against the float64 recurrence (its chunkwise form's
 autograd for the gradients, as tests/helpers.gated_oracle takes it on a GPU) as tests/kernels/chunk/test_kda.py does on
 the CPU."""
 import pytest
@@ -57,6 +57,18 @@ def test_backward_varlen_20_sequences(C):
     lengths = twenty_lengths(700)
     check_training(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, lengths=lengths, gates="strong", seed=10,
                    chunk_size=C)
+
+
+# K = V = 256 and K 256 / V 192 (the largest head sizes; the reverse pass at BV 32 and 229,376 B of shared memory in
+# bf16, wy_bwd spilling in fp32: DESIGN.md §12), called on the chunk kernels directly
+@pytest.mark.parametrize("V, dtype", [(256, torch.bfloat16), (256, torch.float32), (192, torch.float16)], ids=str)
+def test_head_size_256(V, dtype):
+    check(1, 1000, 2, 2, 256, V, dtype, 64, gates="strong", seed=11)
+
+
+@pytest.mark.parametrize("V, dtype", [(256, torch.bfloat16), (256, torch.float32), (192, torch.float16)], ids=str)
+def test_backward_head_size_256(V, dtype):
+    check_training(1, 1000, 2, 2, 256, V, dtype, gates="strong", seed=12, chunk_size=64)
 
 
 def test_backward_is_deterministic():
