@@ -702,6 +702,13 @@ def _gated_core(form, q, k, v, g, beta, scale, h0, output_final_state, use_qk_l2
         extras = (_chunk_states_torch(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel),
                   ) if output_chunk_states else ()
         return _torch_rows((o, h0.copy_(final_state) if inplace_final_state else final_state, *extras), q.shape[1])
+    if form == "chunk" and g.dim() == 4:
+        from .kernels.chunk import plan as chunk_plan
+        refusal = chunk_plan.kda_chunk_refusal(q.shape[-1], v.shape[-1], chunk_plan.device_capabilities(q.device))
+        if refusal and output_chunk_states:
+            raise ValueError(f"chunk_kda: output_chunk_states needs the chunk kernels' walk, and {refusal}")
+        if refusal:  # head sizes this device's shared memory does not take in KDA's chunk kernels (DESIGN.md §12)
+            form = "fused_recurrent"
     run_form, seq_info = _triton_dispatch()
     backends.check_triton_inputs(q, v)
     B, T = q.shape[:2]
@@ -885,7 +892,8 @@ def chunk_kda(
     On the PyTorch backend it is the chunkwise float64-stable form (every decay factor exp of a non-positive
     difference of within-chunk cumulative sums per channel). On the Triton backend it runs the chunkwise kernels with
     the per-channel gate, forward and backward (every exponent a sum of g within 16-token sub-chunks), at every head
-    size up to 256."""
+    size up to 256 where the GPU's shared memory holds them (above 128: sm_90 and sm_100); elsewhere heads above 128
+    run the token-serial fused_recurrent kernels (chunk_size then unused past its check)."""
     return _chunk_gated("chunk_kda", chunk_kda, True, q, k, v, g, beta, scale, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, chunk_size,
                         (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval),

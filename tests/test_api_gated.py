@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import deltatron
+from deltatron.kernels.chunk import plan as chunk_plan
 from deltatron.reference import recurrent_gated_delta_rule
 from deltatron.reference.common import L2NORM_EPS
 
@@ -191,9 +192,10 @@ def test_kda_argument_errors_name_the_argument(form, change, match):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_chunk_kda_runs_chunkwise_at_every_head_size(dtype, monkeypatch):
+def test_chunk_kda_runs_chunkwise_where_the_device_holds_the_heads(dtype, monkeypatch):
     """On the Triton backend chunk_kda runs the chunk form's kernels, inference and training calls alike, every option
-    of fla's signature on, with the gradients of the float64 recurrence; at K = V = 256, the largest heads, too."""
+    of fla's signature on, with the gradients of the float64 recurrence; at K = V = 256, the largest heads, too, and
+    the token-serial fused_recurrent kernels there on a GPU whose shared memory does not hold the chunk kernels."""
     if DEVICE == "cpu" and not INTERPRET:
         pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
     monkeypatch.setenv("DELTATRON_BACKEND", "triton")
@@ -237,11 +239,17 @@ def test_chunk_kda_runs_chunkwise_at_every_head_size(dtype, monkeypatch):
 
     x = {n: t.to(DEVICE, dtype) if n in ("q", "k", "v", "a", "b") else t.to(DEVICE)
          for n, t in raw_inputs(1, 9, 1, 1, 256, 256, 1, seed=5, per_channel=True).items()}
-    g = x["a"].float().sigmoid().log()
+    args = (l2(x["q"]), l2(x["k"]), x["v"], x["a"].float().sigmoid().log(), x["b"].float().sigmoid())
     with torch.no_grad():
-        o, _ = deltatron.chunk_kda(l2(x["q"]), l2(x["k"]), x["v"], g, x["b"].float().sigmoid())
+        o, _ = deltatron.chunk_kda(*args)
     assert ran[2:] == ["chunk"]
     ref = {n: t.cpu().double() for n, t in x.items()}
-    o_ref, _ = recurrent_gated_delta_rule(l2(ref["q"]), l2(ref["k"]), ref["v"], g.cpu().double(),
+    o_ref, _ = recurrent_gated_delta_rule(l2(ref["q"]), l2(ref["k"]), ref["v"], args[3].cpu().double(),
                                           ref["b"].sigmoid(), 256 ** -0.5)
     assert rel_rms(o, o_ref) <= BOUNDS[dtype]
+    monkeypatch.setattr(chunk_plan, "device_capabilities", lambda device: chunk_plan.named_capabilities("sm80"))
+    with torch.no_grad():
+        o, _ = deltatron.chunk_kda(*args)
+    assert ran[3:] == ["fused_recurrent"] and rel_rms(o, o_ref) <= BOUNDS[dtype]
+    with pytest.raises(ValueError, match="output_chunk_states needs the chunk kernels' walk.* has 166,912"):
+        deltatron.chunk_kda(*args, output_chunk_states=True)

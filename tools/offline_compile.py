@@ -226,7 +226,7 @@ def pretend_h200_plans(gluon: bool = False) -> None:
     count), with the Hopper Gluon stages only where gluon is set: every module of deltatron.kernels.chunk that took
     plan.device_capabilities answers so."""
     caps = plan.Capabilities("sm_90 (offline compile)", cuda=True, interpret=False, sm=(9, 0), num_sms=H200_SMS,
-                             gluon=gluon)
+                             gluon=gluon, shared_memory=plan.NAMED_GPUS["sm90"][2])
     for name, module in list(sys.modules.items()):
         if name.startswith(chunk.__name__) and getattr(module, "device_capabilities", None) is not None:
             module.device_capabilities = lambda device: caps

@@ -73,6 +73,13 @@ def main(argv=None) -> int:
         caps = chunk_plan.device_capabilities(device)
     else:
         caps = chunk_plan.named_capabilities(args.gpu)
+    refusal = chunk_plan.kda_chunk_refusal(args.head_dim, V, caps) if args.kda else None
+    if refusal and args.chunk_states:
+        print(f"deltatron explain: --chunk-states needs the chunk kernels' walk, and {refusal}", file=sys.stderr)
+        return 2
+    if refusal:
+        print(f"form: fused_recurrent: {refusal}")
+        return 0
     lengths = tuple(args.lengths) if args.lengths else None
     num_seqs, tokens = (len(lengths), sum(lengths)) if lengths else (args.batch, args.batch * args.seqlen)
     problem = chunk_plan.Problem(DTYPES[args.dtype], args.heads, args.head_dim, V, num_seqs, tokens,

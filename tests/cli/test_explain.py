@@ -55,10 +55,16 @@ def test_kda_training(capsys):
 
 
 def test_kda_largest_heads(capsys):
-    # K = V = 256: KDA's chunk kernels as at 128 (the portable stages, the reverse pass at the block_v its shared memory
-    # allows)
+    # K = V = 256: KDA's chunk kernels as at 128 where the shared memory holds them (sm_90: the portable stages, the
+    # reverse pass at block_v 32), the token-serial kernels where it does not (sm_80)
     assert explain.main(["--kda", "--head-dim", "256"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("problem: per-channel gate (KDA)") and "K = 256, V = 256" in lines[0]
-    assert any(line.split()[:2] == ["reverse", "portable"] for line in lines)
+    assert any(line.split()[:3] == ["reverse", "portable", "[block_v"] and "32," in line for line in lines)
+    assert explain.main(["--kda", "--head-dim", "256", "--gpu", "sm80"]) == 0
+    assert capsys.readouterr().out.startswith("form: fused_recurrent: KDA's chunk kernels at K or V > 128 (here K = "
+                                              "256, V = 256) need 229,376 B of shared memory a block and sm80 (108 "
+                                              "SMs) has 166,912")
+    assert explain.main(["--kda", "--head-dim", "256", "--gpu", "sm80", "--chunk-states"]) == 2
+    assert "--chunk-states needs the chunk kernels' walk" in capsys.readouterr().err
 

@@ -55,6 +55,7 @@ class Capabilities:
     sm: Optional[Tuple[int, int]]
     num_sms: int
     gluon: bool  # the installed triton has the Gluon Hopper API the hopper/ kernels are written against
+    shared_memory: Optional[int] = None  # bytes of shared memory a block can have (None: no limit, the interpreter)
 
     @property
     def hopper(self) -> bool:
@@ -65,8 +66,9 @@ class Capabilities:
         return self.cuda and not self.interpret
 
 
-# GPUs that explain can plan for on any machine: (compute capability, SMs)
-NAMED_GPUS = {"sm90": ((9, 0), 132), "sm80": ((8, 0), 108), "sm89": ((8, 9), 128), "sm100": ((10, 0), 148)}
+# GPUs that explain can plan for on any machine: (compute capability, SMs, shared memory a block can opt into)
+NAMED_GPUS = {"sm90": ((9, 0), 132, 232_448), "sm80": ((8, 0), 108, 166_912), "sm89": ((8, 9), 128, 101_376),
+              "sm100": ((10, 0), 148, 232_448)}
 
 
 def named_capabilities(gpu: str) -> Capabilities:
@@ -76,8 +78,9 @@ def named_capabilities(gpu: str) -> Capabilities:
         return Capabilities("cpu (Triton interpreter)", cuda=False, interpret=True, sm=None, num_sms=1, gluon=False)
     if gpu not in NAMED_GPUS:
         raise ValueError(f"gpu must be one of {', '.join(list(NAMED_GPUS) + ['cpu'])}, got {gpu!r}")
-    sm, sms = NAMED_GPUS[gpu]
-    return Capabilities(f"{gpu} ({sms} SMs)", cuda=True, interpret=False, sm=sm, num_sms=sms, gluon=sm == (9, 0))
+    sm, sms, shared_memory = NAMED_GPUS[gpu]
+    return Capabilities(f"{gpu} ({sms} SMs)", cuda=True, interpret=False, sm=sm, num_sms=sms, gluon=sm == (9, 0),
+                        shared_memory=shared_memory)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +104,15 @@ def device_capabilities(device: torch.device) -> Capabilities:
     sm = (props.major, props.minor)
     return Capabilities(f"{props.name} (sm{props.major}{props.minor}, {props.multi_processor_count} SMs)", cuda=True,
                         interpret=False, sm=sm, num_sms=props.multi_processor_count,
-                        gluon=sm == (9, 0) and gluon_available())
+                        gluon=sm == (9, 0) and gluon_available(), shared_memory=block_shared_memory(device))
+
+
+@functools.lru_cache(maxsize=None)
+def block_shared_memory(device: torch.device) -> int:
+    """The shared memory a block can opt into on `device`, in bytes (what Triton checks a launch against)."""
+    import triton
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 @dataclass(frozen=True)
@@ -363,6 +374,21 @@ def _forced(name: str, value, rule_value, reason: str) -> Tuple[object, str]:
     return (rule_value, reason) if value is None else (value, f"forced by overrides({name}={value!r})")
 
 
+# KDA's chunk kernels at head sizes above 128 need this much shared memory a block: the reverse pass at K = V = 256
+# and block_v 32 takes 229,376 B in 16 bits (tools/offline_compile.py --kda --heads 256, triton 3.6). sm_90 and
+# sm_100 offer 232,448 B; sm_80 166,912, sm_86 and sm_89 101,376.
+KDA_LARGE_HEAD_SHARED_MEMORY = 229_376
+
+
+def kda_chunk_refusal(K: int, V: int, caps: Capabilities) -> Optional[str]:
+    """Why KDA's per-channel gate cannot run the chunk kernels at these head sizes on this device (chunk_kda then runs
+    the token-serial fused_recurrent kernels, forward and backward), or None where it can."""
+    if max(K, V) <= 128 or caps.shared_memory is None or caps.shared_memory >= KDA_LARGE_HEAD_SHARED_MEMORY:
+        return None
+    return (f"KDA's chunk kernels at K or V > 128 (here K = {K}, V = {V}) need {KDA_LARGE_HEAD_SHARED_MEMORY:,} B of "
+            f"shared memory a block and {caps.name} has {caps.shared_memory:,}, so chunk_kda runs fused_recurrent")
+
+
 _CALL_PLANS: dict = {}  # the plans of recent calls by their key: the host's cost of a call's plan is a lookup
 _MAX_CALL_PLANS = 4096
 
@@ -396,6 +422,8 @@ def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] 
 def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons = []
     nh = f"sequences x heads {p.states}"
+    if p.per_channel and kda_chunk_refusal(p.K, p.V, caps):
+        raise ValueError(kda_chunk_refusal(p.K, p.V, caps))
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
                    and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states and not p.per_channel)
