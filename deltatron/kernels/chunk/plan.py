@@ -422,8 +422,9 @@ def make_plan(problem: Problem, caps: Capabilities, forced: Optional[Overrides] 
 def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons = []
     nh = f"sequences x heads {p.states}"
-    if p.per_channel and kda_chunk_refusal(p.K, p.V, caps):
-        raise ValueError(kda_chunk_refusal(p.K, p.V, caps))
+    refusal = kda_chunk_refusal(p.K, p.V, caps) if p.per_channel else None
+    if refusal:
+        raise ValueError(refusal)
     # -- forward walk
     hopper_fits = (caps.hopper and p.sixteen_bit and p.chunk_size == HOPPER_CHUNK and p.K == HOPPER_HEAD
                    and p.V == HOPPER_HEAD and p.tma_aligned and not p.chunk_states and not p.per_channel)

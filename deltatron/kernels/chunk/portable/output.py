@@ -84,9 +84,9 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
     HK, H, K, V = q.shape[2], v_new.shape[2], q.shape[3], v_new.shape[3]
     o = torch.empty_like(v_new)
     chunks = info.chunks(chunk_size)
-    # KDA: the whole V in one program, so that P (gate.channel_scores) is computed once a chunk and
-    # head rather than once a V-block; 4 warps: on the H200 at B = 8, T = 2048, H = 16, K = V = 128 the stage took
-    # 0.618 ms against 1.071 at 8 warps (1 block an SM)
+    # KDA: the whole V in one program, so that P (gate.channel_scores) is computed once a chunk and head rather than
+    # once a V-block; 4 warps: on the H200 at B = 8, T = 2048, H = 16, K = V = 128 the stage took 0.618 ms against
+    # 1.071 at 8 warps (1 block an SM)
     BV, warps = (head_tile(V), 4) if gk is None else (next_power_of_2(V), 4)
     if chunks.num_chunks:
         launch(
