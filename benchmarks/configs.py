@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-
 CHUNK = 64                    # C of the floor model
 ANCHOR_TFLOPS = 800.0         # H200 ceilings, used when the run does not measure its own (smoke)
 ANCHOR_TBPS = 4.27
