@@ -76,7 +76,8 @@ def sweep(cfg: configs.Config, opts: timing.Options, tbps: float, choices, impl:
 
     floor_us = 1e6 * configs.work(cfg, gated=True)["bytes_fwd"] / (tbps * 1e12)
     K = cfg.K
-    planned = fused_recurrent._launch_config(cfg.V, K, cfg.B * cfg.H, fused_recurrent.FWD_TILE, opts.device)
+    planned = fused_recurrent._launch_config(cfg.V, K, cfg.B * cfg.H, fused_recurrent.FWD_TILE, opts.device,
+                                             impl.endswith("_v_first"))
     out = {}
     for choice in [None, *choices]:
         with launch_config(choice):

@@ -38,6 +38,10 @@ from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
 BWD_TILE = 4096
+# [V, K] states (state_v_first): a program takes this many rows of V, whole rows of K (contiguous), with one warp.
+# Swept at Qwen3-Next's decode (B = 64, Hv 32, K = V = 128) under graph replay, 8 rows on one warp read 75.9 µs against
+# 87.4 for the [K, V] states' rule (64 rows, 4 warps); 16 and 32 rows on one warp 77.3 and 77.4.
+V_FIRST_ROWS = 8
 # Tokens between state checkpoints for the backward: one fp32 [K, V] per 64 tokens and head, K V / 16 bytes
 # per token and head (e's size at K = 64, twice it at K = 128), the memory of the chunk form's states.
 SEGMENT = 64
@@ -350,9 +354,12 @@ def fused_recurrent_bwd_kernel(q, k, beta, g, e, h, do, ht, dht, dq, dk, dv, dbe
 NORMALIZES_QK = True
 
 
-def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch.device):
+def _launch_config(V: int, BK: int, num_heads: int, max_tile: int, device: torch.device, v_first: bool = False):
     """(BV, num_warps): the widest V-block whose state tile fits max_tile, narrowed (down to 16) until
-    there are at least two programs per SM, since each program is one serial walk over its tokens."""
+    there are at least two programs per SM, since each program is one serial walk over its tokens. v_first ([V, K]
+    states): V_FIRST_ROWS rows on one warp, each a contiguous row of K."""
+    if v_first:
+        return min(V_FIRST_ROWS, next_power_of_2(V)), 1
     BV = min(next_power_of_2(V), max(16, max_tile // BK))
     while BV > 16 and cdiv(V, BV) * num_heads < 2 * num_sms(device):
         BV //= 2
@@ -397,7 +404,7 @@ def forward(q, k, v, beta, scale, initial_state, output_final_state, info, needs
         h = torch.empty(segments.num_chunks, H, K, V, dtype=torch.float32, device=q.device)
         segment_offsets = segments.chunk_offsets
     BK = head_block(K)
-    BV, num_warps = _launch_config(V, BK, N * H, FWD_TILE, q.device)
+    BV, num_warps = _launch_config(V, BK, N * H, FWD_TILE, q.device, state_v_first)
     # sequences x heads on grid axis 0, which takes up to 2^31 - 1 programs (axis 1 only 65535)
     grid = (N * H, cdiv(V, BV))
     launch(
