@@ -218,7 +218,17 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     rows = [r for i, run in enumerate(runs) for r in run["rows"] if source[key(r)] == i]
     order = {impl: j for j, impl in enumerate(IMPLS)}
     rows.sort(key=lambda r: order.get(r["impl"], len(order)))
-    return dict(meta=dict(runs[0]["meta"], runs=[run["meta"] for run in runs]), rows=rows)
+    metas = []  # every run's meta once, in order, none nested (a file merged before brings its own runs')
+    for m in (m for run in runs for m in flat_runs(run["meta"])):
+        if m not in metas:
+            metas.append(m)
+    return dict(meta=dict(metas[0], runs=metas), rows=rows)
+
+
+def flat_runs(meta: dict) -> List[dict]:
+    """The metas of the runs behind a results file's meta, without their "runs": [meta] for one run's file."""
+    own = {k: v for k, v in meta.items() if k != "runs"}
+    return [own] if "runs" not in meta else [m for r in meta["runs"] for m in flat_runs(r)]
 
 
 NOTES_START = "<!-- notes: written by hand; `--report` keeps this section as it is -->"

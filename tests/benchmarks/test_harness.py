@@ -172,6 +172,11 @@ def test_merge_takes_each_configuration_from_one_run(smoke, tmp_path):
     merged = json.loads(target.read_text())
     assert merged == report.merge_runs([first, second])
     assert [m["date"] for m in merged["meta"]["runs"]] == ["first", "second"]
+    # a merged file merged again with a later run: every run's meta once, in order, none nested
+    third = dict(meta=dict(results["meta"], date="third"), rows=second["rows"][:1])
+    again = report.merge_runs([merged, third])
+    assert [m["date"] for m in again["meta"]["runs"]] == ["first", "second", "third"]
+    assert not any("runs" in m for m in again["meta"]["runs"]) and again["meta"]["date"] == "first"
     by_config = {}
     for r in merged["rows"]:
         by_config.setdefault(r["config"], set()).add(r.get("fwd_ms"))
