@@ -38,9 +38,8 @@ from .utils import INTERPRET, cdiv, head_block, next_power_of_2, num_sms, state_
 # Largest state tile a program keeps in registers (fp32 elements): the backward holds two (S and dS).
 FWD_TILE = 8192
 BWD_TILE = 4096
-# [V, K] states (state_v_first): a program takes this many rows of V, whole rows of K (contiguous), with one warp.
-# Swept at Qwen3-Next's decode (B = 64, Hv 32, K = V = 128) under graph replay, 8 rows on one warp read 75.9 µs against
-# 87.4 for the [K, V] states' rule (64 rows, 4 warps); 16 and 32 rows on one warp 77.3 and 77.4.
+# [V, K] states (state_v_first): a program takes this many rows of V, each a whole contiguous row of K, on one warp:
+# the fastest launch of the decode sweep at Qwen3-Next's layout, faster than the [K, V] rule's (docs/performance.md §2b)
 V_FIRST_ROWS = 8
 # Tokens between state checkpoints for the backward: one fp32 [K, V] per 64 tokens and head, K V / 16 bytes
 # per token and head (e's size at K = 64, twice it at K = 128), the memory of the chunk form's states.
