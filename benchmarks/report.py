@@ -284,7 +284,10 @@ The run needs one CUDA GPU (FlashQLA needs Hopper or newer), torch, triton and m
 as optional imports: a competitor that is not importable gives rows "not installed".
 
 1. On the GPU machine, install the fla-core and FlashQLA (with tilelang) wheels and put them on PYTHONPATH
-   (`pip install fla-core==0.6.0 flash-qla==0.1.3` where the machine has a package index).
+   (`pip install fla-core==0.6.0 flash-qla==0.1.3` where the machine has a package index). TileLang loads z3's
+   library (the z3-solver wheel) on import. Without TileLang, fla-core 0.6.0 refuses its gated backward on Hopper
+   with Triton 3.4 to 3.7.0 (it names a Triton bug, its issue #640), so fla.chunk_gated's forward+backward then
+   reads as an error.
 2. From the checkout: `python benchmarks/run.py --plot` (in a checkout `deltatron bench --plot` is the same). It
    writes `benchmarks/results/<gpu>.json`, `.md` and `.png` (`h200` on an H200), the one results set of that GPU
    (git keeps the earlier ones), or under `--out DIR` / `--name NAME`. `bash benchmarks/gpu_call.sh bench`
