@@ -72,7 +72,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
     gam, gk = stage_gates(g, info, chunk_size)
     decays = None  # KDA: the serial passes' decays, which the WY stage writes beside W from the sums it forms anyway
     if plan.residual:  # the walks' W and U slots take Tb and V
-        tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch)
+        tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam)
         u = v
     else:
         decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size)

@@ -275,7 +275,7 @@ def hopper_launch(num_states: int, sms: int) -> Launch:
 def wy_launch(K: int, V: int, element_size: int, fused: bool, gated: bool = False) -> Launch:
     """The WY kernel: 4 warps (2 spill the 16-bit inverse), head tiles at least 32 wide (16-wide tiles gave wrong W,
     U on the H200 with triton 3.6); the 16-bit kernel that inverts (fused) capped at 168 registers up to 128-wide
-    heads (3 blocks an SM instead of 2), but for the per-head gated rule (gated), whose variant spills 160 bytes
+    heads (3 blocks an SM instead of 2), but for the per-head gated rule's W, U (gated), whose variant spills 160 bytes
     under that cap: uncapped it took 1.579 ms against 1.699 of the forward at Qwen3-Next's layout, B = 8, T = 4096
     (H200)."""
     cap = 168 if fused and element_size == 2 and max(K, V) <= 128 and not gated else 0
@@ -299,9 +299,10 @@ def wy_bwd_launch(K: int, V: int, element_size: int, per_channel: bool = False) 
     return Launch(warps=4, maxnreg=168, tile_k=BK, tile_v=BV)
 
 
-def _wy_forward_launch(p: Problem, o: Overrides) -> Launch:
-    """wy_launch's for the forward (it inverts), with the register cap overrides(wy_maxnreg=...) forces."""
-    rule = wy_launch(p.K, p.V, p.element_size, True, p.gated and not p.per_channel)
+def _wy_forward_launch(p: Problem, o: Overrides, residual: bool) -> Launch:
+    """wy_launch's for the forward (it inverts; residual: T~'s pair, no W carrying the decays), with the register
+    cap overrides(wy_maxnreg=...) forces."""
+    rule = wy_launch(p.K, p.V, p.element_size, True, p.gated and not p.per_channel and not residual)
     if o.wy_maxnreg is None:
         return rule
     if o.wy_maxnreg < 0:
@@ -514,10 +515,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                     "value heads"))
 
     # -- WY form
-    if walk != "hopper" or p.gated or p.grouped:
-        residual, why = False, ("the residual form is the ungated rule's (W carries the decays)" if p.gated else
-                                "grouped value heads take W, U (the end-to-end tests' path)"
-                                if p.grouped else "the residual form runs on the Hopper walk only")
+    if walk != "hopper":
+        residual, why = False, "the residual form runs on the Hopper walk only"
         if o.residual:
             raise ValueError(f"overrides(residual=True): {why}")
     elif keep:
@@ -596,7 +595,7 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
 
     return ChunkPlan(problem=p, caps=caps, walk=walk, residual=residual, split_partitions=partitions,
                      split_min_tokens=min_tokens, keep_states=keep, walk_launch=launch,
-                     wy_launch=_wy_forward_launch(p, o), recompute=recompute,
+                     wy_launch=_wy_forward_launch(p, o, residual), recompute=recompute,
                      recompute_launch=recompute_launch, recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False),
                      overlap=overlap, segments=segments, reverse=reverse, reverse_launch=rev_launch,
                      local_dv_apart=local_dv_apart,

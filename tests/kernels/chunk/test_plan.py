@@ -239,8 +239,11 @@ def test_wy_register_cap_override():
             p = plan_for_shape(8, 2048, 16, 128, 128, bf16)
         assert p.wy_launch.maxnreg == cap and p.wy_launch.options() == ({"maxnreg": cap} if cap else {})
         assert p.recompute_wy_launch.maxnreg == 0 and p.wy_bwd_launch.maxnreg == 168
-    # the per-head gated rule's variant uncapped (it spills under 168), KDA's capped as the ungated one
-    assert plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16).wy_launch.maxnreg == 0
+    # the per-head gated rule's W, U variant uncapped (it spills under 168), its residual form's pair and KDA's
+    # capped as the ungated one
+    assert plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16).wy_launch.maxnreg == 168
+    with plan.overrides(residual=False):
+        assert plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16).wy_launch.maxnreg == 0
     assert plan_for_shape(8, 2048, 16, 128, 128, bf16, gated=True, per_channel=True).wy_launch.maxnreg == 168
     with pytest.raises(ValueError, match="wy_maxnreg=-1"):
         with plan.overrides(wy_maxnreg=-1):
@@ -378,20 +381,21 @@ def test_explain_inference_has_no_backward():
 @pytest.mark.parametrize("gated, key_heads", [(True, 0), (False, 8), (True, 8)])
 def test_gated_and_grouped_calls_take_the_hopper_walk_unsplit(gated, key_heads):
     # on sm90, where the ungated call of this shape runs the Hopper walk split, the Hopper reverse pass and segments:
-    # the gate and grouped heads take the Hopper walk without the residual form and the Hopper reverse pass, whole
+    # the gate and grouped heads take the Hopper walk in the residual form and the Hopper reverse pass, whole
     # sequences, one segment
     p = plan_for_shape(1, 32768, 16, 128, 128, bf16, gated=gated, key_heads=key_heads)
     assert p.walk == "hopper" and (p.reverse, p.segments, p.residual, p.split, p.keep_states) == (
-        "hopper", 1, False, False, False)
+        "hopper", 1, True, False, False)
     assert "takes neither the gate nor grouped value heads" in p.reason("split")
     fwd, bwd = plan.kernels(p)
     assert (fwd[0] == "portable.gate (γ)") == gated and (bwd[-1] == "portable.gate (dg)") == gated
     assert "hopper.walk" in fwd
     problem = plan.Problem(bf16, 16, 128, 128, 1, 32768, gated=gated, key_heads=key_heads)
     refused = (dict(segments=2), dict(split_partitions=3), dict(keep_states=True))
-    for forced in refused + (dict(residual=True),):
+    for forced in refused:
         with pytest.raises(ValueError):
             plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(**forced))
+    assert not plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(residual=False)).residual
     assert plan.make_plan(problem, plan.named_capabilities("sm90"), Overrides(hopper_walk=False)).walk != "hopper"
 
 

@@ -10,7 +10,8 @@ One program per (sequence, head, V-block of BV rows of S^T); three partitions ru
     output (1 warp group): O = scale (Q S + (Q K^T ⊙ M) V'), stored from the accumulator's registers.
 So the serial chain runs only its two products while the output's three and the next chunks' loads run in other
 warps (plain Triton waits on every product in program order).
-Gated (USE_G, DESIGN.md §11): W carries exp(γ) already (the WY stage's), so V' = U - W S is unchanged; the chain
+Gated (USE_G, DESIGN.md §11): W carries exp(γ) already (the WY stage's), so V' = U - W S is unchanged (in the residual
+form the chain puts exp(γ) on K S's rows: V' = Tb (V - diag(exp(γ)) K S)); the chain
 decays S^T by exp(γ_C) and takes V'^T's columns times exp(γ_C - γ_j) into the state product (V' goes to the output
 undecayed), and the output scales Q S's rows by exp(γ_i) and Q K^T by E_ij = exp(γ_i - γ_j): every exponent <= 0.
 Grouped value heads: a program walks a value head and its loader reads the Q, K tiles of the head's key head.
@@ -145,7 +146,8 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, gam, i_nh, i_v, bos, eo
     hand-off only copies operands the products have already taken: the chain's arithmetic, so the final state,
     is the same bit for bit either way. RESIDUAL: the ring's W slot holds Tb = T~ diag(beta) as its 16-bit pair
     (hi | lo, [C, 2C]) and its U slot V's block, and V' = Tb (V - K S) (gluon_walk_kernel). USE_G: gated by γ (gam,
-    [TT, H] fp32): S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V')."""
+    [TT, H] fp32): S <- exp(γ_C) S + K^T (exp(γ_C - γ) ⊙ V'), and in the residual form V' = Tb (V - diag(exp(γ)) K S)
+    (W = Tb diag(exp(γ)) K)."""
     w_ring, u_ring, k_ring = ring[0], ring[1], ring[2]
     NS: gl.constexpr = w_ring.shape[0]
     BV: gl.constexpr = u_ring.shape[2]
@@ -186,6 +188,8 @@ def chain_partition(ring, ready, empty, handoff, h0, ht, gam, i_nh, i_v, bos, eo
         if RESIDUAL:
             # V'^T = Y^T Tb^T, Y = V - K S rounded to the input dtype, Tb = Tb_hi + Tb_lo (the two halves of the
             # slot): the same V' as U - W S, since U = Tb V and W = Tb K
+            if USE_G:  # (K S)^T's columns, the chunk's tokens, decayed by exp(γ_j) <= 1
+                b_wst = b_wst * gl.exp(b_gam)[None, :]
             b_yt = gl.convert_layout((b_ut - b_wst).to(dt), sd_operand)
             tb = w_ring.index(s)
             b_vt = warpgroup_mma(b_yt, tb.slice(0, C, 1).permute((1, 0)), gl.zeros([BV, C], gl.float32,
@@ -306,7 +310,7 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
     gl.static_assert(WITH_OUTPUT or STORE_HT, "a walk without its output stores the final states")
     gl.static_assert(WITH_OUTPUT or not SAVE_STATES, "the states are saved from the output's hand-off")
     gl.static_assert(not RESIDUAL or 2 * C == D, "the residual form's Tb pair [C, 2C] takes W's slot [C, D]")
-    gl.static_assert(not USE_G or not (RESIDUAL or SAVE_STATES), "the gate takes neither the pair nor kept states")
+    gl.static_assert(not USE_G or not SAVE_STATES, "the gate takes no kept states")
     NS: gl.constexpr = STAGES
     dt: gl.constexpr = w_desc.dtype
     # the V-blocks of a head are neighbouring programs: they run at the same time and share W, K, Q in L2
@@ -432,7 +436,7 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
     states_buffers, so they are not made again. states: (st, vt) from states_buffers, into which the walk with its
     output also stores each chunk's S^T and V'^T. residual: the residual form (gluon_walk_kernel's RESIDUAL), w being
     Tb [.., H, 2 * 64] from wy.tinv_pair_fwd and u being V. q, k may have fewer heads than w, u (grouped value
-    heads). gam: the gated rule's γ [.., TT, H] fp32 (gate.chunk_gamma), with neither residual nor states."""
+    heads). gam: the gated rule's γ [.., TT, H] fp32 (gate.chunk_gamma), without states."""
     with_output = o is not None
     if not checked:
         check_inputs("gluon_walk", dict(q=q, k=k, w=w, u=u) if with_output else dict(k=k, w=w, u=u), info)
@@ -443,8 +447,8 @@ def gluon_walk_launch(q: Optional[torch.Tensor], k: torch.Tensor, w: torch.Tenso
         raise ValueError(f"gluon_walk: o must be contiguous in u's shape {tuple(u.shape)}, got {tuple(o.shape)}")
     if not with_output and final_state is None:
         raise ValueError("gluon_walk: a walk without its output (o None) must store the final states")
-    if gam is not None and (residual or states is not None):
-        raise ValueError("gluon_walk: the gate (gam) takes neither the residual form nor kept states")
+    if gam is not None and states is not None:
+        raise ValueError("gluon_walk: the gate (gam) takes no kept states")
     TT, N, H, HK, D = info.total_tokens, info.num_seqs, u.shape[2], k.shape[2], k.shape[3]
     if gam is not None and (gam.dtype != torch.float32 or gam.numel() != TT * H or not gam.is_contiguous()):
         raise ValueError(f"gluon_walk: gam must be contiguous fp32 [.., {TT}, {H}], got {tuple(gam.shape)} {gam.dtype}")

@@ -4,11 +4,12 @@ T's pair instead.
 One kernel, four entry points:
     wy_fwd(k, v, beta, ...) -> (T~, W, U)           A from K on chip, inverted, applied; T~ stored for training only;
     tinv_pair_fwd(k, beta, ...) -> (T~, Tb)         Tb = T~ diag(beta) as its 16-bit pair: the residual form's input
-                                                    (the Hopper walk forms V' = Tb (V - K S), no W, U at all);
+                                                    (the Hopper walk forms V' = Tb (V - K S), gated
+                                                    V' = Tb (V - diag(exp(γ)) K S): no W, U at all);
     tinv_fwd(k, beta, ...) -> T~                    fused_chunk's input;
     recompute_w_u(k, v, beta, T~, ...) -> (W, U)    from a stored T~: the backward's two-launch recompute.
 Gated (USE_G, DESIGN.md §11): A carries exp(γ_i - γ_j) and W = T~ (beta exp(γ) K), so W's pair is T~ diag(beta
-exp(γ)) while U's stays T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12): A from
+exp(γ)) while U's, and the residual form's Tb, stay T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12): A from
 gate.channel_scores and W = T~ diag(beta) (exp(Γ) ⊙ K), the per-channel factor on K's columns (rounded with K to the
 input dtype for the product), T~'s pair as the ungated rule's; KDA's W pass also writes the serial passes' decays
 (exp(Γ_C - Γ) ⊙ K, exp(Γ_C) and in the backward exp(Γ) ⊙ Q: gate.store_decays) from the sums it forms for exp(Γ), so
@@ -98,10 +99,10 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_
     STORE_PAIR: Tinv diag(beta) as its 16-bit pair into tb [.., H, 2C], hi in columns [0, C), lo in [C, 2C)
     (one [C, 2C] row block a chunk and head, so a TMA box of W's shape [64, 128] takes both halves).
     Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators). H value heads
-    (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam), which the residual form's pair does not take;
+    (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam): in T~, and in W's pair but not in Tb;
     USE_GK: by KDA's per-channel g (gam [.., H, K]); DECAYS: with W, the serial passes' decays (gate.ChannelDecays:
     kd, dc and, DECAYS_Q, qd from q)."""
-    tl.static_assert(not ((USE_G or USE_GK) and STORE_PAIR), "the residual form's pair is the ungated rule's")
+    tl.static_assert(not (USE_GK and STORE_PAIR), "the residual form takes the per-head gate only")
     tl.static_assert(not (USE_G and USE_GK), "one gate: per head (USE_G) or per channel (USE_GK)")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
@@ -161,7 +162,7 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
     chunks = info.chunks(chunk_size)
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype
     if cfg is None:
-        cfg = wy_launch(K, V, k.element_size(), fused, gam is not None)
+        cfg = wy_launch(K, V, k.element_size(), fused, gam is not None and v is not None)
     if chunks.num_chunks:
         launch(
             wy_kernel, (chunks.num_chunks, H),
@@ -207,15 +208,17 @@ def tinv_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int
 
 
 def tinv_pair_fwd(k: torch.Tensor, beta: torch.Tensor, info: SeqInfo, chunk_size: int,
-                  store_tinv: bool = True, cfg: Optional[Launch] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+                  store_tinv: bool = True, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None
+                  ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """(Tinv [B, T, H, C] fp32, or None without store_tinv, Tb [B, T, H, 2C] in k's dtype; H beta's value heads):
     wy_fwd's Tinv, and
     Tb = Tinv diag(beta) as the 16-bit pair hi + lo that wy_fwd applies to K and V (tinv_beta_pair, the same
     bits), hi in columns [0, C) and lo in [C, 2C). In a short last chunk the columns past the sequence end are
-    zero (beta reads as 0 there). 16-bit inputs only: fp32 has no pair."""
+    zero (beta reads as 0 there). 16-bit inputs only: fp32 has no pair. gam: the gated rule's γ, in T~ (A's
+    exp(γ_i - γ_j)) and not in Tb's diag(beta): the walk puts exp(γ) on K S."""
     if k.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"tinv_pair_fwd: 16-bit k only (Tinv diag(beta) as a pair of k's dtype), got {k.dtype}")
     tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32) if store_tinv else None  # per value head
     tb = k.new_empty(*beta.shape, 2 * chunk_size)
-    _wy(k, None, beta, tinv, True, info, chunk_size, tb=tb, cfg=cfg)
+    _wy(k, None, beta, tinv, True, info, chunk_size, tb=tb, cfg=cfg, gam=gam)
     return tinv, tb

@@ -254,8 +254,9 @@ def test_refuses_gated_and_grouped_misuse():
         gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam[..., :2].contiguous())
     with pytest.raises(ValueError, match="gam"):
         gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam.double())
-    with pytest.raises(ValueError, match="neither the residual form nor kept states"):
-        gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam, residual=True)
+    with pytest.raises(ValueError, match="takes no kept states"):
+        gluon_walk.gluon_state_output_fwd(q, k, w, u, 0.1, None, False, info, gam=gam,
+                                          states=gluon_walk.states_buffers(k, u, info, 64))
 
 
 def test_tma_descriptor_is_the_constructed_one():

@@ -54,13 +54,18 @@ k1 = x["k"][:, :, :1].contiguous()
 _, w_g, u_g = wy.wy_fwd(k1, x["v"], x["beta"], info, 64, gam=gam)
 o_gated, s_gated = gluon_walk.gluon_state_output_fwd(x["q"][:, :, :1].contiguous(), k1, w_g, u_g, 128 ** -0.5,
                                                      x["initial_state"], True, info, block_v=block_v, gam=gam)
+_, tb_g = wy.tinv_pair_fwd(k1, x["beta"], info, 64, store_tinv=False, gam=gam)
+o_gres, s_gres = gluon_walk.gluon_state_output_fwd(x["q"][:, :, :1].contiguous(), k1, tb_g, x["v"], 128 ** -0.5,
+                                                   x["initial_state"], True, info, block_v=block_v, residual=True,
+                                                   gam=gam)
 torch.cuda.synchronize()
 print(f"gluon walk smoke calls (block_v {block_v}, with and without the output, saving the states, the residual "
-      "form, gated with grouped heads) done, finite:",
+      "form, gated with grouped heads, in both forms) done, finite:",
       bool(torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(s_only).all()
            and torch.isfinite(o_saving).all() and all(torch.isfinite(t).all() for t in saved)
            and torch.isfinite(o_residual).all() and torch.isfinite(s_residual).all()
-           and torch.isfinite(o_gated).all() and torch.isfinite(s_gated).all()))
+           and torch.isfinite(o_gated).all() and torch.isfinite(s_gated).all()
+           and torch.isfinite(o_gres).all() and torch.isfinite(s_gres).all()))
 """
 
 
@@ -193,18 +198,20 @@ def test_gluon_walk_saves_the_states(poison, gluon_walk, dtype, block_v):
 
 @pytest.mark.parametrize("block_v", BLOCK_V)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("gates, Hk, lengths", [("soft", 2, None), ("strong", 4, None), ("soft", 1, (1500, 0, 1)),
-                                                ("strong", 2, (0, 1, C - 1, C, C + 1, 700, 0, 1333)),
-                                                (None, 2, None), ("residual", 1, (0, 1, C + 1, 700))])
-def test_gluon_walk_gated_grouped(poison, gluon_walk, dtype, gates, Hk, lengths, block_v):
+@pytest.mark.parametrize("gates, Hk, lengths, residual", [
+    ("soft", 2, None, False), ("strong", 4, None, False), ("soft", 1, (1500, 0, 1), False),
+    ("strong", 2, (0, 1, C - 1, C, C + 1, 700, 0, 1333), False), (None, 2, None, False),
+    (None, 1, (0, 1, C + 1, 700), True), ("soft", 2, None, True), ("strong", 1, (0, 1, C - 1, C, C + 1, 700, 0), True),
+])
+def test_gluon_walk_gated_grouped(poison, gluon_walk, dtype, gates, Hk, lengths, residual, block_v):
     """The gate (USE_G) with grouped value heads (Hv = 4 reading Hk key heads) against the portable fused walk on the
     same W, U and γ: soft and strong gates (down to -20 a token: γ reaches about -640 in a chunk), partial chunks,
-    empty sequences; grouped heads without the gate, on W, U (None) and in the residual form (Tb and V in W's and
-    U's slots); two runs the same bits."""
+    empty sequences; grouped heads without the gate; on W, U, and in the residual form (Tb and V in W's and U's slots,
+    V' = Tb (V - diag(exp(γ)) K S)); two runs the same bits."""
     B, T = (3, 1000) if lengths is None else (1, sum(lengths))
     N = B if lengths is None else len(lengths)
-    gated = gates in ("soft", "strong")
-    x = {n: t.cuda() for n, t in make_gated_inputs(B, T, Hk, 4, D, D, dtype, N=N, gates=gates if gated else "soft",
+    gated = gates is not None
+    x = {n: t.cuda() for n, t in make_gated_inputs(B, T, Hk, 4, D, D, dtype, N=N, gates=gates or "soft",
                                                    seed=Hk).items()}
     if lengths is not None:
         cu = random_cu_seqlens(list(lengths), "cuda")
@@ -217,12 +224,14 @@ def test_gluon_walk_gated_grouped(poison, gluon_walk, dtype, gates, Hk, lengths,
     h0 = x["initial_state"]
     o_ref, s_ref = portable_walk.state_output_fwd(x["q"], x["k"], w, u, D ** -0.5, h0, True, info, C, gam=gam)
     slots, form = (w, u), dict(gam=gam)
-    if gates == "residual":
-        slots, form = (wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False)[1], x["v"]), dict(residual=True)
+    if residual:
+        tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, store_tinv=False, gam=gam)[1]
+        slots, form = (tb, x["v"]), dict(residual=True, gam=gam)
     (o, s), (o2, s2) = (gluon_walk.gluon_state_output_fwd(x["q"], x["k"], *slots, D ** -0.5, h0, True, info,
                                                           block_v=block_v, **form) for _ in range(2))
     err_o, err_s = rel_rms(o, o_ref), rel_rms(s, s_ref)
-    print(f"gated gluon walk, {gates} gates, Hk {Hk} (block_v {block_v}): o {err_o:.2e}, final state {err_s:.2e}")
+    print(f"gated gluon walk, {gates} gates, Hk {Hk}, {'residual' if residual else 'W, U'} (block_v {block_v}): "
+          f"o {err_o:.2e}, final state {err_s:.2e}")
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert err_o < BOUNDS[dtype] and err_s < BOUNDS[dtype]
     assert torch.equal(o2, o) and torch.equal(s2, s)

@@ -1,15 +1,17 @@
-"""portable/wy.py: T~, W, U per chunk (wy_fwd, recompute_w_u, tinv_fwd) and the residual form's pair Tb (tinv_pair_fwd)
+"""portable/wy.py: T~, W, U per chunk (wy_fwd, recompute_w_u, tinv_fwd) and the residual form's pair Tb (tinv_pair_fwd,
+ungated and gated)
 against float64 intra_chunk_wy on the same (dtype-rounded) inputs; KDA's decays written beside W against the decay
 stage's."""
 import pytest
 import torch
 
 from deltatron.kernels.chunk.portable import wy
-from deltatron.kernels.chunk.portable.gate import channel_decay_buffers, channel_decay_stage
+from deltatron.kernels.chunk.portable.gate import channel_decay_buffers, channel_decay_stage, chunk_gamma
 from deltatron.kernels.utils import seq_info
 from deltatron.reference.chunk import intra_chunk_wy
+from deltatron.reference.gated import gated_intra_chunk
 
-from ....helpers import DEVICE, nearly_parallel_keys, random_cu_seqlens, rel_rms
+from ....helpers import DEVICE, make_gated_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
 from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, packed, per_sequence_chunks
 
 pytestmark = needs_triton
@@ -71,6 +73,43 @@ def test_tinv_pair(poison, dtype, lengths, K):
     assert torch.equal(tb[..., C:], (tb_fp32 - hi.float()).to(dtype))
     pair = tb[..., :C].double() + tb[..., C:].double()
     assert rel_rms(pair, T_ref * beta_cols.double()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, lengths, gates", [(torch.float16, [65, 3, 0, 64], "soft"),
+                                                   (torch.bfloat16, [1, 130], "strong")])
+def test_tinv_pair_gated(poison, dtype, lengths, gates):
+    # the gated residual form's input: T~ with A's decays exp(γ_i - γ_j), bit for bit the gated wy_fwd's, and Tb =
+    # T~ diag(beta) without exp(γ) (the walk puts it on K S); in float64, Tb (V - diag(exp(γ)) K S) is U - W S
+    C, K, V, H, HK = 64, 32, 16, 2, 1
+    TT = sum(lengths)
+    x = make_gated_inputs(1, TT, HK, H, K, V, dtype, N=len(lengths), gates=gates, seed=14)
+    x = {n: t.to(DEVICE) for n, t in x.items()}
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, TT, torch.device(DEVICE), cu, cu.cpu())
+    gam = chunk_gamma(x["g"], info, C)
+    tinv_w, _, _ = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C, gam=gam)
+    tinv, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, gam=gam)
+    assert torch.equal(tinv, tinv_w)
+    beta_cols = torch.zeros_like(tinv)
+    for t0, t1, _ in chunk_rows(lengths, C):
+        beta_cols[0, t0:t1, :, :t1 - t0] = x["beta"][0, t0:t1].float().T[None]
+    hi = (tinv * beta_cols).to(dtype)
+    assert torch.equal(tb[..., :C], hi)
+    # lo to within fp32's subnormals, whose arithmetic differs between the kernel's backends and torch (strong gates
+    # leave entries of T~ near 1e-39)
+    lo = (tinv * beta_cols - hi.float()).to(dtype)
+    torch.testing.assert_close(tb[..., C:].float(), lo.float(), rtol=0, atol=torch.finfo(torch.float32).tiny)
+    gen = torch.Generator().manual_seed(3)
+    for t0, t1, _ in chunk_rows(lengths, C):
+        k_c = x["k"][0, t0:t1, 0].double().cpu()
+        for h in range(H):
+            gam_c, _, _, T_ref, W_ref, U_ref = gated_intra_chunk(
+                k_c, x["v"][0, t0:t1, h].double().cpu(), x["g"][0, t0:t1, h].double().cpu(),
+                x["beta"][0, t0:t1, h].double().cpu())
+            S = torch.randn(K, V, generator=gen, dtype=torch.float64)
+            tb_c = tb[0, t0:t1, h, :t1 - t0].double().cpu() + tb[0, t0:t1, h, C:C + t1 - t0].double().cpu()
+            residual = tb_c @ (x["v"][0, t0:t1, h].double().cpu() - torch.exp(gam_c)[:, None] * (k_c @ S))
+            assert rel_rms(residual, U_ref - W_ref @ S) < 1e-5
 
 
 def test_tinv_pair_refuses_fp32():
