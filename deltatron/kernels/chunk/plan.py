@@ -173,6 +173,7 @@ class Overrides:
     hopper_reverse: Optional[bool] = None
     local_dv_apart: Optional[bool] = None  # the portable reverse pass reads the local dV' of grads.dv_local
     wy_maxnreg: Optional[int] = None  # the forward WY kernel's register cap (0: none), for A/B of the rule's
+    wy_bwd_maxnreg: Optional[int] = None  # the WY backward's register cap (0: none), likewise
 
 
 _OVERRIDES: contextvars.ContextVar[Overrides] = contextvars.ContextVar("deltatron_plan_overrides", default=Overrides())
@@ -302,12 +303,17 @@ def wy_bwd_launch(K: int, V: int, element_size: int, per_channel: bool = False) 
 def _wy_forward_launch(p: Problem, o: Overrides, residual: bool) -> Launch:
     """wy_launch's for the forward (it inverts; residual: T~'s pair, no W carrying the decays), with the register
     cap overrides(wy_maxnreg=...) forces."""
-    rule = wy_launch(p.K, p.V, p.element_size, True, p.gated and not p.per_channel and not residual)
-    if o.wy_maxnreg is None:
+    return _capped(wy_launch(p.K, p.V, p.element_size, True, p.gated and not p.per_channel and not residual),
+                   "wy_maxnreg", o.wy_maxnreg)
+
+
+def _capped(rule: Launch, name: str, cap: Optional[int]) -> Launch:
+    """rule with the register cap overrides(name=cap) forces (None: the rule's)."""
+    if cap is None:
         return rule
-    if o.wy_maxnreg < 0:
-        raise ValueError(f"overrides(wy_maxnreg={o.wy_maxnreg}): a register cap is >= 0 (0: none)")
-    return dataclasses.replace(rule, maxnreg=o.wy_maxnreg)
+    if cap < 0:
+        raise ValueError(f"overrides({name}={cap}): a register cap is >= 0 (0: none)")
+    return dataclasses.replace(rule, maxnreg=cap)
 
 
 def wy_on_chip(K: int, V: int, num_states: int, element_size: int, interpret: bool = INTERPRET) -> bool:
@@ -599,7 +605,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                      recompute_launch=recompute_launch, recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False),
                      overlap=overlap, segments=segments, reverse=reverse, reverse_launch=rev_launch,
                      local_dv_apart=local_dv_apart,
-                     wy_bwd_launch=wy_bwd_launch(p.K, p.V, p.element_size, p.per_channel), reasons=tuple(reasons))
+                     wy_bwd_launch=_capped(wy_bwd_launch(p.K, p.V, p.element_size, p.per_channel), "wy_bwd_maxnreg",
+                                           o.wy_bwd_maxnreg), reasons=tuple(reasons))
 
 
 # ---------------------------------------------------------------------------------------------------------------

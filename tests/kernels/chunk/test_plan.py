@@ -232,7 +232,7 @@ def test_overrides_apply_to_the_plans_made_inside():
 
 def test_wy_register_cap_override():
     """The forward WY kernel's register cap: the rule's 168 for 16-bit heads up to 128, any cap forced (0: none) for
-    that kernel alone, a negative one refused."""
+    that kernel alone, a negative one refused; the WY backward's the same way."""
     assert plan_for_shape(8, 2048, 16, 128, 128, bf16).wy_launch.maxnreg == 168
     for cap in (0, 232):
         with plan.overrides(wy_maxnreg=cap):
@@ -247,6 +247,13 @@ def test_wy_register_cap_override():
     assert plan_for_shape(8, 2048, 16, 128, 128, bf16, gated=True, per_channel=True).wy_launch.maxnreg == 168
     with pytest.raises(ValueError, match="wy_maxnreg=-1"):
         with plan.overrides(wy_maxnreg=-1):
+            plan_for_shape(8, 2048, 16, 128, 128, bf16)
+    # the WY backward's cap likewise, that kernel alone
+    with plan.overrides(wy_bwd_maxnreg=0):
+        p = plan_for_shape(8, 2048, 16, 128, 128, bf16)
+    assert p.wy_bwd_launch.maxnreg == 0 and p.wy_launch.maxnreg == 168
+    with pytest.raises(ValueError, match="wy_bwd_maxnreg=-1"):
+        with plan.overrides(wy_bwd_maxnreg=-1):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)
 
 
