@@ -248,7 +248,10 @@ def test_wy_register_cap_override():
     with pytest.raises(ValueError, match="wy_maxnreg=-1"):
         with plan.overrides(wy_maxnreg=-1):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)
-    # the WY backward's cap likewise, that kernel alone
+    # the WY backward: capped at 168 but for the per-head gated rule's variant (it spills under the cap); forced caps
+    # for that kernel alone
+    gated = plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16)
+    assert gated.wy_bwd_launch.maxnreg == 0 and plan_for_shape(8, 2048, 16, 128, 128, bf16).wy_bwd_launch.maxnreg == 168
     with plan.overrides(wy_bwd_maxnreg=0):
         p = plan_for_shape(8, 2048, 16, 128, 128, bf16)
     assert p.wy_bwd_launch.maxnreg == 0 and p.wy_launch.maxnreg == 168

@@ -179,7 +179,7 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     if gam is not None or gk is not None:
         dgam = torch.empty(beta.shape if gk is None else gk.shape, dtype=torch.float32, device=beta.device)
     if cfg is None:
-        cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None)
+        cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None, gam is not None)
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
     precision = dot_precision(k.dtype)
     if chunks.num_chunks:
