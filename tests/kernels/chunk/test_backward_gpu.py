@@ -304,6 +304,40 @@ def test_state_wy_fwd_matches_composition(poison, dtype, T_or_lengths, D):
         assert torch.equal(a, b), f"{name}: not bitwise equal, rel RMS {rel_rms(a, b):.2e}"
 
 
+@pytest.mark.parametrize("T, lengths", [(1000, None), (None, (0, 1, 63, 65, 700, 0, 1171))])
+def test_grouped_value_heads(triton_backend, poison, T, lengths):
+    """The ungated rule with 8 value heads over q's and k's 2 at the Hopper paths' shapes (16 sequences x value heads
+    and up, K = V = 128, bf16: the walk in the residual form), forward and backward, against the chunkwise reference
+    on q and k repeated for each value head (their gradients summed over each group by autograd)."""
+    Hk, Hv, D, dtype = 2, 8, 128, torch.bfloat16
+    B, T = (2, T) if lengths is None else (1, sum(lengths))
+    N = B if lengths is None else len(lengths)
+    x = make_inputs(B, T, Hv, D, D, dtype, device="cuda", initial_state=True, N=N, seed=21)
+    g = torch.Generator().manual_seed(22)
+    x["q"] = torch.randn(B, T, Hk, D, generator=g).to("cuda", dtype)
+    x["k"] = torch.nn.functional.normalize(torch.randn(B, T, Hk, D, generator=g), dim=-1).to("cuda", dtype)
+    x = {n: t.detach().requires_grad_() for n, t in x.items()}
+    cu = None if lengths is None else random_cu_seqlens(list(lengths), "cuda")
+    if hopper_fits(x["k"], x["v"]):
+        p = plan.plan_for_shape(B, T, Hv, D, D, dtype, key_heads=Hk, lengths=lengths)
+        assert p.walk == "hopper" and p.residual
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").double()
+    dht = torch.randn(N, Hv, D, D, generator=gen, device="cuda").double()
+    ref_x = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    o_ref, final_ref = chunk_delta_rule_reference(
+        ref_x["q"].repeat_interleave(Hv // Hk, 2), ref_x["k"].repeat_interleave(Hv // Hk, 2), ref_x["v"],
+        ref_x["beta"], D ** -0.5, ref_x["initial_state"], True, cu_seqlens=cu, chunk_size=64)[:2]
+    grads_ref = dict(zip(NAMES, torch.autograd.grad((o_ref * do).sum() + (final_ref * dht).sum(),
+                                                    [ref_x[n] for n in NAMES])))
+    o, final, grads = run(deltatron.chunk_delta_rule, x, D ** -0.5, do, dht, cu,
+                          cu_seqlens_cpu=None if cu is None else cu.cpu())
+    errors = {"o": rel_rms(o, o_ref), "final_state": rel_rms(final, final_ref),
+              **{f"d{n}": rel_rms(grads[n], grads_ref[n]) for n in NAMES}}
+    print("grouped, rel RMS against the reference: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    assert all(e <= BOUNDS[dtype] for e in errors.values()), errors
+
+
 def test_long_sequence_bf16(triton_backend):
     """65536 tokens in bf16: output and gradients within the bf16 bound of an fp32 reference (rel_rms
     fails on any non-finite value)."""
