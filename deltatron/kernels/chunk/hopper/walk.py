@@ -300,8 +300,8 @@ def gluon_walk_kernel(w_desc, u_desc, k_desc, q_desc, st_desc, vt_desc, o, h0, h
     product (a pair: two wgmma of [BV, C] x [C, C]), so the WY stage writes Tb alone instead of W and U. The
     loader and the output partition are the same code: only what the ring's W and U slots hold changes.
 
-    H value heads (W, U, O, states), HK key heads (Q, K); USE_G: gated by γ (gam [TT, H] fp32), not with RESIDUAL
-    or SAVE_STATES (the residual pair and the kept states' backward are the ungated rule's)."""
+    H value heads (W, U, O, states), HK key heads (Q, K); USE_G: gated by γ (gam [TT, H] fp32), in the residual form
+    V' = Tb (V - diag(exp(γ)) K S); not with SAVE_STATES (the kept states' backward is the ungated rule's)."""
     C: gl.constexpr = w_desc.block_type.shape[0]
     D: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]  # the V-block of S^T this program walks
