@@ -289,9 +289,8 @@ def wy_bwd_launch(K: int, V: int, element_size: int, per_channel: bool = False, 
     capped at 168 registers (3 blocks an SM), with 32-wide tiles once a head is wider than 64; wider heads and fp32
     uncapped on 64-wide tiles. KDA's variant (per_channel: channel_mix's per-channel terms) uncapped on 32-wide
     tiles: on the H200 at B = 8, T = 2048, H = 16, K = V = 128 it took 1.565 ms at 4 warps against 2.621 capped at
-    168 registers and 1.907 at 8 warps. The per-head gated variant (gated) uncapped too: it spills 376 B under the
-    cap (none uncapped, 2 blocks an SM), and the forward+backward at Qwen3-Next's layout, B = 8, T = 4096, read
-    7.514 ms uncapped against 7.609 capped (H200)."""
+    168 registers and 1.907 at 8 warps. The per-head gated variant (gated) uncapped too: it spills under the cap
+    and none uncapped (2 blocks an SM), and measured faster so (docs/performance.md §4)."""
     BK, BV = head_tile(K), head_tile(V)
     if per_channel and element_size == 2 and max(K, V) <= 128:
         return Launch(warps=4, tile_k=min(32, BK), tile_v=min(32, BV))
