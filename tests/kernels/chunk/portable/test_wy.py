@@ -52,6 +52,15 @@ def test_wy_nearly_parallel_keys(poison, dtype):
     assert rel_rms(u, u_ref) < STAGE_BOUNDS[dtype]
 
 
+def beta_columns(beta, tinv, lengths, C):
+    """[1, TT, H, C] fp32 like tinv: the beta of each column's token in the row's chunk (0 past a chunk's end), so
+    that tinv * beta_columns is T~ diag(beta) on T~'s token rows."""
+    cols = torch.zeros_like(tinv)
+    for t0, t1, _ in chunk_rows(lengths, C):
+        cols[0, t0:t1, :, :t1 - t0] = beta[0, t0:t1].float().T[None]
+    return cols
+
+
 @pytest.mark.parametrize("dtype, lengths, K", [(torch.float16, [65, 3, 0, 64], 32), (torch.bfloat16, [1, 130], 48)])
 def test_tinv_pair(poison, dtype, lengths, K):
     # the residual form's input: Tinv (the backward's, bit for bit wy_fwd's) and Tb = Tinv diag(beta) as the
@@ -64,9 +73,7 @@ def test_tinv_pair(poison, dtype, lengths, K):
     assert tinv.dtype == torch.float32 and tb.dtype == dtype and tb.shape == (*inp["k"].shape[:3], 2 * C)
     assert torch.equal(tinv, wy.tinv_fwd(inp["k"], inp["beta"], info, C))
     assert wy.tinv_pair_fwd(inp["k"], inp["beta"], info, C, store_tinv=False)[0] is None
-    beta_cols = torch.zeros_like(tinv)  # [1, TT, H, C]: the beta of each column's token in the row's chunk
-    for t0, t1, _ in chunk_rows(lengths, C):
-        beta_cols[0, t0:t1, :, :t1 - t0] = inp["beta"][0, t0:t1].float().T[None]
+    beta_cols = beta_columns(inp["beta"], tinv, lengths, C)
     tb_fp32 = tinv * beta_cols
     hi = tb_fp32.to(dtype)
     assert torch.equal(tb[..., :C], hi)
@@ -90,9 +97,7 @@ def test_tinv_pair_gated(poison, dtype, lengths, gates):
     tinv_w, _, _ = wy.wy_fwd(x["k"], x["v"], x["beta"], info, C, gam=gam)
     tinv, tb = wy.tinv_pair_fwd(x["k"], x["beta"], info, C, gam=gam)
     assert torch.equal(tinv, tinv_w)
-    beta_cols = torch.zeros_like(tinv)
-    for t0, t1, _ in chunk_rows(lengths, C):
-        beta_cols[0, t0:t1, :, :t1 - t0] = x["beta"][0, t0:t1].float().T[None]
+    beta_cols = beta_columns(x["beta"], tinv, lengths, C)
     hi = (tinv * beta_cols).to(dtype)
     assert torch.equal(tb[..., :C], hi)
     # lo to within fp32's subnormals, whose arithmetic differs between the kernel's backends and torch (strong gates
