@@ -9,7 +9,7 @@
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
 The gated rule (g given) sums g into γ again and every stage takes it; portable.gate sums dg from the stages'
 shares. KDA's per-channel g ([.., TT, H, K]) is read by the stages as it is (no γ stage), and dg comes per channel.
-With grouped value heads dQ and dK come out per value head and are summed over each group here. Where the plan
+With grouped value heads the gradient stage sums dQ and dK over each key head's group in its programs. Where the plan
 segments the backward, the reverse pass and the gradient stage run segment by segment (schedule/segments.py). Each
 intermediate is released right after the last stage that reads it, so the peak is the set alive at the widest stage.
 Deterministic: no atomics."""
@@ -20,7 +20,7 @@ import torch
 from ..utils import side_stream
 from .plan import ChunkPlan
 from .portable.gate import channel_decay_buffers, channel_gate_grad, gate_grad, stage_gates
-from .portable.grads import dqkw, dv_local, group_sum
+from .portable.grads import dqkw, dv_local
 from .portable.reverse import state_bwd
 from .portable.walk import state_fwd, state_wy_fwd
 from .portable.wy import recompute_w_u
@@ -56,7 +56,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     if kept:
         w, st, vt = kept  # (autograd holds these until the backward returns)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
-        dq, dk_direct, dw, _ = dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True)
+        dq, dk_direct, dw, _ = dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True,
+                                    cfg=plan.dqkw_launch)
         del dh
         dk, dv, dbeta, _ = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch)
         return dq, dk, dv, dbeta, dh0
@@ -96,15 +97,13 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         del u
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays)
     del w, decays
-    dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam, gk=gk)
+    dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam, gk=gk,
+                                        cfg=plan.dqkw_launch)
     del h, v_new, dh
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,
                                  gam=gam, gk=gk)
     dg = (None if g is None else gate_grad(dgam, dg_shares, info, chunk_size) if gk is None else
           channel_gate_grad(dgam, dg_shares, info, chunk_size))
-    HK, H = k.shape[2], v.shape[2]
-    if HK != H:  # a key head's gradient is the sum over its group of value heads
-        dq, dk = group_sum(dq, HK, q.dtype, dk)  # (q and k share one dtype)
     return (dq, dk, dv, dbeta, dh0) + (() if g is None else (dg,))
 
 

@@ -174,6 +174,7 @@ class Overrides:
     local_dv_apart: Optional[bool] = None  # the portable reverse pass reads the local dV' of grads.dv_local
     wy_maxnreg: Optional[int] = None  # the forward WY kernel's register cap (0: none), for A/B of the rule's
     wy_bwd_maxnreg: Optional[int] = None  # the WY backward's register cap (0: none), likewise
+    dqkw_warps: Optional[int] = None  # the gradient stage's dqkw warps, likewise
 
 
 _OVERRIDES: contextvars.ContextVar[Overrides] = contextvars.ContextVar("deltatron_plan_overrides", default=Overrides())
@@ -301,6 +302,9 @@ def wy_bwd_launch(K: int, V: int, element_size: int, per_channel: bool = False, 
     return Launch(warps=4, maxnreg=0 if gated else 168, tile_k=BK, tile_v=BV)
 
 
+DQKW_LAUNCH = Launch(warps=4)  # grads.dqkw: K-tiles and V-tiles of head_tile's width
+
+
 def _wy_forward_launch(p: Problem, o: Overrides, residual: bool) -> Launch:
     """wy_launch's for the forward (it inverts; residual: T~'s pair, no W carrying the decays), with the register
     cap overrides(wy_maxnreg=...) forces."""
@@ -315,6 +319,15 @@ def _capped(rule: Launch, name: str, cap: Optional[int]) -> Launch:
     if cap < 0:
         raise ValueError(f"overrides({name}={cap}): a register cap is >= 0 (0: none)")
     return dataclasses.replace(rule, maxnreg=cap)
+
+
+def _warps(rule: Launch, name: str, warps: Optional[int]) -> Launch:
+    """rule with the warps overrides(name=warps) forces (None: the rule's)."""
+    if warps is None:
+        return rule
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"overrides({name}={warps}): warps are a power of two from 1 to 16")
+    return dataclasses.replace(rule, warps=warps)
 
 
 def wy_on_chip(K: int, V: int, num_states: int, element_size: int, interpret: bool = INTERPRET) -> bool:
@@ -367,6 +380,7 @@ class ChunkPlan:
     reverse: str  # "hopper" | "portable" | "none" (inference)
     reverse_launch: Launch
     local_dv_apart: bool  # the local dV' from grads.dv_local before the (portable) reverse pass, not computed in it
+    dqkw_launch: Launch
     wy_bwd_launch: Launch
     reasons: Tuple[Tuple[str, str], ...] = ()
 
@@ -605,7 +619,7 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                      wy_launch=_wy_forward_launch(p, o, residual), recompute=recompute,
                      recompute_launch=recompute_launch, recompute_wy_launch=wy_launch(p.K, p.V, p.element_size, False),
                      overlap=overlap, segments=segments, reverse=reverse, reverse_launch=rev_launch,
-                     local_dv_apart=local_dv_apart,
+                     local_dv_apart=local_dv_apart, dqkw_launch=_warps(DQKW_LAUNCH, "dqkw_warps", o.dqkw_warps),
                      wy_bwd_launch=_capped(wy_bwd_launch(p.K, p.V, p.element_size, p.per_channel,
                                                          p.gated and not p.per_channel),
                                            "wy_bwd_maxnreg", o.wy_bwd_maxnreg), reasons=tuple(reasons))
@@ -681,7 +695,8 @@ def explain(plan: ChunkPlan) -> str:
         lines.append(f"  {name:<12} {values[name]:<34} {reason}")
     launches = f"wy [{plan.wy_launch}]"
     if backward:
-        launches += f"; recompute wy [{plan.recompute_wy_launch}]; wy_bwd [{plan.wy_bwd_launch}]"
+        launches += (f"; recompute wy [{plan.recompute_wy_launch}]; dqkw [{plan.dqkw_launch}]; "
+                     f"wy_bwd [{plan.wy_bwd_launch}]")
     lines.append(f"  {'launches':<12} {launches}")
     fwd, bwd = kernels(plan)
     lines.append("forward:  " + " -> ".join(fwd))

@@ -99,6 +99,15 @@ def packed_growing(lengths, H, K, V, dtype, seed):
     return inp, info, ref
 
 
+def group_sums(x, key_heads):
+    """[.., H, D] summed over each key head's group of value heads, in head order (as the kernels add them)."""
+    groups = x.unflatten(-2, (key_heads, x.shape[-2] // key_heads))
+    total = groups[..., 0, :]
+    for j in range(1, groups.shape[-2]):
+        total = total + groups[..., j, :]
+    return total
+
+
 def heads_first(x, t0, t1):
     return x[t0:t1].transpose(0, 1)  # [t, H, D] -> [H, t, D]
 

@@ -258,6 +258,14 @@ def test_wy_register_cap_override():
     with pytest.raises(ValueError, match="wy_bwd_maxnreg=-1"):
         with plan.overrides(wy_bwd_maxnreg=-1):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)
+    # dqkw: 4 warps; forced warps for that kernel alone, a power of two
+    assert plan_for_shape(8, 2048, 16, 128, 128, bf16).dqkw_launch.warps == 4
+    with plan.overrides(dqkw_warps=8):
+        p = plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16)
+    assert p.dqkw_launch.warps == 8 and p.wy_bwd_launch == gated.wy_bwd_launch
+    with pytest.raises(ValueError, match="dqkw_warps=3"):
+        with plan.overrides(dqkw_warps=3):
+            plan_for_shape(8, 2048, 16, 128, 128, bf16)
 
 
 def test_unknown_override_raises_type_error():

@@ -11,8 +11,9 @@ writes its share of the log decays' gradient, per K-tile of the program, for wy_
 Q S and the scores, x_i = exp(γ_C - γ_i) k_i^T dS_next v'_i, and exp(γ_C) <S, dS_next> per chunk. Per-channel gate
 (USE_GK, KDA, DESIGN.md §12): the same terms per key channel, the scores' products with the decay inside the sum over
 channels (gate.channel_mix), and the shares of dg per channel (each K-tile writes its own channels). Grouped value
-heads: q, k of the value head's key head; dQ and dK come out per value head, in fp32, and group_sum adds each key
-head's group of them in one pass, rounded once.
+heads: dqkw runs as one launch a member of the key heads' groups, in value head order, each adding its value heads' dQ
+into an fp32 sum of the key heads' shape that the last rounds once; dK and dW come out per value head (the WY backward
+sums dK likewise).
 
 Every output element is written by exactly one program (deterministic)."""
 from __future__ import annotations
@@ -25,7 +26,8 @@ import triton.language as tl
 
 from ...launch import launch
 from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
-                     next_power_of_2, state_offsets, store_rows)
+                     state_offsets, store_rows)
+from ..plan import DQKW_LAUNCH, Launch
 from .gate import (SCORE_TILE, channel_mix, channel_scores, channel_sums, decay_matrix, decays_of_sums,
                    load_gamma)
 
@@ -63,18 +65,21 @@ def dv_local_kernel(q, k, gk, dout, dv, chunk_indices, cu_seqlens, scale,
 
 
 @triton.jit
-def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunks, chunk_indices, cu_seqlens, scale,
-                TT, NT, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, STATES_T: tl.constexpr,
-                USE_G: tl.constexpr, USE_GK: tl.constexpr):
+def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows, dg_chunks, chunk_indices,
+                cu_seqlens, scale, member, TT, NT, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+                STATES_T: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, FIRST: tl.constexpr,
+                LAST: tl.constexpr):
     """STATES_T: h and v_new as the forward's Hopper walk keeps them (hopper.walk.states_buffers): S^T [NT, H, V, K]
     and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's). H value heads
-    (dq, dk, dw are per value head), HK key heads (q, k). USE_G: gated by γ (gam); the K-tile's shares of the decays'
+    (dk, dw are per value head), HK key heads (q, k, dq). A launch runs one member of each key head's group of value
+    heads (value head i_hk * G + member): the first (FIRST) starts dQ's sum in dq_group ([.., TT, HK, K] fp32), each
+    later one adds its own, and the last (LAST) rounds the sum into dq; with no groups FIRST and LAST both. USE_G: gated by γ (gam); the K-tile's shares of the decays'
     gradient go to dg_rows [NK, 2, TT, H] (dγ, x) and dg_chunks [NK, NT, H, BV] (exp(γ_C) <S, dS_next> in BV parts),
     fp32. USE_GK: by KDA's g (gam [.., H, K]); the shares per channel to dg_rows [2, TT, H, K] and dg_chunks
     [NT, H, K]."""
-    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (H // HK)
+    i_k, i_t, i_hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hk * (H // HK) + member
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     dt = dout.dtype.element_ty
     i_s = (i_t * H + i_h).to(tl.int64)  # the chunk's state (and, STATES_T, its V'^T)
@@ -154,7 +159,9 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dk, dw, dg_rows, dg_chunk
     if not USE_GK:
         b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
         b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
-    store_rows(dq, b_dq, start, n, i_h, i_k * BK, H, K, C, BK)
+    if not FIRST:  # the group's sum so far, in value head order
+        b_dq += load_rows(dq_group, start, n, i_hk, i_k * BK, HK, K, C, BK)
+    store_rows(dq if LAST else dq_group, b_dq, start, n, i_hk, i_k * BK, HK, K, C, BK)
     store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
     store_rows(dw, b_dw, start, n, i_h, i_k * BK, H, K, C, BK)
 
@@ -177,11 +184,11 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
 
 
 def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False,
-         gam=None, gk=None):
+         gam=None, gk=None, cfg: Optional[Launch] = None):
     """(dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward), dW (q's dtype), and for the gated
     rule (gam: γ) or KDA's (gk: g) the decays' gradient shares (dg_rows, dg_chunks) for gate.gate_grad or
-    gate.channel_gate_grad, else None). With grouped value heads
-    dQ and dK are per value head, in fp32 (the caller sums each group).
+    gate.channel_gate_grad, else None). With grouped value heads dQ is each key head's, summed over its group in
+    fp32 and rounded once; the direct dK and dW are per value head (the WY backward sums dK over the group).
 
     The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its HBM round trip (written here,
     read and added in fp32 by the WY backward), for one 16-bit rounding of one summand (DESIGN.md §4).
@@ -189,15 +196,13 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     h: states entering each chunk, dh: gradients of the states leaving each chunk ([NT, H, K, V]);
     dv: the full dV' (= dU) from the reverse pass. states_t: h and v_new are the forward's kept S^T and V'^T
     (hopper.walk.states_buffers) instead. dq: where to write dQ (q's shape and dtype, contiguous: the segmented
-    backward passes its segment's view of the batch's), else a new tensor."""
+    backward passes its segment's view of the batch's), else a new tensor. cfg: the launch (the plan's dqkw_launch;
+    default plan.DQKW_LAUNCH)."""
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
-    grouped = H != HK
-    per_value_head = (*q.shape[:-2], H, K)
     if dq is None:
-        dq = q.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(q)
-    dk = k.new_empty(per_value_head, dtype=torch.float32) if grouped else torch.empty_like(k)
-    dw = k.new_empty(per_value_head)
+        dq = torch.empty_like(q)
+    dk, dw = (k.new_empty(*q.shape[:-2], H, K) for _ in range(2))
     # KDA: K-tiles as channel_scores' channel tile (channel_mix's [C, BK] fp32 terms, one set a sub-chunk)
     BK = head_tile(K) if gk is None else min(head_tile(K), SCORE_TILE.value)
     TT, NT = info.total_tokens, chunks.num_chunks
@@ -207,51 +212,14 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     elif gam is not None:
         dg = (q.new_empty(cdiv(K, BK), 2, TT, H, dtype=torch.float32),
               q.new_empty(cdiv(K, BK), NT, H, head_tile(V), dtype=torch.float32))
-    if chunks.num_chunks:
+    G = H // HK
+    dq_group = q.new_empty(q.shape, dtype=torch.float32) if G > 1 else None
+    for member in range(G if chunks.num_chunks else 0):  # in value head order: the same sums every run
         launch(
-            dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, H),
-            q, k, gk if gam is None else gam, v_new, h, dh, do, dv, dq, dk, dw, *(dg or (None, None)),
-            chunks.chunk_indices, info.cu_seqlens, scale, TT, NT, H, HK, K, V, chunk_size, BK, head_tile(V), dot_precision(q.dtype),
-            states_t, gam is not None, gk is not None, num_stages=PIPELINE_STAGES,
+            dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, HK),
+            q, k, gk if gam is None else gam, v_new, h, dh, do, dv, dq, dq_group, dk, dw, *(dg or (None, None)),
+            chunks.chunk_indices, info.cu_seqlens, scale, member, TT, NT, H, HK, K, V, chunk_size, BK, head_tile(V),
+            dot_precision(q.dtype), states_t, gam is not None, gk is not None, member == 0, member == G - 1,
+            num_warps=(cfg or DQKW_LAUNCH).warps, num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw, dg
-
-
-@triton.jit
-def group_sum_rows(x, out, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
-                   BK: tl.constexpr):
-    i_r, i_hk = tl.program_id(0), tl.program_id(1)
-    rows = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
-    ck = tl.arange(0, BK)
-    mask = (rows[:, None] < R) & (ck[None, :] < K)
-    b_sum = tl.zeros([BR, BK], dtype=tl.float32)
-    for j in tl.static_range(G):  # the group's value heads in order: the same sum every run
-        b_sum += tl.load(x + rows[:, None] * (HK * G * K) + (i_hk * G + j) * K + ck[None, :], mask=mask, other=0.0)
-    tl.store(out + rows[:, None] * (HK * K) + i_hk * K + ck[None, :], b_sum.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def group_sum_kernel(x, out, x2, out2, R, HK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
-                     BK: tl.constexpr):
-    # grid axis 2: the tensor (x, or x2 where two are summed by one launch)
-    if tl.program_id(2) == 0:
-        group_sum_rows(x, out, R, HK, G, K, BR, BK)
-    else:
-        group_sum_rows(x2, out2, R, HK, G, K, BR, BK)
-
-
-def group_sum(x: torch.Tensor, key_heads: int, dtype: torch.dtype, x2: Optional[torch.Tensor] = None):
-    """x [.., H, K] fp32 (contiguous; a gradient per value head) summed over each key head's group of H / key_heads
-    value heads (value head h reads key head h // (H / key_heads)): [.., key_heads, K] in dtype, added in fp32 and
-    rounded once, in one pass over x (a reduction over the group dimension and a cast are two). x2: a second tensor
-    of x's shape (dK beside dQ), summed by the same launch: then (out, out2)."""
-    H, K = x.shape[-2], x.shape[-1]
-    out = x.new_empty((*x.shape[:-2], key_heads, K), dtype=dtype)
-    out2 = out if x2 is None else torch.empty_like(out)
-    R = x.numel() // (H * K)
-    BK = next_power_of_2(K)
-    BR = max(1, 4096 // BK)
-    if R:
-        launch(group_sum_kernel, (cdiv(R, BR), key_heads, 1 if x2 is None else 2), x, out, x if x2 is None else x2,
-               out2, R, key_heads, H // key_heads, K, BR, BK)
-    return out if x2 is None else (out, out2)

@@ -10,7 +10,8 @@ Gated (USE_G, DESIGN.md §11): W = T~ (beta exp(γ) K) and A carries E = exp(γ_
 decays' gradient, dγ through W's exp(γ) and A's E, goes to gate.gate_grad with grads.dqkw's. Per-channel gate (USE_GK,
 KDA, DESIGN.md §12): W = T~ diag(beta) (exp(Γ) ⊙ K) and A's decay sits inside its sum over channels, so dA's products
 with K are gate.channel_mix's, and dΓ per channel goes to gate.channel_gate_grad. Grouped value heads: k of
-the value head's key head; dK comes out per value head.
+the value head's key head; one launch a member of the key heads' groups, in value head order, each adding its value
+heads' dK into an fp32 sum of k's shape that the last rounds once into the key heads' gradient.
 
 One program per (chunk, head): the chunk's C x C matrices stay in fp32 registers, K and V are looped over in tiles.
 Products whose result is a gradient of 16-bit data take 16-bit operands (dT~ from dW, dU and the rounded beta K,
@@ -72,14 +73,17 @@ def wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION: tl.constexpr)
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunk_indices, cu_seqlens,
-                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, USE_G: tl.constexpr,
-                  USE_GK: tl.constexpr):
-    """H value heads, HK key heads (k). USE_G: gated by γ (gam); this kernel's dγ share to dgam [TT, H] fp32.
-    USE_GK: by KDA's g (gam [.., H, K]); its dΓ share to dgam [TT, H, K] fp32."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // (H // HK)
+def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, dbeta, dgam, chunk_indices,
+                  cu_seqlens, member, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, USE_G: tl.constexpr,
+                  USE_GK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """H value heads, HK key heads (k, dk). A launch runs one member of each key head's group of value heads (value
+    head i_hk * G + member): the first (FIRST) starts dK's sum in dk_group ([.., TT, HK, K] fp32), each later one adds
+    its own, and the last (LAST) rounds the sum into dk; with no groups FIRST and LAST both. USE_G: gated by γ
+    (gam); this kernel's dγ share to dgam [TT, H] fp32. USE_GK: by KDA's g (gam [.., H, K]); its dΓ share to dgam
+    [TT, H, K] fp32."""
+    i_t, i_hk = tl.program_id(0), tl.program_id(1)
+    i_h = i_hk * (H // HK) + member
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     r = tl.arange(0, C)
     rows = start + r
@@ -149,7 +153,9 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam,
         else:
             b_dk_wy, b_dbeta_k = wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION)
         b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32) + b_dk_wy
-        store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
+        if not FIRST:  # the group's sum so far, in value head order
+            b_dk += load_rows(dk_group, start, n, i_hk, i_k * BK, HK, K, C, BK)
+        store_rows(dk if LAST else dk_group, b_dk, start, n, i_hk, i_k * BK, HK, K, C, BK)
         b_dbeta += b_dbeta_k
     tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
     if USE_G:
@@ -169,12 +175,14 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     the output and the state update (k's dtype, as grads.dqkw stores it; added in fp32). out: (dk, dv,
     dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
     views of the batch's), else new tensors. gam: the gated rule's γ; gk: KDA's g (dΓ then [.., TT, H, K]). With
-    grouped value heads (beta's heads more than k's) dk is per value head, in dk_direct's dtype."""
+    grouped value heads (beta's heads more than k's) dk_direct is per value head and dk each key head's, summed over
+    its group in fp32 and rounded once."""
     HK, H, K, V = k.shape[-2], beta.shape[-1], k.shape[-1], v.shape[-1]
     chunks = info.chunks(chunk_size)
     if out is None:
-        out = torch.empty_like(dk_direct), torch.empty_like(v), torch.empty_like(beta)
+        out = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dk, dv, dbeta = out
+    dk_group = k.new_empty(k.shape, dtype=torch.float32) if H != HK else None
     dgam = None
     if gam is not None or gk is not None:
         dgam = torch.empty(beta.shape if gk is None else gk.shape, dtype=torch.float32, device=beta.device)
@@ -182,12 +190,13 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
         cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None, gam is not None)
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
     precision = dot_precision(k.dtype)
-    if chunks.num_chunks:
+    G = H // HK
+    for member in range(G if chunks.num_chunks else 0):  # in value head order: the same sums every run
         launch(
-            wy_bwd_kernel, (chunks.num_chunks, H),
-            k, v, beta, gk if gam is None else gam, tinv, dw, du, dk_direct, dk, dv, dbeta, dgam, chunks.chunk_indices,
-            info.cu_seqlens,
-            H, HK, K, V, chunk_size, tile_k, cfg.tile_v, precision, gam is not None, gk is not None,
+            wy_bwd_kernel, (chunks.num_chunks, HK),
+            k, v, beta, gk if gam is None else gam, tinv, dw, du, dk_direct, dk, dk_group, dv, dbeta, dgam,
+            chunks.chunk_indices, info.cu_seqlens, member, H, HK, K, V, chunk_size, tile_k, cfg.tile_v, precision,
+            gam is not None, gk is not None, member == 0, member == G - 1,
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
     return dk, dv, dbeta, dgam

@@ -9,7 +9,8 @@ from deltatron.kernels.utils import seq_info
 from deltatron.reference.gated import _decayed_products, _masked_exp_diff
 
 from ....helpers import BOUNDS, DEVICE, chunk_spans, random_cu_seqlens, rel_rms, transposed_states
-from ..helpers import DTYPES, ONE_ROUNDING_BWD, heads_first, needs_triton, packed_growing, state_model, to_dev
+from ..helpers import (DTYPES, ONE_ROUNDING_BWD, group_sums, heads_first, needs_triton, packed_growing,
+                       state_model, to_dev)
 
 pytestmark = needs_triton
 
@@ -114,19 +115,29 @@ def test_state_and_dqkw(dtype, C, lengths, with_dht, poison):
             assert torch.equal(dh0[n].cpu(), torch.zeros(H, K, V) if dht is None else dht[n].float())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H, key_heads, K", [(6, 2, 100), (6, 3, 64), (4, 1, 128), (5, 5, 16)])
-def test_group_sum(dtype, H, key_heads, K):
-    """Each key head's sum over its group of value heads' gradients (grouped value heads), fp32 in, rounded once to
-    dtype: against the float64 sum, within one rounding; the same bits on a second call and beside a second tensor
-    summed by the same launch. 37 rows: a partial block."""
-    x = torch.randn(1, 37, H, K, dtype=torch.float64)
-    got = grads.group_sum(x.float().to(DEVICE), key_heads, dtype)
-    want = x.float().double().unflatten(2, (key_heads, H // key_heads)).sum(3)
-    assert got.dtype == dtype and got.shape == (1, 37, key_heads, K)
-    assert rel_rms(got.cpu(), want) <= ONE_ROUNDING_BWD.get(dtype, BOUNDS[dtype])
-    assert torch.equal(got, grads.group_sum(x.float().to(DEVICE), key_heads, dtype))
-    # two tensors (dQ and dK) by one launch: each the same bits as alone
-    x2 = torch.randn(1, 37, H, K).to(DEVICE)
-    got_pair = grads.group_sum(x.float().to(DEVICE), key_heads, dtype, x2)
-    assert torch.equal(got_pair[0], got) and torch.equal(got_pair[1], grads.group_sum(x2, key_heads, dtype))
+@pytest.mark.parametrize("rule", ["delta", "gated", "kda"])
+@pytest.mark.parametrize("key_heads, H", [(1, 2), (2, 6)])
+def test_dqkw_grouped_heads(rule, key_heads, H, poison):
+    """Grouped value heads: dqkw on q, k of key_heads heads gives the direct dK, dW and the decays' shares of the same
+    stage on q, k repeated per value head, bit for bit, and dQ as that stage's dQ summed over each group in head
+    order (fp32: the same fp32 sums). Partial chunks, an empty sequence, K and V not powers of two."""
+    C, lengths, K, V = 32, [33, 0, 1, 40], 40, 24
+    TT = sum(lengths)
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, TT, torch.device(DEVICE), cu, cu.cpu())
+    NT = info.chunks(C).num_chunks
+    gen = torch.Generator().manual_seed(5 + H)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)
+    q, k = rand(1, TT, key_heads, K), rand(1, TT, key_heads, K)
+    v_new, do, dv = rand(1, TT, H, V), rand(1, TT, H, V), rand(1, TT, H, V)
+    h, dh = rand(NT, H, K, V), rand(NT, H, K, V)
+    gates = {"delta": {}, "gated": {"gam": (-torch.rand(1, TT, H, generator=gen)).cumsum(1).to(DEVICE)},
+             "kda": {"gk": (-torch.rand(1, TT, H, K, generator=gen) / 4).to(DEVICE)}}[rule]
+    G = H // key_heads
+    got = grads.dqkw(q, k, v_new, h, dh, do, dv, 0.3, info, C, **gates)
+    want = grads.dqkw(q.repeat_interleave(G, 2), k.repeat_interleave(G, 2), v_new, h, dh, do, dv, 0.3, info, C,
+                      **gates)
+    assert got[0].shape == q.shape and torch.equal(got[0], group_sums(want[0], key_heads))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    if rule != "delta":
+        assert all(torch.equal(a, b) for a, b in zip(got[3], want[3]))
