@@ -659,6 +659,8 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
                                    else "")]
     rev = f"{plan.reverse}.reverse"
     grads = "portable.grads, portable.wy_bwd"
+    if p.grouped:
+        grads += f" (each {p.heads // p.key_heads} launches: one a member of each key head's group, dq and dk summed)"
     if plan.segments > 1:
         bwd.append(f"per segment (x{plan.segments}, last first): {rev}; then {grads} of the segment after it, "
                    f"side stream")

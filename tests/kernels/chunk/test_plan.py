@@ -266,6 +266,9 @@ def test_wy_register_cap_override():
     with pytest.raises(ValueError, match="dqkw_warps=3"):
         with plan.overrides(dqkw_warps=3):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)
+    # grouped value heads: the gradient stages as one launch a group member, as explain says
+    assert "portable.wy_bwd (each 2 launches: one a member of each key head's group" in " -> ".join(plan.kernels(p)[1])
+    assert "launches" not in " -> ".join(plan.kernels(plan_for_shape(8, 2048, 16, 128, 128, bf16))[1])
 
 
 def test_unknown_override_raises_type_error():

@@ -15,7 +15,8 @@ heads: dqkw runs as one launch a member of the key heads' groups, in value head 
 into an fp32 sum of the key heads' shape that the last rounds once; dK and dW come out per value head (the WY backward
 sums dK likewise).
 
-Every output element is written by exactly one program (deterministic)."""
+Every output element is written by one program of a launch, and a group's launches run in a fixed order
+(deterministic)."""
 from __future__ import annotations
 
 from typing import Optional
