@@ -16,10 +16,10 @@ plan as chunk.plan.explain words it. The exit status is 1 where a configuration'
 
 Overrides are name=value pairs separated by commas: hopper_walk, residual, keep_states, overlap, hopper_reverse,
 fused_output, local_dv_apart (0/1, true/false), split_partitions, split_min_tokens, segments, wy_maxnreg,
-wy_bwd_maxnreg, dqkw_warps (integers), or none for the rule's own choice. --gated runs the benchmark's gated rows' call:
-its gate g
-(Qwen3-Next's), q and k L2-normalized in the op, gradients to g too; --kda the KDA rows' call (a gate per key
-channel), likewise. Times: triton's do_bench medians in ms (L2 flushed per call); smoke: one wall-clock call."""
+wy_bwd_maxnreg, dqkw_warps (integers), or none for the rule's own choice. --gated runs the benchmark's gated rows'
+call: its gate g (Qwen3-Next's), q and k L2-normalized in the op, gradients to g too; --kda the KDA rows' call (a
+gate per key channel), likewise. Times: triton's do_bench medians in ms (L2 flushed per call); smoke: one
+wall-clock call."""
 from __future__ import annotations
 
 import argparse

@@ -143,6 +143,25 @@ def store_rows(x, value, start, n, i_h, d0, H: tl.constexpr, D: tl.constexpr, BT
 
 
 @triton.jit
+def store_group_sum(out, group, value, start, n, i_hk, d0, HK: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                    BD: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """A value head's gradient tile (fp32) into its key head's sum over the group of value heads (group_members):
+    added to the sum so far in group (fp32, [TT, HK, D]) unless FIRST, then stored there, or, if LAST, rounded into
+    out. Rows as store_rows'."""
+    if not FIRST:
+        value += load_rows(group, start, n, i_hk, d0, HK, D, BT, BD)
+    store_rows(out if LAST else group, value, start, n, i_hk, d0, HK, D, BT, BD)
+
+
+def group_members(heads: int, key_heads: int):
+    """(member, FIRST, LAST) of each launch of a stage that sums a gradient over each key head's group of
+    heads // key_heads value heads (store_group_sum): one launch a member, value head key_head * G + member, in
+    order, so that the sums are the same every run. One launch, first and last, without groups."""
+    G = heads // key_heads
+    return [(j, j == 0, j == G - 1) for j in range(G)]
+
+
+@triton.jit
 def state_offsets(i_s, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Offsets and mask of the tile [k0:k0+BK, v0:v0+BV] of state i_s of a [*, K, V] state tensor
     (i_s = chunk * H + head, or sequence * H + head)."""

@@ -11,7 +11,8 @@ The gated rule (g given) sums g into γ again and every stage takes it; portable
 shares. KDA's per-channel g ([.., TT, H, K]) is read by the stages as it is (no γ stage), and dg comes per channel.
 With grouped value heads grads.dqkw (dQ) and wy_bwd (dK) sum each key head's group, one launch a group member.
 Where the plan segments the backward, the reverse pass and the gradient stage run segment by segment
-(schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the set alive at the widest stage.
+(schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the
+set alive at the widest stage.
 Deterministic: no atomics."""
 from __future__ import annotations
 

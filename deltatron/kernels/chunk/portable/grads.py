@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, head_tile, load_rows, load_tile, mm,
-                     state_offsets, store_rows)
+from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, group_members, head_tile, load_rows,
+                     load_tile, mm, state_offsets, store_group_sum, store_rows)
 from ..plan import DQKW_LAUNCH, Launch
 from .gate import (SCORE_TILE, channel_mix, channel_scores, channel_sums, decay_matrix, decays_of_sums,
                    load_gamma)
@@ -74,8 +74,8 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
     """STATES_T: h and v_new as the forward's Hopper walk keeps them (hopper.walk.states_buffers): S^T [NT, H, V, K]
     and V'^T [NT, H, V, C] per chunk; else h [NT, H, K, V] and v_new [1, TT, H, V] (walk.state_fwd's). H value heads
     (dk, dw are per value head), HK key heads (q, k, dq). A launch runs one member of each key head's group of value
-    heads (value head i_hk * G + member): the first (FIRST) starts dQ's sum in dq_group ([.., TT, HK, K] fp32), each
-    later one adds its own, and the last (LAST) rounds the sum into dq; with no groups FIRST and LAST both. USE_G: gated by γ (gam); the K-tile's shares of the decays'
+    heads (value head i_hk * G + member; utils.group_members): the sum over the group goes through dq_group
+    ([.., TT, HK, K] fp32) into dq (utils.store_group_sum). USE_G: gated by γ (gam); the K-tile's shares of the decays'
     gradient go to dg_rows [NK, 2, TT, H] (dγ, x) and dg_chunks [NK, NT, H, BV] (exp(γ_C) <S, dS_next> in BV parts),
     fp32. USE_GK: by KDA's g (gam [.., H, K]); the shares per channel to dg_rows [2, TT, H, K] and dg_chunks
     [NT, H, K]."""
@@ -160,9 +160,7 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
     if not USE_GK:
         b_dq = b_dq * scale + mm(b_ds, b_k, PRECISION)
         b_dk += mm(tl.trans(b_ds), b_q, PRECISION)
-    if not FIRST:  # the group's sum so far, in value head order
-        b_dq += load_rows(dq_group, start, n, i_hk, i_k * BK, HK, K, C, BK)
-    store_rows(dq if LAST else dq_group, b_dq, start, n, i_hk, i_k * BK, HK, K, C, BK)
+    store_group_sum(dq, dq_group, b_dq, start, n, i_hk, i_k * BK, HK, K, C, BK, FIRST, LAST)
     store_rows(dk, b_dk, start, n, i_h, i_k * BK, H, K, C, BK)
     store_rows(dw, b_dw, start, n, i_h, i_k * BK, H, K, C, BK)
 
@@ -213,14 +211,13 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     elif gam is not None:
         dg = (q.new_empty(cdiv(K, BK), 2, TT, H, dtype=torch.float32),
               q.new_empty(cdiv(K, BK), NT, H, head_tile(V), dtype=torch.float32))
-    G = H // HK
-    dq_group = q.new_empty(q.shape, dtype=torch.float32) if G > 1 else None
-    for member in range(G if chunks.num_chunks else 0):  # in value head order: the same sums every run
+    dq_group = q.new_empty(q.shape, dtype=torch.float32) if H != HK else None
+    for member, first, last in group_members(H, HK) if chunks.num_chunks else ():
         launch(
             dqkw_kernel, (cdiv(K, BK), chunks.num_chunks, HK),
             q, k, gk if gam is None else gam, v_new, h, dh, do, dv, dq, dq_group, dk, dw, *(dg or (None, None)),
             chunks.chunk_indices, info.cu_seqlens, scale, member, TT, NT, H, HK, K, V, chunk_size, BK, head_tile(V),
-            dot_precision(q.dtype), states_t, gam is not None, gk is not None, member == 0, member == G - 1,
+            dot_precision(q.dtype), states_t, gam is not None, gk is not None, first, last,
             num_warps=(cfg or DQKW_LAUNCH).warps, num_stages=PIPELINE_STAGES,
         )
     return dq, dk, dw, dg

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ...launch import launch
-from ...utils import WY_PIPELINE_STAGES, chunk_span, dot_precision, load_rows, mm, store_rows
+from ...utils import (WY_PIPELINE_STAGES, chunk_span, dot_precision, group_members, load_rows, mm, store_group_sum,
+                     store_rows)
 from ..plan import Launch, wy_bwd_launch
 from .gate import (SCORE_TILE, channel_decays, channel_mix, channel_sums, decay_matrix, decays_of_sums,
                    load_gamma)
@@ -78,8 +79,8 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, USE_G: tl.constexpr,
                   USE_GK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
     """H value heads, HK key heads (k, dk). A launch runs one member of each key head's group of value heads (value
-    head i_hk * G + member): the first (FIRST) starts dK's sum in dk_group ([.., TT, HK, K] fp32), each later one adds
-    its own, and the last (LAST) rounds the sum into dk; with no groups FIRST and LAST both. USE_G: gated by γ
+    head i_hk * G + member; utils.group_members): the sum over the group goes through dk_group ([.., TT, HK, K] fp32)
+    into dk (utils.store_group_sum). USE_G: gated by γ
     (gam); this kernel's dγ share to dgam [TT, H] fp32. USE_GK: by KDA's g (gam [.., H, K]); its dΓ share to dgam
     [TT, H, K] fp32."""
     i_t, i_hk = tl.program_id(0), tl.program_id(1)
@@ -153,9 +154,7 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
         else:
             b_dk_wy, b_dbeta_k = wy_dk_tile(b_dw, b_k, b_beta, b_tt_in, b_da, b_dat, PRECISION)
         b_dk = load_rows(dk_direct, start, n, i_h, i_k * BK, H, K, C, BK).to(tl.float32) + b_dk_wy
-        if not FIRST:  # the group's sum so far, in value head order
-            b_dk += load_rows(dk_group, start, n, i_hk, i_k * BK, HK, K, C, BK)
-        store_rows(dk if LAST else dk_group, b_dk, start, n, i_hk, i_k * BK, HK, K, C, BK)
+        store_group_sum(dk, dk_group, b_dk, start, n, i_hk, i_k * BK, HK, K, C, BK, FIRST, LAST)
         b_dbeta += b_dbeta_k
     tl.store(dbeta + rows * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)  # fp32 sum, rounded once
     if USE_G:
@@ -190,13 +189,12 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
         cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None, gam is not None)
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's
     precision = dot_precision(k.dtype)
-    G = H // HK
-    for member in range(G if chunks.num_chunks else 0):  # in value head order: the same sums every run
+    for member, first, last in group_members(H, HK) if chunks.num_chunks else ():
         launch(
             wy_bwd_kernel, (chunks.num_chunks, HK),
             k, v, beta, gk if gam is None else gam, tinv, dw, du, dk_direct, dk, dk_group, dv, dbeta, dgam,
             chunks.chunk_indices, info.cu_seqlens, member, H, HK, K, V, chunk_size, tile_k, cfg.tile_v, precision,
-            gam is not None, gk is not None, member == 0, member == G - 1,
+            gam is not None, gk is not None, first, last,
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
         )
     return dk, dv, dbeta, dgam
