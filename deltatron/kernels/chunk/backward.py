@@ -29,9 +29,10 @@ from .portable.wy_bwd import wy_bwd
 from .schedule import segments as seg
 
 
-def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None, decays=None):
+def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None, decays=None, scores=None):
     """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ; decays:
-    KDA's gate.ChannelDecays, with the decayed q (the portable pass only: the plan says so)."""
+    KDA's gate.ChannelDecays, with the decayed q (the portable pass only: the plan says so); scores: KDA's scale P as
+    the forward's output stage stored it, for the local dV'."""
     C = plan.problem.chunk_size
     if plan.reverse == "hopper":
         from .hopper.reverse import gluon_state_bwd
@@ -40,21 +41,21 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
                                checked=True, gam=gam)
     gk = None if decays is None else decays.g
-    local = dv_local(q, k, do, scale, info, C, gk=gk) if plan.local_dv_apart else None
+    local = dv_local(q, k, do, scale, info, C, gk=gk, scores=scores) if plan.local_dv_apart else None
     return state_bwd(q, k, w, do, local, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam, gk=decays)
 
 
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False,
              plan: ChunkPlan = None, g=None, output_chunk_states=False):
     """(dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None, and dg fp32 where g is given) by deltatron.autograd's
-    contract; saved = (T~,) or, where the plan kept states, (T~, W, S^T, V'^T); plan: the call's, as its forward ran
-    it."""
+    contract; saved = (T~,), KDA's (T~, scale P) where the forward's output stage stored its scores, or, where the
+    plan kept states, (T~, W, S^T, V'^T); plan: the call's, as its forward ran it."""
     if plan is None:  # called on its own (tests): the plan the forward would have made
         from .forward import plan_call
         plan = plan_call(q, k, v, info, True, chunk_size, save_states, g, output_chunk_states)
     tinv, *kept = saved
     has_h0 = initial_state is not None
-    if kept:
+    if plan.keep_states:
         w, st, vt = kept  # (autograd holds these until the backward returns)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info)
         dq, dk_direct, dw, _ = dqkw(q, k, vt, st, dh, do, dv, scale, info, chunk_size, states_t=True,
@@ -72,6 +73,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     # KDA: the decays of the serial passes, written by the recompute's WY stage beside W, for the recompute walk and
     # the reverse pass
     decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size, with_q=True)
+    scores = kept[0] if kept else None  # KDA's, from the forward's output stage
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
@@ -81,7 +83,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
         main, side = torch.cuda.current_stream(k.device), side_stream(k.device.index)
         side.wait_stream(main)  # an event after recompute_w_u: the walk waits for W, U, not for the reverse pass
         # the reverse pass queued first, so that its programs take their SMs first
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays)
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays, scores)
         with torch.cuda.stream(side):
             h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=decays)
         main.wait_stream(side)  # grads reads h and v_new
@@ -96,8 +98,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
                              decays=decays, q=None if decays is None else q)
         h, v_new, _ = state_fwd(k, w, u, initial_state, False, info, chunk_size, cfg=cfg, gam=gam, gk=decays)
         del u
-        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays)
-    del w, decays
+        dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam, decays, scores)
+    del w, decays, scores, kept
     dq, dk_direct, dw, dg_shares = dqkw(q, k, v_new, h, dh, do, dv, scale, info, chunk_size, gam=gam, gk=gk,
                                         cfg=plan.dqkw_launch)
     del h, v_new, dh

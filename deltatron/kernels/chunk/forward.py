@@ -8,8 +8,8 @@ The gated rule (g given, DESIGN.md §11) first sums g along each chunk into γ (
 under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12): the stages take g itself under
 USE_GK and form its sums within sub-chunks on chip, with no γ stage. Grouped value heads (v's heads a multiple of q's and k's) run per value
 head.
-Saved for the backward: T~ (the backward recomputes the rest), or, where the plan keeps states, T~, W and the walk's
-per-chunk S^T and V'^T."""
+Saved for the backward: T~ (the backward recomputes the rest), with KDA's the output stage's scores P (grads.dv_local
+reads them), or, where the plan keeps states, T~, W and the walk's per-chunk S^T and V'^T."""
 from __future__ import annotations
 
 from typing import Optional
@@ -85,6 +85,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
             lambda w_, u_, h0, walk: walk_final_states(plan, q, k, w_, u_, h0, walk),
             k, w, u, initial_state, split, plan.residual)
         info = split.parts
+    saved = (tinv,) if needs_backward else ()
     if plan.keep_states:
         from .hopper.walk import states_buffers
         states = states_buffers(k, v, info, chunk_size)
@@ -95,12 +96,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
                                           cfg=plan.walk_launch, gam=gam, states_dtype=torch.float32 if
                                           plan.problem.chunk_states else None, gk=decays)
         del w, u  # not needed by the output: its peak is h, v_new and o
-        o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam, gk=gk)
+        # KDA: the output stage stores its scores P for the backward's local dV' (grads.dv_local), which would form
+        # them again otherwise
+        scores = (v.new_empty(*v.shape[:-1], chunk_size) if needs_backward and gk is not None and plan.local_dv_apart
+                  else None)
+        o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam, gk=gk, scores=scores)
+        if scores is not None:
+            saved += (scores,)
         if plan.problem.chunk_states:
-            return o, final_state, (tinv,) if needs_backward else (), (h,)
+            return o, final_state, saved, (h,)
     else:
         o, final_state = walk_with_output(plan, q, k, w, u, scale, initial_state, output_final_state, info, gam=gam,
                                           gk=decays)
     if split is not None and final_state is not None:  # each sequence's last partition's
         final_state = final_state.index_select(0, split.last_part)
-    return o, final_state, (tinv,) if needs_backward else (), ()
+    return o, final_state, saved, ()

@@ -645,8 +645,9 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
                 f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
     else:
         fwd.append(walk + (" (stores S^T, V'^T per chunk)" if plan.keep_states else ""))
+    scores_kept = p.per_channel and p.training and plan.walk == "portable" and plan.local_dv_apart
     if plan.walk == "portable":
-        fwd.append("portable.output")
+        fwd.append("portable.output" + (" (stores its scores P for the backward's local dV')" if scores_kept else ""))
     if not p.training:
         return tuple(fwd), ()
     bwd = ["portable.gate (γ)"] if p.gated and not p.per_channel else []
@@ -665,7 +666,8 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         bwd.append(f"per segment (x{plan.segments}, last first): {rev}; then {grads} of the segment after it, "
                    f"side stream")
     elif plan.local_dv_apart:
-        bwd += ["portable.grads (local dV')", rev + " (reads the local dV')", grads]
+        bwd += ["portable.grads (local dV'" + (" from the forward's scores P)" if scores_kept else ")"),
+                rev + " (reads the local dV')", grads]
     else:
         bwd += [rev, grads]
     if p.gated:

@@ -116,7 +116,9 @@ def test_plan_keeps_kda_on_portable_stages():
         fwd, bwd = plan.kernels(kda)
         assert not any("hopper" in stage or "γ" in stage for stage in fwd + bwd)
         assert bwd[-1:] == (("portable.gate (dg per key channel)",) if training else ())
-        assert ("portable.grads (local dV')" in bwd) == training == kda.local_dv_apart  # P apart from the pass
+        # P apart from the pass, read from the forward's output stage
+        assert ("portable.grads (local dV' from the forward's scores P)" in bwd) == training == kda.local_dv_apart
+        assert ("portable.output (stores its scores P for the backward's local dV')" in fwd) == training
     for forced in (dict(hopper_walk=True), dict(hopper_reverse=True)):
         with plan.overrides(**forced), pytest.raises(ValueError, match="Hopper"):
             plan.plan_for_shape(**common, per_channel=True)

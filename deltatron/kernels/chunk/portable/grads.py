@@ -42,15 +42,19 @@ def causal_scores_t(b_at, scale, C: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
-def dv_local_kernel(q, k, gk, dout, dv, chunk_indices, cu_seqlens, scale,
+def dv_local_kernel(q, k, gk, scores, dout, dv, chunk_indices, cu_seqlens, scale,
                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr, PRECISION: tl.constexpr):
-    """H value heads (dout, dv), HK key heads (q, k). USE_GK: the scores under KDA's per-channel decays (gk)."""
+                    BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr, SCORES: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """H value heads (dout, dv), HK key heads (q, k). USE_GK: the scores under KDA's per-channel decays (gk).
+    SCORES: the operand read from scores [.., TT, H, C] (the forward's output stage stored it) instead of formed."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     # A^T[j, i] = k_j . q_i, kept for j <= i: the transposed causal scores of the chunk
-    if USE_GK:
+    if SCORES:
+        b_at = tl.trans(load_rows(scores, start, n, i_h, 0, H, C, C, C))
+    elif USE_GK:
         b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K,
                                        gk + start * H * K + i_h * K, n, HK * K, HK * K, H * K, K, C, True, PRECISION))
     else:
@@ -59,7 +63,8 @@ def dv_local_kernel(q, k, gk, dout, dv, chunk_indices, cu_seqlens, scale,
             b_k = load_rows(k, start, n, i_hk, i_k * BK, HK, K, C, BK)
             b_q = load_rows(q, start, n, i_hk, i_k * BK, HK, K, C, BK)
             b_at += mm(b_k, tl.trans(b_q), PRECISION)
-    b_at = causal_scores_t(b_at, scale, C, dout.dtype.element_ty)
+    if not SCORES:
+        b_at = causal_scores_t(b_at, scale, C, dout.dtype.element_ty)
     for i_v in range(tl.cdiv(V, BV)):
         b_do = load_rows(dout, start, n, i_h, i_v * BV, H, V, C, BV)
         store_rows(dv, mm(b_at, b_do, PRECISION), start, n, i_h, i_v * BV, H, V, C, BV)
@@ -166,18 +171,23 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
 
 
 def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, info, chunk_size: int,
-             gk: Optional[torch.Tensor] = None) -> torch.Tensor:
+             gk: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype (H: do's value heads; q, k may
-    have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K], the scores P of gate.channel_scores instead."""
+    have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K], the scores P of gate.channel_scores instead.
+    scores: scale P as the forward's output stage stored it (portable.output's scores, do's dtype), read rather than
+    formed: the same bits."""
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
+    if scores is not None and (scores.shape[-2:] != (H, chunk_size) or scores.dtype != do.dtype):
+        raise ValueError(f"dv_local: scores [.., TT, {H}, {chunk_size}] in {do.dtype} expected, got "
+                         f"{tuple(scores.shape)} in {scores.dtype}")
     dv = torch.empty_like(do)
     if chunks.num_chunks:
         launch(
             dv_local_kernel, (chunks.num_chunks, H),
-            q, k, gk, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
-            H, HK, K, V, chunk_size, head_tile(K), head_tile(V), gk is not None, dot_precision(q.dtype),
-            num_stages=PIPELINE_STAGES,
+            q, k, gk, scores, do, dv, chunks.chunk_indices, info.cu_seqlens, scale,
+            H, HK, K, V, chunk_size, head_tile(K), head_tile(V), gk is not None, scores is not None,
+            dot_precision(q.dtype), num_stages=PIPELINE_STAGES,
         )
     return dv
 

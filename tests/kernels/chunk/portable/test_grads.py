@@ -4,7 +4,7 @@ through float64 models of the same per-chunk quantities."""
 import pytest
 import torch
 
-from deltatron.kernels.chunk.portable import grads, reverse
+from deltatron.kernels.chunk.portable import grads, output, reverse
 from deltatron.kernels.utils import seq_info
 from deltatron.reference.gated import _decayed_products, _masked_exp_diff
 
@@ -57,6 +57,32 @@ def test_dv_local_per_channel_gate_grouped_heads(dtype, gates, poison):
         want[t0:t1] = (scale * p.transpose(1, 2) @ heads_first(dod, t0, t1)).transpose(0, 1)
     assert got.dtype == dtype
     assert rel_rms(got[0], want) <= BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dv_local_reads_the_output_stages_scores(dtype, poison):
+    # KDA: the forward's output stage stores its scale P for the backward (output_fwd(scores=)); dv_local reading them
+    # gives the bits it forms itself, and storing them leaves o as it was. Grouped heads, partial chunks, an empty
+    # sequence, a partial K-tile, strong gates
+    C, lengths, HK, H, K, V = 32, [33, 0, 1, 64], 1, 2, 40, 24
+    TT = sum(lengths)
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, TT, HK, K, generator=gen).to(dtype) for _ in range(2))
+    g = -20 * torch.rand(1, TT, H, K, generator=gen)
+    v_new, do = (torch.randn(1, TT, H, V, generator=gen).to(dtype) for _ in range(2))
+    h = torch.randn(len(chunk_spans(lengths, C)), H, K, V, generator=gen).to(dtype)
+    q, k, g, v_new, do, h = (x.to(DEVICE) for x in (q, k, g, v_new, do, h))
+    cu = random_cu_seqlens(lengths, DEVICE)
+    info = seq_info(1, TT, torch.device(DEVICE), cu, cu.cpu())
+    scale = 0.3
+    scores = torch.full((1, TT, H, C), float("nan"), dtype=dtype, device=DEVICE)
+    o = output.output_fwd(q, k, v_new, h, scale, info, C, gk=g, scores=scores)
+    assert torch.equal(o, output.output_fwd(q, k, v_new, h, scale, info, C, gk=g))
+    assert not scores.isnan().any()
+    assert torch.equal(grads.dv_local(q, k, do, scale, info, C, gk=g, scores=scores),
+                       grads.dv_local(q, k, do, scale, info, C, gk=g))
+    with pytest.raises(ValueError, match="scores"):
+        grads.dv_local(q, k, do, scale, info, C, gk=g, scores=scores[..., :16])
 
 
 @pytest.mark.parametrize("dtype, C, lengths, with_dht", [
