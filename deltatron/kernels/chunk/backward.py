@@ -73,7 +73,8 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     # KDA: the decays of the serial passes, written by the recompute's WY stage beside W, for the recompute walk and
     # the reverse pass
     decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size, with_q=True)
-    scores = kept[0] if kept else None  # KDA's, from the forward's output stage
+    # KDA's scale P from the forward's output stage, in the input dtype: dv_local's operand where dO has that dtype
+    scores = kept[0] if kept and kept[0].dtype == do.dtype else None
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)
         dh, dv, dh0 = reverse_pass(plan, q, k, w, do, dht, scale, has_h0, info, gam)
