@@ -98,8 +98,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
         del w, u  # not needed by the output: its peak is h, v_new and o
         # KDA: the output stage stores its scores P for the backward's local dV' (grads.dv_local), which would form
         # them again otherwise
-        scores = (v.new_empty(*v.shape[:-1], chunk_size) if needs_backward and gk is not None and plan.local_dv_apart
-                  else None)
+        scores = v.new_empty(*v.shape[:-1], chunk_size) if needs_backward and plan.keep_scores else None
         o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam, gk=gk, scores=scores)
         if scores is not None:
             saved += (scores,)

@@ -388,6 +388,13 @@ class ChunkPlan:
     def split(self) -> bool:
         return self.split_partitions > 1
 
+    @property
+    def keep_scores(self) -> bool:
+        """KDA in training: the output stage (a stage of its own) stores its scores P for grads.dv_local, which
+        forms the local dV' before the reverse pass."""
+        p = self.problem
+        return p.per_channel and p.training and self.walk == "portable" and self.local_dv_apart
+
     def reason(self, choice: str) -> str:
         return dict(self.reasons).get(choice, "")
 
@@ -645,9 +652,9 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
                 f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
     else:
         fwd.append(walk + (" (stores S^T, V'^T per chunk)" if plan.keep_states else ""))
-    scores_kept = p.per_channel and p.training and plan.walk == "portable" and plan.local_dv_apart
     if plan.walk == "portable":
-        fwd.append("portable.output" + (" (stores its scores P for the backward's local dV')" if scores_kept else ""))
+        fwd.append("portable.output" + (" (stores its scores P for the backward's local dV')" if plan.keep_scores
+                                        else ""))
     if not p.training:
         return tuple(fwd), ()
     bwd = ["portable.gate (γ)"] if p.gated and not p.per_channel else []
@@ -666,7 +673,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         bwd.append(f"per segment (x{plan.segments}, last first): {rev}; then {grads} of the segment after it, "
                    f"side stream")
     elif plan.local_dv_apart:
-        bwd += ["portable.grads (local dV'" + (" from the forward's scores P)" if scores_kept else ")"),
+        bwd += ["portable.grads (local dV'" + (" from the forward's scores P)" if plan.keep_scores else ")"),
                 rev + " (reads the local dV')", grads]
     else:
         bwd += [rev, grads]

@@ -47,13 +47,14 @@ def dv_local_kernel(q, k, gk, scores, dout, dv, chunk_indices, cu_seqlens, scale
                     BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr, SCORES: tl.constexpr,
                     PRECISION: tl.constexpr):
     """H value heads (dout, dv), HK key heads (q, k). USE_GK: the scores under KDA's per-channel decays (gk).
-    SCORES: the operand read from scores [.., TT, H, C] (the forward's output stage stored it) instead of formed."""
+    SCORES: the operand, causal_scores_t's, read from scores [.., TT, H, C] (the forward's output stage stored it)
+    instead of formed."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_t, C)
     # A^T[j, i] = k_j . q_i, kept for j <= i: the transposed causal scores of the chunk
     if SCORES:
-        b_at = tl.trans(load_rows(scores, start, n, i_h, 0, H, C, C, C))
+        b_at = load_rows(scores, start, n, i_h, 0, H, C, C, C)
     elif USE_GK:
         b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K,
                                        gk + start * H * K + i_h * K, n, HK * K, HK * K, H * K, K, C, True, PRECISION))
@@ -174,8 +175,8 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
              gk: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype (H: do's value heads; q, k may
     have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K], the scores P of gate.channel_scores instead.
-    scores: scale P as the forward's output stage stored it (portable.output's scores, do's dtype), read rather than
-    formed: the same bits."""
+    scores: (scale P)^T as the forward's output stage stored it (portable.output's scores, do's dtype), read rather
+    than formed: the same bits."""
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
     if scores is not None and (scores.shape[-2:] != (H, chunk_size) or scores.dtype != do.dtype):

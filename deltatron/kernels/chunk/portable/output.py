@@ -16,6 +16,7 @@ from ...launch import launch
 from ...utils import (PIPELINE_STAGES, SeqInfo, cdiv, chunk_span, dot_precision, head_tile, mm, next_power_of_2,
                       store_rows)
 from .gate import channel_decays, channel_scores, decay_matrix, load_gamma
+from .grads import causal_scores_t
 
 
 @triton.jit
@@ -33,8 +34,8 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
                       HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, STORE_SCORES: tl.constexpr,
                       PRECISION: tl.constexpr):
-    """STORE_SCORES (USE_GK, one V-block): the chunk's scale P, masked to j <= i and rounded to the input dtype, into
-    scores [.., TT, H, C] (row i, column j), the operand grads.dv_local's product takes."""
+    """STORE_SCORES (USE_GK, one V-block): the chunk's (scale P)^T, masked to j <= i and rounded to the input dtype
+    (grads.causal_scores_t), into scores [.., TT, H, C] (row j, column i): the operand grads.dv_local's product takes."""
     # V-blocks of one chunk are neighbours in the grid: they share the Q and K tiles in L2
     NV = (V + BV - 1) // BV
     i_cv, i_h = tl.program_id(0), tl.program_id(1)
@@ -69,9 +70,9 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
             b_qk += mm(b_q, b_kt, PRECISION)
     if USE_GK:
         b_qk = channel_scores(q_c, k_c, g_c, n, HK * K, HK * K, H * K, K, C, True, PRECISION)
-        if STORE_SCORES:  # grads.causal_scores_t's operand, untransposed: the same products and rounding
-            b_sp = tl.where(rows[:, None] >= rows[None, :], b_qk * scale, 0.0)
-            store_rows(scores, b_sp.to(scores.dtype.element_ty), start, n, i_h, 0, H, C, C, C)
+        if STORE_SCORES:  # dv_local's operand, as it would form it
+            store_rows(scores, causal_scores_t(tl.trans(b_qk), scale, C, scores.dtype.element_ty), start, n, i_h, 0,
+                       H, C, C, C)
 
     o_v = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
     m_v = m_rows[:, None] & (cv[None, :] < V)
@@ -88,7 +89,7 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
                info: SeqInfo, chunk_size: int, gam=None, gk=None, scores=None) -> torch.Tensor:
     """o [B, T, H, V] in the input dtype from q, k [B, T, HK, K], v_new [B, T, H, V] and the per-chunk
     states h [NT, H, K, V]; gam: the gated rule's γ; gk: KDA's per-channel g [.., H, K]. scores (with gk): where the
-    chunks' scale P goes for the backward (v_new's leading dimensions and dtype, then C: grads.dv_local's operand,
+    chunks' (scale P)^T goes for the backward (v_new's leading dimensions and dtype, then C: grads.dv_local's operand,
     the bits it would form itself)."""
     if scores is not None and gk is None:
         raise ValueError("output_fwd: scores are stored under KDA's per-channel gate only")
