@@ -26,29 +26,32 @@ def test_key_heads_must_divide_heads(capsys):
 
 
 def test_kda_inference(capsys):
-    # KDA's per-channel gate: the portable walk (the Hopper walk takes the per-head gate only), no γ stage, no backward
+    # KDA's per-channel gate: the portable walk (the Hopper walk takes the per-head gate only), the gate's sums within
+    # sub-chunks before the WY stage (no γ stage), no backward
     assert explain.main(["--batch", "1", "--seqlen", "8192", "--heads", "32", "--key-heads", "16", "--kda",
                          "--inference"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("problem: per-channel gate (KDA), 1 sequences, 8192 tokens, 16 key heads")
     assert any(line.split()[:2] == ["walk", "portable"] and "per-head gate only" in line for line in lines)
-    assert any(line.startswith("forward:  portable.wy (T~, W, U; KDA's per-channel") for line in lines)
+    assert any(line.startswith("forward:  portable.gate (KDA's sums within sub-chunks) -> portable.wy (T~, W, U; "
+                               "KDA's per-channel") for line in lines)
     assert not any(line.startswith("backward:") for line in lines)
 
 
 def test_kda_training(capsys):
-    # a KDA training call: the portable stages forward and backward, no γ stage, the serial passes' decays made by the
-    # WY stage beside W, the scores P in the parallel stages (the output, which keeps them for the local dV' before the
-    # reverse pass), dg per key channel
+    # a KDA training call: the portable stages forward and backward, the gate's sums within sub-chunks made once each
+    # way (no γ stage), the serial passes' decays made by the WY stage beside W, the scores P in the parallel stages
+    # (the output, which keeps them for the local dV' before the reverse pass), dg per key channel
     assert explain.main(["--batch", "2", "--seqlen", "4096", "--heads", "16", "--kda"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:2] == ["reverse", "portable"] for line in lines)
     assert any(line.split()[:2] == ["recompute", "two_launch"] and "per-head gate only" in line for line in lines)
     forward = [line for line in lines if line.startswith("forward:")]
-    assert forward == ["forward:  portable.wy (T~, W, U; KDA's per-channel decays summed on chip, the walk's decayed K "
-                       "beside W) -> portable.walk -> portable.output (stores its scores P for the backward's local dV')"]
+    assert forward == ["forward:  portable.gate (KDA's sums within sub-chunks) -> portable.wy (T~, W, U; KDA's "
+                       "per-channel decays from the gate's sums, the walk's decayed K beside W) -> portable.walk -> "
+                       "portable.output (stores its scores P for the backward's local dV')"]
     backward = [line for line in lines if line.startswith("backward:")]
-    assert backward == ["backward: portable.wy (W, U from T~; KDA's decayed K, Q for both serial passes beside W) -> "
+    assert backward == ["backward: portable.gate (KDA's sums within sub-chunks) -> portable.wy (W, U from T~; KDA's decayed K, Q for both serial passes beside W) -> "
                         "portable.walk -> portable.grads (local dV' from the forward's scores P) -> "
                         "portable.reverse (reads the local dV') -> portable.grads, portable.wy_bwd -> "
                         "portable.gate (dg per key channel)"]

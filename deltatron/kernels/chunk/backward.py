@@ -8,7 +8,7 @@
                before the pass)
     grads:     dQ, the direct dK and dW (portable.grads), then the WY backward: dK, dV, dbeta (portable.wy_bwd)
 The gated rule (g given) sums g into γ again and every stage takes it; portable.gate sums dg from the stages'
-shares. KDA's per-channel g ([.., TT, H, K]) is read by the stages as it is (no γ stage), and dg comes per channel.
+shares. KDA's per-channel g ([.., TT, H, K]) is summed within sub-chunks again for the stages, and dg comes per channel.
 With grouped value heads grads.dqkw (dQ) and wy_bwd (dK) sum each key head's group, one launch a group member.
 Where the plan segments the backward, the reverse pass and the gradient stage run segment by segment
 (schedule/segments.py). Each intermediate is released right after the last stage that reads it, so the peak is the

@@ -5,9 +5,9 @@
                (schedule/seq_split.py), and the walk below runs on the partitions
     walk:      hopper.walk or portable.walk with the output fused in, or portable.walk then portable.output
 The gated rule (g given, DESIGN.md §11) first sums g along each chunk into γ (portable.gate), which every stage takes
-under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12): the stages take g itself under
-USE_GK and form its sums within sub-chunks on chip, with no γ stage. Grouped value heads (v's heads a multiple of q's and k's) run per value
-head.
+under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12): portable.gate first sums g within
+sub-chunks of 16 tokens (channel_sums_stage), and the stages form their exponents from those sums under USE_GK.
+Grouped value heads (v's heads a multiple of q's and k's) run per value head.
 Saved for the backward: T~ (the backward recomputes the rest), with KDA's the output stage's scores P (grads.dv_local
 reads them), or, where the plan keeps states, T~, W and the walk's per-chunk S^T and V'^T."""
 from __future__ import annotations

@@ -643,10 +643,11 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     if plan.residual:
         wy = "portable.wy (T~ and its Tb pair)"
     elif p.per_channel:
-        wy = "portable.wy (T~, W, U; KDA's per-channel decays summed on chip, the walk's decayed K beside W)"
+        wy = "portable.wy (T~, W, U; KDA's per-channel decays from the gate's sums, the walk's decayed K beside W)"
     else:
         wy = "portable.wy (T~, W, U)"
-    fwd = ["portable.gate (γ)", wy] if p.gated and not p.per_channel else [wy]
+    gate = ["portable.gate (KDA's sums within sub-chunks)" if p.per_channel else "portable.gate (γ)"] if p.gated else []
+    fwd = gate + [wy]
     if plan.split:
         fwd += [f"{walk} pass 1 without output, on U (and on W beside it, side stream)", "combine (torch)",
                 f"{walk} pass 2 on {plan.split_partitions} partitions a long sequence"]
@@ -657,7 +658,7 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
                                         else ""))
     if not p.training:
         return tuple(fwd), ()
-    bwd = ["portable.gate (γ)"] if p.gated and not p.per_channel else []
+    bwd = list(gate)
     if plan.recompute == "on_chip":
         bwd.append("portable.walk (W, U on chip from T~)")
     elif plan.recompute == "two_launch":

@@ -1,7 +1,8 @@
 """The gated rule's log decays inside a chunk (DESIGN.md §11): γ, the cumulative sum of g from the chunk's start, the
 decay factors the stages take from it under their USE_G constexpr, and the gradient of g back through the sum; and
-KDA's per-channel decays (DESIGN.md §12), which the stages form on chip under USE_GK from the helpers below
-(channel_sums, channel_decays, channel_scores).
+KDA's per-channel decays (DESIGN.md §12): the gate's sums within sub-chunks, made once a chunk by channel_sums_stage,
+from which the stages form their exponents on chip under USE_GK with the helpers below (channel_sums, channel_decays,
+channel_scores, channel_mix).
 
 The stages write their shares of that gradient per row and per K-tile, and the sums across tiles happen here in a
 fixed order, so that dg is bitwise the same from run to run, as every other gradient is.
@@ -44,11 +45,11 @@ def chunk_gamma(g: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor
 def stage_gates(g: Optional[torch.Tensor], info: SeqInfo, chunk_size: int
                 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(γ, g_k): what the chunk stages take of a call's gate g. The per-head gate [.., TT, H] as γ (chunk_gamma:
-    its sums along each chunk, USE_G); KDA's per-channel gate [.., TT, H, K] as it is (USE_GK: the stages form its
-    sums within sub-chunks on chip); no gate, neither."""
+    its sums along each chunk, USE_G); KDA's per-channel gate [.., TT, H, K] as its sums within sub-chunks
+    (channel_sums_stage: USE_GK); no gate, neither."""
     if g is None:
         return None, None
-    return (None, g) if g.dim() == 4 else (chunk_gamma(g, info, chunk_size), None)
+    return (None, channel_sums_stage(g, info, chunk_size)) if g.dim() == 4 else (chunk_gamma(g, info, chunk_size), None)
 
 
 @triton.jit
@@ -121,12 +122,24 @@ FACTOR_BOUND = tl.constexpr(60.0)
 SCORE_TILE = tl.constexpr(32)
 
 
+# The stages read the gate as channel_sums_stage leaves it, once a chunk: [.., TT, H, SUM_PLANES, K] fp32 holding, per
+# token, head and channel, g itself, P (g summed from the row's sub-chunk start through the row) and X (g summed over
+# the rows after it to its sub-chunk's end). Formed in each stage instead, these scans and their reductions across
+# threads were the largest share of every per-channel stage's instructions (docs/performance.md, KDA).
+SUM_PLANES = tl.constexpr(3)
+
+
 @triton.jit
-def channel_sums(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
-    """Channels [d0, d0 + BD) of one chunk's gate as sums within its sub-chunks, fp32, rows grouped by sub-chunk:
-    (g [NS, SUB, BD]; P: g summed from the row's sub-chunk start through the row; X: g summed over the rows after it
-    to its sub-chunk's end; T [NS, BD]: each sub-chunk's total). g points at the chunk's first token and its head,
-    GS apart a row; rows from n on and channels from D on read as 0."""
+def gate_rows(gs, start, i_h, H: tl.constexpr, K: tl.constexpr):
+    """The planes' row of token start and head i_h (rows SUM_PLANES * H * K apart; g, P and X at 0, K and 2K)."""
+    return gs + (start * H + i_h) * (SUM_PLANES * K)
+
+
+@triton.jit
+def scan_sub_chunks(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
+    """Channels [d0, d0 + BD) of one chunk's g [C, BD] and its sums within sub-chunks (P, X [C, BD]), fp32: the scans
+    channel_sums_stage stores. g points at the chunk's first token and its head, GS apart a row; rows from n on and
+    channels from D on read as 0."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
     c = d0 + tl.arange(0, BD)
@@ -135,34 +148,95 @@ def channel_sums(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, B
     nxt = r + 1
     b_gn = tl.load(g + nxt[:, None] * GS + c[None, :], mask=((nxt < n) & (nxt % SUB != 0))[:, None] & (c[None, :] < D),
                    other=0.0).to(tl.float32)
-    g3 = tl.reshape(b_g, (NS, SUB, BD))
-    p3 = tl.cumsum(g3, axis=1)
+    p3 = tl.cumsum(tl.reshape(b_g, (NS, SUB, BD)), axis=1)
     x3 = tl.cumsum(tl.reshape(b_gn, (NS, SUB, BD)), axis=1, reverse=True)
-    t = tl.sum(tl.where((tl.arange(0, SUB) == SUB - 1)[None, :, None], p3, 0.0), axis=1)
-    return g3, p3, x3, t
+    return b_g, tl.reshape(p3, (C, BD)), tl.reshape(x3, (C, BD))
 
 
 @triton.jit
-def channel_decays(g, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
+def channel_sums_kernel(g, gs, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                        BK: tl.constexpr):
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
+    r = tl.arange(0, C)
+    c = i_k * BK + tl.arange(0, BK)
+    b_g, b_p, b_x = scan_sub_chunks(g + start * H * K + i_h * K, n, H * K, i_k * BK, K, C, BK)
+    dst = gate_rows(gs, start, i_h, H, K) + r[:, None] * (SUM_PLANES * H * K) + c[None, :]
+    mask = (r[:, None] < n) & (c[None, :] < K)
+    tl.store(dst, b_g, mask=mask)
+    tl.store(dst + K, b_p, mask=mask)
+    tl.store(dst + 2 * K, b_x, mask=mask)
+
+
+def channel_sums_stage(g: torch.Tensor, info: SeqInfo, chunk_size: int) -> torch.Tensor:
+    """KDA's gate g [.., TT, H, K] as the chunk stages read it: [.., TT, H, SUM_PLANES, K] fp32 holding g, P and X
+    (gate_rows), formed once a chunk, in parallel over chunks, heads and 64 channels."""
+    H, K = g.shape[-2], g.shape[-1]
+    gs = g.new_empty(*g.shape[:-1], SUM_PLANES.value, K, dtype=torch.float32)
+    chunks = info.chunks(chunk_size)
+    BK = min(64, next_power_of_2(K))
+    if chunks.num_chunks:
+        launch(channel_sums_kernel, (chunks.num_chunks, H, cdiv(K, BK)), g, gs, info.cu_seqlens,
+               chunks.chunk_indices, H, K, chunk_size, BK, num_warps=4)
+    return gs
+
+
+def gate_sums(gk: Optional[torch.Tensor], info: SeqInfo, chunk_size: int) -> Optional[torch.Tensor]:
+    """KDA's gate as the stages take it: channel_sums_stage's planes, as given ([.., TT, H, SUM_PLANES, K]) or made
+    from g [.., TT, H, K]; None stays None."""
+    if gk is None or gk.dim() == 5:
+        return gk
+    return channel_sums_stage(gk, info, chunk_size)
+
+
+@triton.jit
+def channel_sums(gs, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
+    """Channels [d0, d0 + BD) of one chunk's sums within sub-chunks, fp32, loaded from channel_sums_stage's planes:
+    (P, X [C, BD]; T [C/SUB, BD]: each sub-chunk's total, P of its last row in the sequence). gs points at the
+    chunk's first token and its head (gate_rows), GS apart a row; rows from n on and channels from D on read as 0."""
+    NS: tl.constexpr = C // SUB
+    r = tl.arange(0, C)
+    c = d0 + tl.arange(0, BD)
+    mask = (r[:, None] < n) & (c[None, :] < D)
+    b_p = tl.load(gs + D + r[:, None] * GS + c[None, :], mask=mask, other=0.0)
+    b_x = tl.load(gs + 2 * D + r[:, None] * GS + c[None, :], mask=mask, other=0.0)
+    s = tl.arange(0, NS)
+    last = tl.minimum(s * SUB + SUB - 1, n - 1)
+    t = tl.load(gs + D + last[:, None] * GS + c[None, :], mask=(s * SUB < n)[:, None] & (c[None, :] < D), other=0.0)
+    return b_p, b_x, t
+
+
+@triton.jit
+def sub_chunk_gates(gs, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
+    """Channels [d0, d0 + BD) of one chunk's g as [C/SUB, SUB, BD] fp32 (the running sums of a tile that does not
+    factor), from the planes as channel_sums reads them."""
+    r = tl.arange(0, C)
+    c = d0 + tl.arange(0, BD)
+    b_g = tl.load(gs + r[:, None] * GS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0)
+    return tl.reshape(b_g, (C // SUB, SUB, BD))
+
+
+@triton.jit
+def channel_decays(gs, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr):
     """Channels [d0, d0 + BD) of one chunk's decay exponents, fp32: (Γ [C, BD], g summed from the chunk's start
     through the row: exp(Γ) scales Q and W's K; B [C, BD], g summed over the rows after it to the chunk's end:
     exp(B) scales K in the state's update; Γ_C [BD], the whole chunk's sum: exp(Γ_C) decays the state). Arguments as
     channel_sums'."""
-    return decays_of_sums(channel_sums(g, n, GS, d0, D, C, BD), C)
+    return decays_of_sums(channel_sums(gs, n, GS, d0, D, C, BD), C)
 
 
 @triton.jit
 def decays_of_sums(sums, C: tl.constexpr):
-    """channel_decays' (Γ, B, Γ_C) from a tile's channel_sums (g, P, X, T), as channel_mix takes them too."""
-    _, p3, x3, t = sums
+    """channel_decays' (Γ, B, Γ_C) from a tile's channel_sums (P, X, T), as channel_mix takes them too: the totals of
+    the sub-chunks before a row's added to P, those after it to X."""
+    b_p, b_x, t = sums
     NS: tl.constexpr = C // SUB
-    BD: tl.constexpr = t.shape[1]
-    s = tl.arange(0, NS)
-    before = tl.sum(tl.where((s[None, :] < s[:, None])[:, :, None], t[None, :, :], 0.0), axis=1)
-    after = tl.sum(tl.where((s[None, :] > s[:, None])[:, :, None], t[None, :, :], 0.0), axis=1)
-    gam = tl.reshape(before[:, None, :] + p3, (C, BD))
-    rest = tl.reshape(x3 + after[:, None, :], (C, BD))
-    return gam, rest, tl.sum(t, axis=0)
+    block = tl.arange(0, C) // SUB
+    for s in tl.static_range(NS):
+        t_s = sub_chunk_total(t, s)[None, :]
+        b_p += tl.where((block > s)[:, None], t_s, 0.0)
+        b_x += tl.where((block < s)[:, None], t_s, 0.0)
+    return b_p, b_x, tl.sum(t, axis=0)
 
 
 @triton.jit
@@ -179,14 +253,14 @@ def store_decays(b_k, q, decays, kd, qd, dc, src, dst, mask, c, D: tl.constexpr,
 
 
 @triton.jit
-def channel_decay_kernel(k, q, g, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+def channel_decay_kernel(k, q, gs, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                          K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, STORE_Q: tl.constexpr):
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     i_hk = i_h // (H // HK)
     r = tl.arange(0, C)
     c = i_k * BK + tl.arange(0, BK)
-    decays = channel_decays(g + start * H * K + i_h * K, n, H * K, i_k * BK, K, C, BK)
+    decays = channel_decays(gate_rows(gs, start, i_h, H, K), n, SUM_PLANES * H * K, i_k * BK, K, C, BK)
     mask = (r[:, None] < n) & (c[None, :] < K)
     src = (start + r[:, None]) * (HK * K) + i_hk * K + c[None, :]
     dst = (start + r[:, None]) * (H * K) + i_h * K + c[None, :]
@@ -198,41 +272,43 @@ class ChannelDecays(NamedTuple):
     """KDA's per-channel decays as the serial passes take them (written by the WY stage beside W, or by
     channel_decay_stage): formed once a chunk, in parallel over chunks, rather than once a chunk in every V-block
     program of a walk."""
-    g: torch.Tensor              # the gate [.., TT, H, K]: the scores, where a pass forms them (a forced fused walk)
+    g: torch.Tensor              # the gate's planes (channel_sums_stage): the scores, where a pass forms them
     k: torch.Tensor              # exp(Γ_C - Γ) ⊙ K [.., TT, H, K] per value head, rounded to k's dtype
     q: Optional[torch.Tensor]    # exp(Γ) ⊙ Q likewise (the reverse pass), or None
     chunk: torch.Tensor          # exp(Γ_C) [NT, H, K] fp32: the state's decay over each chunk
 
 
-def channel_decay_buffers(k: torch.Tensor, g: torch.Tensor, info: SeqInfo, chunk_size: int,
+def channel_decay_buffers(k: torch.Tensor, gk: torch.Tensor, info: SeqInfo, chunk_size: int,
                           with_q: bool = False) -> ChannelDecays:
-    """ChannelDecays of g with its tensors allocated, not yet written: for channel_decay_stage, or for the WY stage
-    to fill beside W (wy.wy_fwd, wy.recompute_w_u: decays=)."""
-    H, K = g.shape[-2], k.shape[-1]
+    """ChannelDecays of KDA's gate (g or its planes: gate_sums) with its tensors allocated, not yet written: for
+    channel_decay_stage, or for the WY stage to fill beside W (wy.wy_fwd, wy.recompute_w_u: decays=)."""
+    gs = gate_sums(gk, info, chunk_size)
+    H, K = gs.shape[-3], k.shape[-1]
     kd = k.new_empty(*k.shape[:-2], H, K)
-    return ChannelDecays(g, kd, torch.empty_like(kd) if with_q else None,
-                         g.new_empty(info.chunks(chunk_size).num_chunks, H, K, dtype=torch.float32))
+    return ChannelDecays(gs, kd, torch.empty_like(kd) if with_q else None,
+                         gs.new_empty(info.chunks(chunk_size).num_chunks, H, K))
 
 
-def channel_decay_stage(k: torch.Tensor, g: torch.Tensor, info: SeqInfo, chunk_size: int,
+def channel_decay_stage(k: torch.Tensor, gk: torch.Tensor, info: SeqInfo, chunk_size: int,
                         q: Optional[torch.Tensor] = None) -> ChannelDecays:
     """The decays of KDA's state updates (DESIGN.md §12): exp(Γ_C - Γ) ⊙ K, exp(Γ_C) per chunk, and with q
     exp(Γ) ⊙ Q, each factor from channel_decays (sums within sub-chunks), rounded as the passes did on chip. A launch
     of its own, for the passes called without the WY stage that makes them otherwise."""
     HK, K = k.shape[-2], k.shape[-1]
-    H = g.shape[-2]
     chunks = info.chunks(chunk_size)
-    decays = channel_decay_buffers(k, g, info, chunk_size, q is not None)
+    decays = channel_decay_buffers(k, gk, info, chunk_size, q is not None)
+    H = decays.k.shape[-2]
     BK = min(64, next_power_of_2(K))
     if chunks.num_chunks:
-        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, g, decays.k, decays.q, decays.chunk,
+        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, decays.g, decays.k, decays.q, decays.chunk,
                info.cu_seqlens, chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None, num_warps=4)
     return decays
 
 
 def serial_decays(gk, k: torch.Tensor, info: SeqInfo, chunk_size: int, q: Optional[torch.Tensor] = None
                   ) -> Optional[ChannelDecays]:
-    """gk as the serial passes take it: None (no per-channel gate), ChannelDecays as given, or from KDA's g."""
+    """gk as the serial passes take it: None (no per-channel gate), ChannelDecays as given, or from KDA's g (or its
+    planes)."""
     if gk is None or isinstance(gk, ChannelDecays):
         return gk
     return channel_decay_stage(k, gk, info, chunk_size, q)
@@ -265,8 +341,8 @@ def decayed_operand(x, DT: tl.constexpr):
 def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.constexpr, K: tl.constexpr,
                    C: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
     """[C, C] fp32 scores of one chunk under the per-channel gate: sum_c x_ic k_jc exp(Γ_i - Γ_j)[c] for j < i (DIAG:
-    j <= i), 0 elsewhere: A's (x = k) and the output's P (x = q). x, k, g point at the chunk's first token and their
-    heads, XS, KS, GS apart a row; rows from n on are 0.
+    j <= i), 0 elsewhere: A's (x = k) and the output's P (x = q). x, k point at the chunk's first token and their
+    heads, g at its row of the gate's planes (gate_rows), XS, KS, GS apart a row; rows from n on are 0.
 
     The rows of sub-chunk I take their decays from I's start: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals of the
     sub-chunks strictly between J and I) for a column j of an earlier sub-chunk J, both factors <= 1; within I, where
@@ -286,11 +362,9 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         m = (r[:, None] < n) & (c[None, :] < K)
         b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=m, other=0.0).to(tl.float32)
         b_k = tl.load(k + r[:, None] * KS + c[None, :], mask=m, other=0.0).to(tl.float32)
-        g3, p3, x3g, t = channel_sums(g, n, GS, k0, K, C, BK)
+        b_p, b_after, t = channel_sums(g, n, GS, k0, K, C, BK)
         fac = factored(t)
         fac_block = tl.where(fac, block, -1)  # the rows' sub-chunks where the tile factors within them, else none
-        b_p = tl.reshape(p3, (C, BK))
-        b_after = tl.reshape(x3g, (C, BK))
         rows = decayed_operand(b_x * tl.exp(b_p), DT)
         between = tl.zeros([C, BK], dtype=tl.float32)  # totals of the sub-chunks strictly between a row's and I
         for I in tl.static_range(NS):
@@ -304,6 +378,7 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
             # within a sub-chunk, column j of every sub-chunk at a time: exponents g summed over (j, i], a running
             # sum down the rows from j. A loop, not unrolled: unrolled, the steps' [C/16, 16, BK] terms are live
             # together and spill on sm_90
+            g3 = sub_chunk_gates(g, n, GS, k0, K, C, BK)
             x3 = tl.reshape(b_x, (NS, SUB, BK))
             k3 = tl.reshape(b_k, (NS, SUB, BK))
             diag = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
@@ -320,7 +395,7 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
 
 
 @triton.jit
-def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
+def channel_mix(m, x, gs, sums, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
                 BD: tl.constexpr, TRANS: tl.constexpr, PRECISION: tl.constexpr):
     """Channels [d0, d0 + BD) of one chunk's product of a score gradient m [C, C] (fp32, strictly lower: rows i,
     columns j < i) with rows of x under the per-channel decays, [C, BD] fp32: sum_j m_ij x_jc exp(Γ_i - Γ_j)[c] (row
@@ -332,8 +407,8 @@ def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.cons
     PRECISION (16-bit operands left the gate's gradient 1.05e-2 off in bf16, where its bound is 1e-2). A tile
     with a stronger sub-chunk keeps the decay inside the sum within the sub-chunks, exp(g summed over (j, i]) per
     channel in fp32, a column j at a time. sums: channel_sums of the tile's channels (shared with the caller's
-    decays); x points at the chunk's first token and its head, XS apart a row; rows from n on and channels from D on
-    read as 0."""
+    decays), from the gate's planes at gs (gate_rows, GS apart a row: g itself for such a tile); x points at the
+    chunk's first token and its head, XS apart a row; rows from n on and channels from D on read as 0."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
     block = r // SUB
@@ -341,11 +416,9 @@ def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.cons
     c = d0 + tl.arange(0, BD)
     b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0)
     b_x = b_x.to(tl.float32)
-    g3, p3, q3, t = sums
+    b_p, b_after, t = sums
     fac = factored(t)
     fac_block = tl.where(fac, block, -1)
-    b_p = tl.reshape(p3, (C, BD))
-    b_after = tl.reshape(q3, (C, BD))
     # mix: the result's sub-chunks I in order, x's rows of earlier sub-chunks decayed to I's start by exp(X + the
     # totals between), I's own by exp(-P), the result's rows by exp(P). mixᵀ mirrors it: the result's sub-chunks from
     # the last, x's rows of later sub-chunks decayed to its end by exp(P + the totals between), its own by exp(-X),
@@ -365,6 +438,7 @@ def channel_mix(m, x, sums, n, XS: tl.constexpr, d0, D: tl.constexpr, C: tl.cons
         between += tl.where(other, sub_chunk_total(t, I)[None, :], 0.0)
     out *= tl.exp(b_near)
     if not fac:
+        g3 = sub_chunk_gates(gs, n, GS, d0, D, C, BD)
         x3 = tl.reshape(b_x, (NS, SUB, BD))
         m_diag = take_diagonal_blocks(m, SUB)  # [sub-chunk, i, j]
         inner = tl.zeros([NS, SUB, BD], dtype=tl.float32)

@@ -29,8 +29,8 @@ from ...launch import launch
 from ...utils import (PIPELINE_STAGES, cdiv, chunk_span, dot_precision, group_members, head_tile, load_rows,
                      load_tile, mm, state_offsets, store_group_sum, store_rows)
 from ..plan import DQKW_LAUNCH, Launch
-from .gate import (SCORE_TILE, channel_mix, channel_scores, channel_sums, decay_matrix, decays_of_sums,
-                   load_gamma)
+from .gate import (SCORE_TILE, SUM_PLANES, channel_mix, channel_scores, channel_sums, decay_matrix, decays_of_sums,
+                   gate_rows, gate_sums, load_gamma)
 
 
 @triton.jit
@@ -57,7 +57,8 @@ def dv_local_kernel(q, k, gk, scores, dout, dv, chunk_indices, cu_seqlens, scale
         b_at = load_rows(scores, start, n, i_h, 0, H, C, C, C)
     elif USE_GK:
         b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K,
-                                       gk + start * H * K + i_h * K, n, HK * K, HK * K, H * K, K, C, True, PRECISION))
+                                       gate_rows(gk, start, i_h, H, K), n, HK * K, HK * K, SUM_PLANES * H * K, K, C,
+                                       True, PRECISION))
     else:
         b_at = tl.zeros([C, C], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
@@ -140,16 +141,19 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
         tl.store(dg_chunks + ((i_k * NT + i_t) * H + i_h) * BV + tl.arange(0, BV), b_sds * tl.exp(b_gam_last))
         b_ds = b_ds.to(dt)
     elif USE_GK:
-        g_c = gam + start * H * K + i_h * K
-        sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for its decays and channel_mix
+        g_c = gate_rows(gam, start, i_h, H, K)
+        GS: tl.constexpr = SUM_PLANES * H * K
+        sums = channel_sums(g_c, n, GS, i_k * BK, K, C, BK)  # the tile's, for its decays and channel_mix
         b_gam, b_rest, b_gam_last = decays_of_sums(sums, C)
         b_dq *= tl.exp(b_gam)  # (exp(Γ) ⊙ dO S^T): the entering state's term
         b_dk *= tl.exp(b_rest)  # (exp(Γ_C - Γ) ⊙ V' dS_next^T): the leaving state's
         # dP = scale dO V'^T, strictly lower through the decays; the diagonal (decay 1) apart
         b_dpd = scale * tl.sum(tl.where(r[:, None] == r[None, :], b_ds, 0.0), axis=1)
         b_dp = tl.where(r[:, None] > r[None, :], b_ds * scale, 0.0)
-        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, False, PRECISION)
-        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, sums, n, HK * K, i_k * BK, K, C, BK, True, PRECISION)
+        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, False,
+                          PRECISION)
+        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, True,
+                          PRECISION)
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
         # dΓ_i: through exp(Γ_i) of Q S, and through the scores' decays (row i as the later token, minus as the
         # earlier); x_i through exp(Γ_C - Γ_i) of the state update; exp(Γ_C) rowsum(S ⊙ dS_next) for the chunk
@@ -174,7 +178,8 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
 def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, info, chunk_size: int,
              gk: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype (H: do's value heads; q, k may
-    have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K], the scores P of gate.channel_scores instead.
+    have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K] (or its planes, gate.gate_sums), the scores P of
+    gate.channel_scores instead.
     scores: (scale P)^T as the forward's output stage stored it (portable.output's scores, do's dtype), read rather
     than formed: the same bits."""
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
@@ -183,6 +188,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
         raise ValueError(f"dv_local: scores [.., TT, {H}, {chunk_size}] in {do.dtype} expected, got "
                          f"{tuple(scores.shape)} in {scores.dtype}")
     dv = torch.empty_like(do)
+    gk = None if scores is not None else gate_sums(gk, info, chunk_size)
     if chunks.num_chunks:
         launch(
             dv_local_kernel, (chunks.num_chunks, H),
@@ -196,7 +202,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
 def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False,
          gam=None, gk=None, cfg: Optional[Launch] = None):
     """(dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward), dW (q's dtype), and for the gated
-    rule (gam: γ) or KDA's (gk: g) the decays' gradient shares (dg_rows, dg_chunks) for gate.gate_grad or
+    rule (gam: γ) or KDA's (gk: g or its planes, gate.gate_sums) the decays' gradient shares (dg_rows, dg_chunks) for gate.gate_grad or
     gate.channel_gate_grad, else None). With grouped value heads dQ is each key head's, summed over its group in
     fp32 and rounded once; the direct dK and dW are per value head (the WY backward sums dK over the group).
 
@@ -210,6 +216,7 @@ def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=Non
     default plan.DQKW_LAUNCH)."""
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)
+    gk = gate_sums(gk, info, chunk_size)
     if dq is None:
         dq = torch.empty_like(q)
     dk, dw = (k.new_empty(*q.shape[:-2], H, K) for _ in range(2))

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ...utils import mm
-from .gate import channel_scores, decay_matrix
+from .gate import SUM_PLANES, channel_scores, decay_matrix
 
 
 @triton.jit
@@ -20,7 +20,8 @@ def kkt_tile(k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, I0: tl.constexp
              BI: tl.constexpr, BJ: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
              USE_G: tl.constexpr, USE_GK: tl.constexpr):
     """Rows I0..I0+BI, columns J0..J0+BJ of A = tril(diag(beta) K K^T, -1) of one chunk, fp32 (USE_G: times
-    exp(γ_i - γ_j); USE_GK: the per-channel decays inside the sum over channels, gam then pointing at g).
+    exp(γ_i - γ_j); USE_GK: the per-channel decays inside the sum over channels, gam then pointing at the gate's
+    planes, gate.gate_rows).
 
     k points at the chunk's first token and its key head (HK heads), beta and gam (γ, USE_G) at its value head (H
     heads); rows and columns at or past n (the end of the sequence) are zero, so a short last chunk leaves A zero
@@ -29,7 +30,7 @@ def kkt_tile(k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, I0: tl.constexp
     j = J0 + tl.arange(0, BJ)
     if USE_GK:
         tl.static_assert(I0 == 0 and J0 == 0 and BI == BJ, "the per-channel gate's A is built a whole chunk at once")
-        acc = channel_scores(k, k, gam, n, HK * K, HK * K, H * K, K, BI, False, PRECISION)
+        acc = channel_scores(k, k, gam, n, HK * K, HK * K, SUM_PLANES * H * K, K, BI, False, PRECISION)
     else:
         acc = tl.zeros([BI, BJ], dtype=tl.float32)
         for k0 in range(0, K, BK):

@@ -15,7 +15,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import (PIPELINE_STAGES, SeqInfo, cdiv, chunk_span, dot_precision, head_tile, mm, next_power_of_2,
                       store_rows)
-from .gate import channel_decays, channel_scores, decay_matrix, load_gamma
+from .gate import SUM_PLANES, channel_decays, channel_scores, decay_matrix, gate_rows, gate_sums, load_gamma
 from .grads import causal_scores_t
 
 
@@ -49,7 +49,7 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
     q_c = q + start * HK * K + i_hk * K
     k_c = k + start * HK * K + i_hk * K
     if USE_GK:
-        g_c = gam + start * H * K + i_h * K
+        g_c = gate_rows(gam, start, i_h, H, K)
 
     b_qs = tl.zeros([C, BV], dtype=tl.float32)
     b_qk = tl.zeros([C, C], dtype=tl.float32)
@@ -61,7 +61,7 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
         b_s = tl.load(h_c + ck[:, None] * V + cv[None, :], mask=m_k[:, None] & (cv[None, :] < V),
                       other=0.0).to(b_q.dtype)
         if USE_GK:  # (exp(Γ) ⊙ Q) S, the decayed Q rounded as Q is
-            b_gam, _, _ = channel_decays(g_c, n, H * K, k0, K, C, BK)
+            b_gam, _, _ = channel_decays(g_c, n, SUM_PLANES * H * K, k0, K, C, BK)
             b_qs += mm((b_q.to(tl.float32) * tl.exp(b_gam)).to(b_q.dtype), b_s, PRECISION)
         else:
             b_kt = tl.load(k_c + rows[None, :] * (HK * K) + ck[:, None], mask=m_k[:, None] & m_rows[None, :],
@@ -69,7 +69,7 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
             b_qs += mm(b_q, b_s, PRECISION)
             b_qk += mm(b_q, b_kt, PRECISION)
     if USE_GK:
-        b_qk = channel_scores(q_c, k_c, g_c, n, HK * K, HK * K, H * K, K, C, True, PRECISION)
+        b_qk = channel_scores(q_c, k_c, g_c, n, HK * K, HK * K, SUM_PLANES * H * K, K, C, True, PRECISION)
         if STORE_SCORES:  # dv_local's operand, as it would form it
             store_rows(scores, causal_scores_t(tl.trans(b_qk), scale, C, scores.dtype.element_ty), start, n, i_h, 0,
                        H, C, C, C)
@@ -88,12 +88,14 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, scale: float,
                info: SeqInfo, chunk_size: int, gam=None, gk=None, scores=None) -> torch.Tensor:
     """o [B, T, H, V] in the input dtype from q, k [B, T, HK, K], v_new [B, T, H, V] and the per-chunk
-    states h [NT, H, K, V]; gam: the gated rule's γ; gk: KDA's per-channel g [.., H, K]. scores (with gk): where the
+    states h [NT, H, K, V]; gam: the gated rule's γ; gk: KDA's per-channel g [.., H, K] or its planes
+    (gate.gate_sums). scores (with gk): where the
     chunks' (scale P)^T goes for the backward (v_new's leading dimensions and dtype, then C: grads.dv_local's operand,
     the bits it would form itself)."""
     if scores is not None and gk is None:
         raise ValueError("output_fwd: scores are stored under KDA's per-channel gate only")
     HK, H, K, V = q.shape[2], v_new.shape[2], q.shape[3], v_new.shape[3]
+    gk = gate_sums(gk, info, chunk_size)
     o = torch.empty_like(v_new)
     chunks = info.chunks(chunk_size)
     # KDA: the whole V in one program, so that P (gate.channel_scores) is computed once a chunk and head rather than

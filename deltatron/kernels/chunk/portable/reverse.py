@@ -29,7 +29,7 @@ from ...launch import launch
 from ..plan import Launch, reverse_launch
 from ...utils import (PIPELINE_STAGES, cdiv, dot_precision, head_block, load_rows, mm, num_sms, state_offsets,
                      store_rows)
-from .gate import channel_scores, decay_matrix, load_gamma, serial_decays
+from .gate import SUM_PLANES, channel_scores, decay_matrix, gate_rows, load_gamma, serial_decays
 from .grads import causal_scores_t
 
 
@@ -39,9 +39,9 @@ def state_bwd_kernel(q, k, w, gam, kd, qd, dc, dout, dv_local, dht, dh, dv, dh0,
                      BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                      FUSE_DV_LOCAL: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, PRECISION: tl.constexpr):
     """FUSE_DV_LOCAL: dV'_local computed here from q, k, dout (dv_local unused); else read from dv_local (the
-    ungated stage contract). H value heads, HK key heads (q, k); USE_G: gated by γ (gam); USE_GK: by KDA's g (gam
-    [.., H, K]) through gate.channel_decay_stage's decayed K and Q (kd, qd) and chunk decays (dc), g itself for a
-    fused local dV' only."""
+    ungated stage contract). H value heads, HK key heads (q, k); USE_G: gated by γ (gam); USE_GK: by KDA's g (gam:
+    its planes) through gate.channel_decay_stage's decayed K and Q (kd, qd) and chunk decays (dc), the gate's planes
+    (gate.gate_rows) for a fused local dV' only."""
     tl.static_assert(FUSE_DV_LOCAL or not USE_G, "the gated pass computes its local dV' itself")
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -76,8 +76,8 @@ def state_bwd_kernel(q, k, w, gam, kd, qd, dc, dout, dv_local, dht, dh, dv, dh0,
             # Q and K are whole in K here, so A^T = K Q^T is one product; the local part stays in fp32
             if USE_GK:
                 b_at = tl.trans(channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K,
-                                               gam + start * H * K + i_h * K, n, HK * K, HK * K, H * K, K, C, True,
-                                               PRECISION))
+                                               gate_rows(gam, start, i_h, H, K), n, HK * K, HK * K,
+                                               SUM_PLANES * H * K, K, C, True, PRECISION))
             else:
                 b_at = mm(b_k, tl.trans(b_q), PRECISION)
             if USE_G:

@@ -29,7 +29,7 @@ import triton.language as tl
 from ...launch import launch as launch_kernel
 from ..plan import Launch, walk_launch
 from ...utils import PIPELINE_STAGES, SeqInfo, cdiv, dot_precision, head_block, load_rows, mm, state_offsets
-from .gate import channel_decays, channel_scores, decay_matrix, load_gamma, serial_decays
+from .gate import SUM_PLANES, channel_decays, channel_scores, decay_matrix, gate_rows, load_gamma, serial_decays
 from .output import causal_output
 from .wy import tinv_beta_pair, wy_product
 
@@ -44,8 +44,8 @@ def state_fwd_kernel(q, k, v, beta, gam, kd, dc, tinv, w, u, h0, h, v_new, o, ht
     WY_ON_CHIP: W and U's V-block computed from tinv, beta, k, v (SPLIT: Tinv diag(beta) as a 16-bit
     pair, wy.tinv_beta_pair), W written to w by the V-block-0 programs, u unused; else W, U read from w, u
     (v, beta, tinv unused). H value heads, HK key heads (q, k); USE_G: gated by γ (gam); USE_GK: by KDA's g
-    (gam [.., H, K]), the state's update from gate.channel_decay_stage's decayed K (kd) and chunk decays (dc), g
-    itself for the fused output's scores only."""
+    (gam: its planes, gate.gate_rows), the state's update from gate.channel_decay_stage's decayed K (kd) and chunk
+    decays (dc), the planes for the fused output's scores only."""
     tl.static_assert(not (USE_GK and WY_ON_CHIP), "the per-channel gate's walk is the forward's")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -85,9 +85,9 @@ def state_fwd_kernel(q, k, v, beta, gam, kd, dc, tinv, w, u, h0, h, v_new, o, ht
             b_gam, b_gam_last = load_gamma(gam, start, eos - start, i_h, H, C)
             b_decay = tl.exp(b_gam)
         if USE_GK:
-            g_c = gam + start * H * K + i_h * K
+            g_c = gate_rows(gam, start, i_h, H, K)
             if FUSE_OUTPUT:
-                b_gam, _, _ = channel_decays(g_c, eos - start, H * K, 0, K, C, BK)
+                b_gam, _, _ = channel_decays(g_c, eos - start, SUM_PLANES * H * K, 0, K, C, BK)
         o_uv = (start + rows[:, None]) * (H * V) + i_h * V + cv[None, :]
         m_uv = m_rows[:, None] & (cv[None, :] < V)
         if WY_ON_CHIP:
@@ -132,7 +132,7 @@ def state_fwd_kernel(q, k, v, beta, gam, kd, dc, tinv, w, u, h0, h, v_new, o, ht
         if FUSE_OUTPUT:
             if USE_GK:
                 b_qk = channel_scores(q + start * HK * K + i_hk * K, k + start * HK * K + i_hk * K, g_c, eos - start,
-                                      HK * K, HK * K, H * K, K, C, True, PRECISION)
+                                      HK * K, HK * K, SUM_PLANES * H * K, K, C, True, PRECISION)
             else:
                 b_qk = mm(b_q, b_kt, PRECISION)
             if USE_G:

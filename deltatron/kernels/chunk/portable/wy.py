@@ -28,7 +28,7 @@ import triton.language as tl
 from ...launch import launch
 from ...utils import WY_PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, load_rows, mm, store_rows, tril_precision
 from ..plan import Launch, wy_launch
-from .gate import ChannelDecays, channel_decays, load_gamma, store_decays
+from .gate import SUM_PLANES, ChannelDecays, channel_decays, gate_rows, gate_sums, load_gamma, store_decays
 from .solve_tril import tril_inverse
 
 
@@ -115,7 +115,7 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_
         b_decay = tl.exp(b_gam)
         gam_c = gam + start * H + i_h
     if USE_GK:
-        gam_c = gam + start * H * K + i_h * K
+        gam_c = gate_rows(gam, start, i_h, H, K)
     q_c, kd_c, qd_c, dc_c = q, kd, qd, dc
     if DECAYS:
         kd_c = kd + start * H * K + i_h * K
@@ -142,7 +142,8 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_
                    V, BV, C, False, SPLIT, PRECISION, q_c, kd_c, qd_c, dc_c, False, False)
         if USE_G:  # W's pair takes the decay exp(γ) beside beta
             b_tb_hi, b_tb_lo = tinv_beta_pair(b_t, beta_c, b_decay, n, H, C, w.dtype.element_ty, True)
-        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, gam_c, n, HK, H, H * K, K, BW, C, USE_GK,
+        apply_tinv(b_tb_hi, b_tb_lo, k_c, w + start * H * K + i_h * K, gam_c, n, HK, H, SUM_PLANES * H * K, K, BW, C,
+                   USE_GK,
                    SPLIT, PRECISION, q_c, kd_c, qd_c, dc_c, DECAYS, DECAYS_Q)
 
 
@@ -151,13 +152,14 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
         decays: Optional[ChannelDecays] = None, q: Optional[torch.Tensor] = None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
     no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd). gam: the gated rule's
-    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] instead. decays (with gk and v): gate.channel_decay_buffers'
+    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] (or its planes, gate.gate_sums) instead. decays (with gk and v): gate.channel_decay_buffers'
     tensors, written beside W (their q tensor from q). Value heads are beta's, key heads k's."""
     if decays is not None and (gk is None or v is None or (decays.q is None) != (q is None)):
         raise ValueError("wy: decays are written beside W under KDA's gate, their decayed q from q")
     HK, K = k.shape[2], k.shape[3]
     H = beta.shape[2]
     V = K if v is None else v.shape[3]
+    gk = gate_sums(gk, info, chunk_size)
     w, u = (None, None) if v is None else (k.new_empty(*k.shape[:2], H, K), torch.empty_like(v))
     chunks = info.chunks(chunk_size)
     split = k.dtype != torch.float32  # Tinv diag(beta) as a hi + lo pair of the 16-bit input dtype

@@ -31,8 +31,8 @@ from ...launch import launch
 from ...utils import (WY_PIPELINE_STAGES, chunk_span, dot_precision, group_members, load_rows, mm, store_group_sum,
                      store_rows)
 from ..plan import Launch, wy_bwd_launch
-from .gate import (SCORE_TILE, channel_decays, channel_mix, channel_sums, decay_matrix, decays_of_sums,
-                   load_gamma)
+from .gate import (SCORE_TILE, SUM_PLANES, channel_decays, channel_mix, channel_sums, decay_matrix, decays_of_sums,
+                   gate_rows, gate_sums, load_gamma)
 
 
 @triton.jit
@@ -95,8 +95,9 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
         b_gam, _ = load_gamma(gam, start, n, i_h, H, C)
         b_wbeta = b_beta * tl.exp(b_gam)
     if USE_GK:
-        g_c = gam + start * H * K + i_h * K
+        g_c = gate_rows(gam, start, i_h, H, K)
         k_c = k + start * HK * K + i_hk * K
+    GS: tl.constexpr = SUM_PLANES * H * K  # (USE_GK) the planes' row stride
     b_tt = load_tinv_t(tinv, start, n, i_h, H, C)
     dt = k.dtype.element_ty
     b_tt_in = b_tt.to(dt)  # (fp32 inputs: unchanged)
@@ -108,7 +109,7 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
         b_dw = load_rows(dw, start, n, i_h, i_k * BK, H, K, C, BK).to(dt)
         b_kb = b_k.to(tl.float32) * b_wbeta[:, None]
         if USE_GK:  # W's K takes exp(Γ) per channel
-            b_kb *= tl.exp(channel_decays(g_c, n, H * K, i_k * BK, K, C, BK)[0])
+            b_kb *= tl.exp(channel_decays(g_c, n, GS, i_k * BK, K, C, BK)[0])
         b_dt += mm(b_dw, tl.trans(b_kb.to(dt)), PRECISION)
     for i_v in range(tl.cdiv(V, BV)):
         b_v = load_rows(v, start, n, i_h, i_v * BV, H, V, C, BV)
@@ -129,11 +130,11 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
         if USE_GK:
             # dA's products with K under the decays: rows (sum_j dA_ij k_j D_ij, beta_i on the row) and columns
             # (sum_i beta_i dA_ij k_i D_ij); T~^T dW's row i takes exp(Γ_i) per channel in dK, dbeta and dΓ
-            sums = channel_sums(g_c, n, H * K, i_k * BK, K, C, BK)  # the tile's, for exp(Γ) and channel_mix
+            sums = channel_sums(g_c, n, GS, i_k * BK, K, C, BK)  # the tile's, for exp(Γ) and channel_mix
             b_e = tl.exp(decays_of_sums(sums, C)[0])
             b_tdw = mm(b_tt_in, b_dw, PRECISION)
-            b_ya = channel_mix(b_da, k_c, sums, n, HK * K, i_k * BK, K, C, BK, False, PRECISION)
-            b_za = channel_mix(tl.trans(b_dat), k_c, sums, n, HK * K, i_k * BK, K, C, BK, True, PRECISION)
+            b_ya = channel_mix(b_da, k_c, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, False, PRECISION)
+            b_za = channel_mix(tl.trans(b_dat), k_c, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, True, PRECISION)
             b_dkb = b_tdw * b_e + b_ya
             b_dk_wy = b_beta[:, None] * b_dkb + b_za
             b_dbeta_k = tl.sum(b_dkb * b_k, axis=1)
@@ -173,7 +174,8 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     tinv: [1, TT, H, C] fp32 (I + A)^{-1}; dw, du: gradients of W and U; dk_direct: the part of dK from
     the output and the state update (k's dtype, as grads.dqkw stores it; added in fp32). out: (dk, dv,
     dbeta) to write into (those shapes and dtypes, contiguous: the segmented backward passes its segment's
-    views of the batch's), else new tensors. gam: the gated rule's γ; gk: KDA's g (dΓ then [.., TT, H, K]). With
+    views of the batch's), else new tensors. gam: the gated rule's γ; gk: KDA's g or its planes (gate.gate_sums; dΓ
+    then [.., TT, H, K]). With
     grouped value heads (beta's heads more than k's) dk_direct is per value head and dk each key head's, summed over
     its group in fp32 and rounded once."""
     HK, H, K, V = k.shape[-2], beta.shape[-1], k.shape[-1], v.shape[-1]
@@ -183,8 +185,9 @@ def wy_bwd(k, v, beta, tinv, dw, du, dk_direct, info, chunk_size: int, out=None,
     dk, dv, dbeta = out
     dk_group = k.new_empty(k.shape, dtype=torch.float32) if H != HK else None
     dgam = None
+    gk = gate_sums(gk, info, chunk_size)
     if gam is not None or gk is not None:
-        dgam = torch.empty(beta.shape if gk is None else gk.shape, dtype=torch.float32, device=beta.device)
+        dgam = torch.empty(beta.shape if gk is None else (*beta.shape, K), dtype=torch.float32, device=beta.device)
     if cfg is None:
         cfg = wy_bwd_launch(K, V, k.element_size(), gk is not None, gam is not None)
     tile_k = cfg.tile_k if gk is None else min(cfg.tile_k, SCORE_TILE.value)  # channel_mix's tiles, as grads.dqkw's

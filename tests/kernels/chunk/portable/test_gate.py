@@ -1,5 +1,6 @@
-"""KDA's per-channel decays as the chunk stages form them on chip (portable/gate.py: channel_decays, channel_scores;
-DESIGN.md §12), one chunk at a time in a test kernel, against float64.
+"""KDA's per-channel decays as the chunk stages form them (portable/gate.py: the gate's sums within sub-chunks by
+channel_sums_stage, then channel_decays and channel_scores on chip; DESIGN.md §12), one chunk at a time in a test
+kernel, against float64.
 
 The gate that tells the two ways of forming an exponent apart: every channel strong (uniform in [-20, 0]) for the
 first half of the chunk and nearly none (about -5e-4) after, so the factors between late tokens are near 1 while the
@@ -10,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deltatron.kernels.chunk.portable.gate import FACTOR_BOUND, channel_decays, channel_scores, channel_sums, factored
+from deltatron.kernels.chunk.portable.gate import (FACTOR_BOUND, SUM_PLANES, channel_decays, channel_scores,
+                                                   channel_sums, channel_sums_stage, factored)
+from deltatron.kernels.utils import seq_info
 
 from ....helpers import DEVICE, INTERPRET, rel_rms
 
@@ -22,11 +25,19 @@ def one_chunk_kernel(x, k, g, scores, gam, rest, total, n, K: tl.constexpr, C: t
                      DIAG: tl.constexpr):
     r = tl.arange(0, C)
     c = tl.arange(0, BK)
-    tl.store(scores + r[:, None] * C + r[None, :], channel_scores(x, k, g, n, K, K, K, K, C, DIAG, "ieee"))
-    b_gam, b_rest, b_total = channel_decays(g, n, K, 0, K, C, BK)
+    GS: tl.constexpr = SUM_PLANES * K
+    tl.store(scores + r[:, None] * C + r[None, :], channel_scores(x, k, g, n, K, K, GS, K, C, DIAG, "ieee"))
+    b_gam, b_rest, b_total = channel_decays(g, n, GS, 0, K, C, BK)
     tl.store(gam + r[:, None] * BK + c[None, :], b_gam)
     tl.store(rest + r[:, None] * BK + c[None, :], b_rest)
     tl.store(total + c, b_total)
+
+
+def planes(g, n, C):
+    """The gate's planes (channel_sums_stage) of g's first n rows [n, K], as one sequence of one head, chunk C."""
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    info = seq_info(1, n, torch.device(DEVICE), cu.to(DEVICE), cu)
+    return channel_sums_stage(g[:n].to(DEVICE)[None, :, None], info, C)
 
 
 def strong_then_weak(C, K, gen):
@@ -52,9 +63,10 @@ def test_channel_sums_match_float64(C, n, K, diag, gate):
     x, k = torch.randn(C, K, generator=gen), torch.randn(C, K, generator=gen)
     g = GATES[gate](C, K, gen)
     BK = triton.next_power_of_2(K)
-    scores = torch.full((C, C), float("nan"))
-    gam, rest, total = torch.empty(C, BK), torch.empty(C, BK), torch.empty(BK)
-    one_chunk_kernel[(1,)](*(t.to(DEVICE) for t in (x, k, g, scores, gam, rest, total)), n, K, C, BK, diag)
+    outs = torch.full((C, C), float("nan")), torch.empty(C, BK), torch.empty(C, BK), torch.empty(BK)
+    outs = tuple(t.to(DEVICE) for t in outs)  # written on the device, compared on the host
+    one_chunk_kernel[(1,)](x.to(DEVICE), k.to(DEVICE), planes(g, n, C), *outs, n, K, C, BK, diag)
+    scores, gam, rest, total = (t.cpu() for t in outs)
     xd, kd, G = x.double()[:n], k.double()[:n], g.double()[:n].cumsum(0)
     keep = torch.tril(torch.ones(n, n, dtype=torch.bool), 0 if diag else -1)
     decay = torch.where(keep[..., None], G[:, None] - G[None], -torch.inf).exp()
@@ -70,7 +82,7 @@ def test_channel_sums_match_float64(C, n, K, diag, gate):
 
 @triton.jit
 def factored_kernel(g, out, n, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
-    _, _, _, t = channel_sums(g, n, K, 0, K, C, BK)
+    _, _, t = channel_sums(g, n, SUM_PLANES * K, 0, K, C, BK)
     tl.store(out, factored(t).to(tl.int32))
 
 
@@ -79,9 +91,9 @@ def test_factored_path_taken_where_every_sub_chunk_is_within_the_bound(gate, exp
     gen = torch.Generator().manual_seed(3)
     g = GATES[gate](64, 32, gen)
     out = torch.full((1,), -1, dtype=torch.int32)
-    factored_kernel[(1,)](g.to(DEVICE), out := out.to(DEVICE), 64, 32, 64, 32)
+    factored_kernel[(1,)](planes(g, 64, 64), out := out.to(DEVICE), 64, 32, 64, 32)
     assert out.item() == expected
     # one sub-chunk past the bound in one channel sends the whole tile to the running sums
     g[20:36, 7] = -FACTOR_BOUND.value / 15
-    factored_kernel[(1,)](g.to(DEVICE), out, 64, 32, 64, 32)
+    factored_kernel[(1,)](planes(g, 64, 64), out, 64, 32, 64, 32)
     assert out.item() == 0
