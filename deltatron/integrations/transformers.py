@@ -10,16 +10,19 @@ How transformers picks the op. Each of these modeling modules (e.g. transformers
 defines two module-level functions, `torch_chunk_gated_delta_rule` (training, prefill) and
 `torch_recurrent_gated_delta_rule` (one-token steps from a cache). transformers' decorator
 `use_kernel_func_from_hub_with_fallback` replaces each, when the module is imported, by a wrapper bound once to fla's
-`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` if fla is installed, else to the PyTorch code beneath it.
-The layer's forward looks both names up in its module's globals on every call. enable() rebinds those two names in
-each module to adapters that call `deltatron.chunk_gated_delta_rule` / `deltatron.fused_recurrent_gated_delta_rule`
-(which run wherever deltatron's gated ops run; see their docstrings). The gated RMSNorm, the full-attention layers
-and, except for packed sequences (below), the short convolution stay transformers' own code. disable() binds back
-the objects that enable() replaced.
+`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` if fla is installed (from 5.25, for inputs on a device
+fla supports), else to the PyTorch code beneath it. Where the kernels package is installed (a dependency of
+transformers from 5.25, optional before), the decorator then makes each name hold an nn.Module (kernels' `Func`)
+whose forward, of the function's signature, calls that wrapper (the layer class keeps copies of them for kernels'
+kernelize, but calls the op through the module's names). The layer's forward looks both names up in its module's
+globals on every call. enable() rebinds those two names in each module to adapters that call `deltatron.chunk_gated_delta_rule` /
+`deltatron.fused_recurrent_gated_delta_rule` (which run wherever deltatron's gated ops run; see their docstrings).
+The gated RMSNorm, the full-attention layers and, except for packed sequences (below), the short convolution stay
+transformers' own code. disable() binds back the objects that enable() replaced.
 
 Covered:
-- models built before and after enable(), since the names are looked up at call time (a layer keeps no reference
-  to them); call enable() before torch.compile, so that the compiled graph is traced through deltatron;
+- models built before and after enable(), since the names are looked up at call time (a layer calls them only
+  through these names); call enable() before torch.compile, so that the compiled graph is traced through deltatron;
 - training (gradients to q, k, v, g, beta and the initial state), prefill, and cached decoding;
 - packed sequences. The layer hands the op `cu_seqlens=kwargs.pop("cu_seq_lens_q", None)`: the flash-attention
   keyword `cu_seq_lens_q` that the caller passes to the model (for instance from
@@ -37,6 +40,8 @@ convention), and enable() refuses them with a RuntimeError.
 Not covered: a layer whose whole forward transformers replaces by a Hub kernel (with `use_kernels=True`,
 `Qwen3_5GatedDeltaNet` on a few devices), and a modeling module whose functions have other signatures than the
 ones below (a later transformers release): enable() skips such a module with a RuntimeWarning rather than guess.
+With the kernels package, a model pickled whole while enabled does not unpickle until disable() (kernels rebuilds the
+layer's copies from the rebound names); state_dict, save_pretrained and copy.deepcopy are not affected.
 
 Kimi Linear (kimi_linear). Its KDA layer calls `chunk_kimi_delta_attention` and `recurrent_kimi_delta_attention`
 the same way, with signatures equal to the two above and a per-channel g [B, T, H, K] that its forget gate makes;
@@ -194,6 +199,8 @@ def _import(name: str):
 
 
 def _signature_matches(fn: Callable, attr: str) -> bool:
+    if isinstance(fn, torch.nn.Module):  # kernels' `Func` (module docstring): its forward has the function's signature
+        fn = fn.forward
     try:
         # inspect follows __wrapped__ (functools.wraps) to the PyTorch fallback's own signature
         return tuple(inspect.signature(fn).parameters) == _EXPECTED_PARAMS[attr]

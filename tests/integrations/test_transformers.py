@@ -51,9 +51,13 @@ def calls(monkeypatch):
 
 
 def reference(module, attr):
-    """transformers' PyTorch fallback itself, beneath the wrapper (which would call fla if fla were installed)."""
-    assert not hasattr(getattr(module, attr), "_deltatron_original")
-    return inspect.unwrap(getattr(module, attr))
+    """transformers' PyTorch fallback itself, beneath the wrapper (which would call fla if fla were installed) and,
+    where the kernels package is installed, beneath the nn.Module (kernels' `Func`) whose forward calls the wrapper."""
+    fn = getattr(module, attr)
+    assert not hasattr(fn, "_deltatron_original")
+    if isinstance(fn, torch.nn.Module):
+        fn = inspect.getclosurevars(type(fn).forward).nonlocals["func"]  # the function Func was made from
+    return inspect.unwrap(fn)
 
 
 # ---------------------------------------------------------------------------------------------------------------
