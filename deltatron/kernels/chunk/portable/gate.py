@@ -366,14 +366,17 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         fac = factored(t)
         fac_block = tl.where(fac, block, -1)  # the rows' sub-chunks where the tile factors within them, else none
         rows = decayed_operand(b_x * tl.exp(b_p), DT)
-        between = tl.zeros([C, BK], dtype=tl.float32)  # totals of the sub-chunks strictly between a row's and I
+        # the columns decayed to their sub-chunk's end by exp(X) (<= 1), and within a factored one from its start by
+        # exp(-P); a column of an earlier sub-chunk takes exp(T) of each sub-chunk it then passes, one a step: a
+        # product of factors <= 1, whose exponents keep their one sign, with one exp a column rather than one a step
+        k_far = b_k * tl.exp(b_after)
+        k_near = b_k * tl.exp(tl.where((fac_block >= 0)[:, None], -b_p, 0.0))
         for I in tl.static_range(NS):
             earlier = (block < I)[:, None]
-            within = (fac_block == I)[:, None]
-            expo = tl.where(earlier, b_after + between, tl.where(within, -b_p, 0.0))
-            cols = tl.where(earlier | within, b_k * tl.exp(expo), 0.0)
+            cols = tl.where(earlier, k_far, tl.where((fac_block == I)[:, None], k_near, 0.0))
             scores += mm(tl.where((block == I)[:, None], rows, 0.0), tl.trans(decayed_operand(cols, DT)), PRECISION)
-            between += tl.where(earlier, sub_chunk_total(t, I)[None, :], 0.0)
+            if I < NS - 1:
+                k_far = tl.where(earlier, k_far * tl.exp(sub_chunk_total(t, I))[None, :], k_far)
         if not fac:
             # within a sub-chunk, column j of every sub-chunk at a time: exponents g summed over (j, i], a running
             # sum down the rows from j. A loop, not unrolled: unrolled, the steps' [C/16, 16, BK] terms are live
@@ -426,16 +429,17 @@ def channel_mix(m, x, gs, sums, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl
     b_m = tl.trans(m) if TRANS else m
     b_near = b_after if TRANS else b_p  # the exponent inside the result's own sub-chunk
     b_far = b_p if TRANS else b_after  # the exponent of x's rows of the other sub-chunks, to their boundary
+    # as channel_scores' columns: x's rows decayed to their boundary once, then by exp(T) of each sub-chunk passed
+    y_far = b_x * tl.exp(b_far)
+    y_near = b_x * tl.exp(tl.where((fac_block >= 0)[:, None], -b_near, 0.0))
     out = tl.zeros([C, BD], dtype=tl.float32)
-    between = tl.zeros([C, BD], dtype=tl.float32)
     for step in tl.static_range(NS):
         I = NS - 1 - step if TRANS else step  # the result's sub-chunk
         other = ((block > I) if TRANS else (block < I))[:, None]  # x's rows on the far side of I's boundary
-        within = (fac_block == I)[:, None]
-        expo = tl.where(other, b_far + between, tl.where(within, -b_near, 0.0))
-        b_y = tl.where(other | within, b_x * tl.exp(expo), 0.0)
+        b_y = tl.where(other, y_far, tl.where((fac_block == I)[:, None], y_near, 0.0))
         out += tl.where((block == I)[:, None], mm(b_m, b_y, PRECISION), 0.0)
-        between += tl.where(other, sub_chunk_total(t, I)[None, :], 0.0)
+        if step < NS - 1:
+            y_far = tl.where(other, y_far * tl.exp(sub_chunk_total(t, I))[None, :], y_far)
     out *= tl.exp(b_near)
     if not fac:
         g3 = sub_chunk_gates(gs, n, GS, d0, D, C, BD)
