@@ -10,14 +10,14 @@ How transformers picks the op. Each of these modeling modules (e.g. transformers
 defines two module-level functions, `torch_chunk_gated_delta_rule` (training, prefill) and
 `torch_recurrent_gated_delta_rule` (one-token steps from a cache). transformers' decorator
 `use_kernel_func_from_hub_with_fallback` replaces each, when the module is imported, by a wrapper bound once to fla's
-`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` if fla is installed (from 5.25, for inputs on a device
-fla supports), else to the PyTorch code beneath it. Where the kernels package is installed (a dependency of
-transformers from 5.25, optional before), the decorator then makes each name hold an nn.Module (kernels' `Func`)
-whose forward, of the function's signature, calls that wrapper (the layer class keeps copies of them for kernels'
-kernelize, but calls the op through the module's names). The layer's forward looks both names up in its module's
-globals on every call. enable() rebinds those two names in each module to adapters that call `deltatron.chunk_gated_delta_rule` /
-`deltatron.fused_recurrent_gated_delta_rule` (which run wherever deltatron's gated ops run; see their docstrings).
-The gated RMSNorm, the full-attention layers and, except for packed sequences (below), the short convolution stay
+`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` if fla is installed (from 5.25, for inputs on a device fla
+supports), else to the PyTorch code beneath it. Where the kernels package is installed (a dependency of transformers
+from 5.25, optional before), the decorator then makes each name hold an nn.Module (kernels' `Func`) whose forward, of
+the function's signature, calls that wrapper (the layer class keeps copies of them for kernels' kernelize, but calls the
+op through the module's names). The layer's forward looks both names up in its module's globals on every call. enable()
+rebinds those two names in each module to adapters that call `deltatron.chunk_gated_delta_rule` /
+`deltatron.fused_recurrent_gated_delta_rule` (which run wherever deltatron's gated ops run; see their docstrings). The
+gated RMSNorm, the full-attention layers and, except for packed sequences (below), the short convolution stay
 transformers' own code. disable() binds back the objects that enable() replaced.
 
 Covered:

@@ -300,8 +300,9 @@ def channel_decay_stage(k: torch.Tensor, gk: torch.Tensor, info: SeqInfo, chunk_
     H = decays.k.shape[-2]
     BK = min(64, next_power_of_2(K))
     if chunks.num_chunks:
-        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, decays.g, decays.k, decays.q, decays.chunk,
-               info.cu_seqlens, chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None, num_warps=4)
+        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, decays.g, decays.k, decays.q,
+               decays.chunk, info.cu_seqlens, chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None,
+               num_warps=4)
     return decays
 
 
