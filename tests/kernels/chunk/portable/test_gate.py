@@ -15,7 +15,7 @@ from deltatron.kernels.chunk.portable.gate import (FACTOR_BOUND, SUM_PLANES, cha
                                                    channel_sums, channel_sums_stage, factored)
 from deltatron.kernels.utils import seq_info
 
-from ....helpers import DEVICE, INTERPRET, rel_rms
+from ....helpers import DEVICE, INTERPRET, random_cu_seqlens, rel_rms
 
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -97,3 +97,28 @@ def test_factored_path_taken_where_every_sub_chunk_is_within_the_bound(gate, exp
     g[20:36, 7] = -FACTOR_BOUND.value / 15
     factored_kernel[(1,)](planes(g, 64, 64), out, 64, 32, 64, 32)
     assert out.item() == 0
+
+
+@pytest.mark.parametrize("C", [16, 32, 64])
+def test_channel_sums_stage_over_packed_sequences(C, poison):
+    # the planes (g, P, X) of packed sequences against float64 sums within each sequence's sub-chunks of 16 tokens:
+    # partial chunks and sub-chunks, an empty sequence, one token, a partial channel tile (K = 72 > 64), a bf16 gate;
+    # sub-chunks start at multiples of 16 from each sequence's start whatever the chunk size, so the planes are the
+    # same at every C
+    lengths, H, K = [70, 0, 1, 33, 16], 3, 72
+    gen = torch.Generator().manual_seed(5)
+    g = (-20 * torch.rand(1, sum(lengths), H, K, generator=gen)).to(torch.bfloat16)
+    cu = random_cu_seqlens(lengths)
+    planes = channel_sums_stage(g.to(DEVICE), seq_info(1, sum(lengths), torch.device(DEVICE), cu.to(DEVICE), cu), C)
+    assert planes.shape == (1, sum(lengths), H, SUM_PLANES.value, K) and planes.dtype == torch.float32
+    got = planes[0].cpu().double()
+    gd = g[0].double()
+    want_p, want_x = torch.empty_like(gd), torch.empty_like(gd)
+    for bos, L in zip(cu.tolist(), lengths):
+        for s0 in range(bos, bos + L, 16):
+            blk = gd[s0:min(s0 + 16, bos + L)]
+            want_p[s0:s0 + len(blk)] = blk.cumsum(0)
+            want_x[s0:s0 + len(blk)] = blk.sum(0) - blk.cumsum(0)  # the rows after each, in float64
+    assert torch.equal(got[:, :, 0], gd)
+    assert rel_rms(got[:, :, 1], want_p) <= 1e-6
+    assert rel_rms(got[:, :, 2], want_x) <= 1e-6
