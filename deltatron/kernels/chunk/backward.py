@@ -40,7 +40,7 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
             do = do.clone()
         return gluon_state_bwd(q, k, w, do, dht, scale, need_dh0, info, C, block_v=plan.reverse_launch.block_v,
                                checked=True, gam=gam)
-    gk = None if decays is None else decays.g
+    gk = None if decays is None else decays.sums
     local = dv_local(q, k, do, scale, info, C, gk=gk, scores=scores) if plan.local_dv_apart else None
     return state_bwd(q, k, w, do, local, dht, scale, need_dh0, info, C, cfg=plan.reverse_launch, gam=gam, gk=decays)
 

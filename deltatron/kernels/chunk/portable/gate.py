@@ -272,7 +272,7 @@ class ChannelDecays(NamedTuple):
     """KDA's per-channel decays as the serial passes take them (written by the WY stage beside W, or by
     channel_decay_stage): formed once a chunk, in parallel over chunks, rather than once a chunk in every V-block
     program of a walk."""
-    g: torch.Tensor              # the gate's planes (channel_sums_stage): the scores, where a pass forms them
+    sums: torch.Tensor           # the gate's planes (channel_sums_stage): the scores, where a pass forms them
     k: torch.Tensor              # exp(Γ_C - Γ) ⊙ K [.., TT, H, K] per value head, rounded to k's dtype
     q: Optional[torch.Tensor]    # exp(Γ) ⊙ Q likewise (the reverse pass), or None
     chunk: torch.Tensor          # exp(Γ_C) [NT, H, K] fp32: the state's decay over each chunk
@@ -300,7 +300,7 @@ def channel_decay_stage(k: torch.Tensor, gk: torch.Tensor, info: SeqInfo, chunk_
     H = decays.k.shape[-2]
     BK = min(64, next_power_of_2(K))
     if chunks.num_chunks:
-        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, decays.g, decays.k, decays.q,
+        launch(channel_decay_kernel, (chunks.num_chunks, H, cdiv(K, BK)), k, q, decays.sums, decays.k, decays.q,
                decays.chunk, info.cu_seqlens, chunks.chunk_indices, H, HK, K, chunk_size, BK, q is not None,
                num_warps=4)
     return decays

@@ -202,9 +202,10 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
 def dqkw(q, k, v_new, h, dh, do, dv, scale: float, info, chunk_size: int, dq=None, states_t: bool = False,
          gam=None, gk=None, cfg: Optional[Launch] = None):
     """(dQ (final, q's dtype), direct dK (k's dtype, completed by the WY backward), dW (q's dtype), and for the gated
-    rule (gam: γ) or KDA's (gk: g or its planes, gate.gate_sums) the decays' gradient shares (dg_rows, dg_chunks) for gate.gate_grad or
-    gate.channel_gate_grad, else None). With grouped value heads dQ is each key head's, summed over its group in
-    fp32 and rounded once; the direct dK and dW are per value head (the WY backward sums dK over the group).
+    rule (gam: γ) or KDA's (gk: g or its planes, gate.gate_sums) the decays' gradient shares (dg_rows, dg_chunks) for
+    gate.gate_grad or gate.channel_gate_grad, else None). With grouped value heads dQ is each key head's, summed over
+    its group in fp32 and rounded once; the direct dK and dW are per value head (the WY backward sums dK over the
+    group).
 
     The direct dK is stored in k's dtype, not fp32: for 16-bit inputs that halves its HBM round trip (written here,
     read and added in fp32 by the WY backward), for one 16-bit rounding of one summand (DESIGN.md §4).

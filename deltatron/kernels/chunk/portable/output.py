@@ -35,7 +35,7 @@ def output_fwd_kernel(q, k, gam, v_new, h, o, scores, scale, cu_seqlens, chunk_i
                       BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, STORE_SCORES: tl.constexpr,
                       PRECISION: tl.constexpr):
     """STORE_SCORES (USE_GK, one V-block): the chunk's (scale P)^T, masked to j <= i and rounded to the input dtype
-    (grads.causal_scores_t), into scores [.., TT, H, C] (row j, column i): the operand grads.dv_local's product takes."""
+    (grads.causal_scores_t), into scores [.., TT, H, C] (row j, column i): the operand of grads.dv_local's product."""
     # V-blocks of one chunk are neighbours in the grid: they share the Q and K tiles in L2
     NV = (V + BV - 1) // BV
     i_cv, i_h = tl.program_id(0), tl.program_id(1)
@@ -89,9 +89,8 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.T
                info: SeqInfo, chunk_size: int, gam=None, gk=None, scores=None) -> torch.Tensor:
     """o [B, T, H, V] in the input dtype from q, k [B, T, HK, K], v_new [B, T, H, V] and the per-chunk
     states h [NT, H, K, V]; gam: the gated rule's γ; gk: KDA's per-channel g [.., H, K] or its planes
-    (gate.gate_sums). scores (with gk): where the
-    chunks' (scale P)^T goes for the backward (v_new's leading dimensions and dtype, then C: grads.dv_local's operand,
-    the bits it would form itself)."""
+    (gate.gate_sums). scores (with gk): where the chunks' (scale P)^T goes for the backward (v_new's leading
+    dimensions and dtype, then C: grads.dv_local's operand, the bits it would form itself)."""
     if scores is not None and gk is None:
         raise ValueError("output_fwd: scores are stored under KDA's per-channel gate only")
     HK, H, K, V = q.shape[2], v_new.shape[2], q.shape[3], v_new.shape[3]

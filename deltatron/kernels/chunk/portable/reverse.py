@@ -119,7 +119,7 @@ def state_bwd(q, k, w, do, dv_local: Optional[torch.Tensor], dht: Optional[torch
     if N:
         launch(
             state_bwd_kernel, (cdiv(V, cfg.block_v), N * H),
-            q, k, w, decays.g if decays else gam, decays and decays.k, decays and decays.q, decays and decays.chunk,
+            q, k, w, decays.sums if decays else gam, decays and decays.k, decays and decays.q, decays and decays.chunk,
             do, dv_local, dht, dh, dv, dh0, info.cu_seqlens, chunks.chunk_offsets,
             scale,
             H, HK, K, V, chunk_size, head_block(K), cfg.block_v, dht is not None, need_dh0, dv_local is None,

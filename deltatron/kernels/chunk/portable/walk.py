@@ -163,7 +163,7 @@ def _walk(q, k, w, u, wy_inputs, scale, initial_state, output_final_state, info,
     if N * H:
         launch_kernel(
             state_fwd_kernel, (N * H, cdiv(V, cfg.block_v)),
-            q, k, v, beta, decays.g if decays else gam, decays and decays.k, decays and decays.chunk, tinv, w, u,
+            q, k, v, beta, decays.sums if decays else gam, decays and decays.k, decays and decays.chunk, tinv, w, u,
             initial_state, h, v_new, o, final_state, scale,
             info.cu_seqlens, info.chunks(chunk_size).chunk_offsets, H, HK, K, V, chunk_size, head_block(K), cfg.block_v,
             initial_state is not None, output_final_state, fused, wy_inputs is not None, gam is not None,

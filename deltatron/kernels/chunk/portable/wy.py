@@ -152,8 +152,9 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
         decays: Optional[ChannelDecays] = None, q: Optional[torch.Tensor] = None):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
     no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd). gam: the gated rule's
-    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] (or its planes, gate.gate_sums) instead. decays (with gk and v): gate.channel_decay_buffers'
-    tensors, written beside W (their q tensor from q). Value heads are beta's, key heads k's."""
+    γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] (or its planes, gate.gate_sums) instead. decays (with gk
+    and v): gate.channel_decay_buffers' tensors, written beside W (their q tensor from q). Value heads are beta's, key
+    heads k's."""
     if decays is not None and (gk is None or v is None or (decays.q is None) != (q is None)):
         raise ValueError("wy: decays are written beside W under KDA's gate, their decayed q from q")
     HK, K = k.shape[2], k.shape[3]
