@@ -16,7 +16,7 @@ plan as chunk.plan.explain words it. The exit status is 1 where a configuration'
 
 Overrides are name=value pairs separated by commas: hopper_walk, residual, keep_states, overlap, hopper_reverse,
 fused_output, local_dv_apart (0/1, true/false), split_partitions, split_min_tokens, segments, wy_maxnreg,
-wy_bwd_maxnreg, dqkw_warps (integers), or none for the rule's own choice. --gated runs the benchmark's gated rows'
+wy_bwd_maxnreg, dqkw_warps, walk_block_v, reverse_block_v (integers), or none for the rule's own choice. --gated runs the benchmark's gated rows'
 call: its gate g (Qwen3-Next's), q and k L2-normalized in the op, gradients to g too; --kda the KDA rows' call (a
 gate per key channel), likewise. Times: triton's do_bench medians in ms (L2 flushed per call); smoke: one
 wall-clock call."""
@@ -42,7 +42,8 @@ from deltatron.kernels.utils import seq_info  # noqa: E402
 from stage_times import timer  # noqa: E402
 
 BOOLEAN = ("hopper_walk", "residual", "keep_states", "overlap", "hopper_reverse", "fused_output", "local_dv_apart")
-INTEGER = ("split_partitions", "split_min_tokens", "segments", "wy_maxnreg", "wy_bwd_maxnreg", "dqkw_warps")
+INTEGER = ("split_partitions", "split_min_tokens", "segments", "wy_maxnreg", "wy_bwd_maxnreg", "dqkw_warps",
+           "walk_block_v", "reverse_block_v")
 
 
 def parse_overrides(text: str) -> Dict[str, object]:

@@ -41,15 +41,16 @@ def test_kda_inference(capsys):
 def test_kda_training(capsys):
     # a KDA training call: the portable stages forward and backward, the gate's sums within sub-chunks made once each
     # way (no γ stage), the serial passes' decays made by the WY stage beside W, the scores P in the parallel stages
-    # (the output, which keeps them for the local dV' before the reverse pass), dg per key channel
+    # (the WY stage beside A, for the output and kept for the local dV' before the reverse pass), dg per key channel
     assert explain.main(["--batch", "2", "--seqlen", "4096", "--heads", "16", "--kda"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:2] == ["reverse", "portable"] for line in lines)
     assert any(line.split()[:2] == ["recompute", "two_launch"] and "per-head gate only" in line for line in lines)
     forward = [line for line in lines if line.startswith("forward:")]
     assert forward == ["forward:  portable.gate (KDA's sums within sub-chunks) -> portable.wy (T~, W, U; KDA's "
-                       "per-channel decays from the gate's sums, the walk's decayed K beside W) -> portable.walk -> "
-                       "portable.output (stores its scores P for the backward's local dV')"]
+                       "per-channel decays from the gate's sums, the walk's decayed K beside W; the output's scores P "
+                       "beside A, exp(Γ) ⊙ Q beside W) -> portable.walk -> portable.output (the WY stage's scores P, "
+                       "kept for the backward's local dV')"]
     backward = [line for line in lines if line.startswith("backward:")]
     assert backward == ["backward: portable.gate (KDA's sums within sub-chunks) -> portable.wy (W, U from T~; KDA's decayed K, Q for both serial passes beside W) -> "
                         "portable.walk -> portable.grads (local dV' from the forward's scores P) -> "

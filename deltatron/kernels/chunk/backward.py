@@ -32,7 +32,7 @@ from .schedule import segments as seg
 def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=None, decays=None, scores=None):
     """The plan's reverse state pass: (dh per chunk, the full dV', dh0 or None); gam: the gated rule's γ; decays:
     KDA's gate.ChannelDecays, with the decayed q (the portable pass only: the plan says so); scores: KDA's scale P as
-    the forward's output stage stored it, for the local dV'."""
+    the forward's WY stage stored it, for the local dV'."""
     C = plan.problem.chunk_size
     if plan.reverse == "hopper":
         from .hopper.reverse import gluon_state_bwd
@@ -48,7 +48,7 @@ def reverse_pass(plan: ChunkPlan, q, k, w, do, dht, scale, need_dh0, info, gam=N
 def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_size=64, save_states=False,
              plan: ChunkPlan = None, g=None, output_chunk_states=False):
     """(dq, dk, dv, dbeta in the input dtypes, dh0 fp32 or None, and dg fp32 where g is given) by deltatron.autograd's
-    contract; saved = (T~,), KDA's (T~, scale P) where the forward's output stage stored its scores, or, where the
+    contract; saved = (T~,), KDA's (T~, scale P) where the forward kept its WY stage's scores, or, where the
     plan kept states, (T~, W, S^T, V'^T); plan: the call's, as its forward ran it."""
     if plan is None:  # called on its own (tests): the plan the forward would have made
         from .forward import plan_call
@@ -73,7 +73,7 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     # KDA: the decays of the serial passes, written by the recompute's WY stage beside W, for the recompute walk and
     # the reverse pass
     decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size, with_q=True)
-    # KDA's scale P from the forward's output stage, in the input dtype: dv_local's operand where dO has that dtype
+    # KDA's scale P from the forward's WY stage, in the input dtype: dv_local's operand where dO has that dtype
     scores = kept[0] if kept and kept[0].dtype == do.dtype else None
     if plan.recompute == "on_chip":
         w, h, v_new, _ = state_wy_fwd(k, v, beta, tinv, initial_state, False, info, chunk_size, cfg=cfg, gam=gam)

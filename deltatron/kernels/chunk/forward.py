@@ -6,10 +6,10 @@
     walk:      hopper.walk or portable.walk with the output fused in, or portable.walk then portable.output
 The gated rule (g given, DESIGN.md §11) first sums g along each chunk into γ (portable.gate), which every stage takes
 under its USE_G constexpr. KDA's per-channel gate (g [.., TT, H, K], DESIGN.md §12): portable.gate first sums g within
-sub-chunks of 16 tokens (channel_sums_stage), and the stages form their exponents from those sums under USE_GK.
+sub-chunks of 16 tokens (channel_sums_stage), and the stages form their exponents from those sums under USE_GK; the
+WY stage forms the output's scores P and exp(Γ) ⊙ Q beside A, so the output stage multiplies only.
 Grouped value heads (v's heads a multiple of q's and k's) run per value head.
-Saved for the backward: T~ (the backward recomputes the rest), with KDA's the output stage's scores P (grads.dv_local
-reads them), or, where the plan keeps states, T~, W and the walk's per-chunk S^T and V'^T."""
+Saved for the backward: T~ (the backward recomputes the rest), with KDA's the scores P (grads.dv_local reads them), or, where the plan keeps states, T~, W and the walk's per-chunk S^T and V'^T."""
 from __future__ import annotations
 
 from typing import Optional
@@ -75,9 +75,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
         tinv, w = tinv_pair_fwd(k, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam)
         u = v
     else:
-        decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size)
+        # KDA's output stage: exp(Γ) ⊙ Q and the scores P, formed beside A (the fused walk forms its own)
+        separate_output = gk is not None and plan.walk == "portable"
+        decays = None if gk is None else channel_decay_buffers(k, gk, info, chunk_size, with_q=separate_output)
+        scores = v.new_empty(*v.shape[:-1], chunk_size) if separate_output else None
         tinv, w, u = wy_fwd(k, v, beta, info, chunk_size, store_tinv=needs_backward, cfg=plan.wy_launch, gam=gam,
-                             gk=gk, decays=decays)
+                             gk=gk, decays=decays, q=q if separate_output else None, scores=scores, scale=scale)
     split = (split_plan_for(info, plan.split_partitions, plan.split_min_tokens, chunk_size, k.device)
              if plan.split else None)
     if split is not None:
@@ -96,12 +99,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tenso
                                           cfg=plan.walk_launch, gam=gam, states_dtype=torch.float32 if
                                           plan.problem.chunk_states else None, gk=decays)
         del w, u  # not needed by the output: its peak is h, v_new and o
-        # KDA: the output stage stores its scores P for the backward's local dV' (grads.dv_local), which would form
-        # them again otherwise
-        scores = v.new_empty(*v.shape[:-1], chunk_size) if needs_backward and plan.keep_scores else None
-        o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam, gk=gk, scores=scores)
-        if scores is not None:
-            saved += (scores,)
+        if scores is None:
+            o = output_fwd(q, k, v_new, h, scale, info, chunk_size, gam=gam)
+        else:
+            o = output_fwd(decays.q, None, v_new, h, scale, info, chunk_size, scores=scores)
+            if needs_backward and plan.keep_scores:  # for the backward's local dV' (grads.dv_local)
+                saved += (scores,)
         if plan.problem.chunk_states:
             return o, final_state, saved, (h,)
     else:

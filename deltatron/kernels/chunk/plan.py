@@ -175,6 +175,8 @@ class Overrides:
     wy_maxnreg: Optional[int] = None  # the forward WY kernel's register cap (0: none), for A/B of the rule's
     wy_bwd_maxnreg: Optional[int] = None  # the WY backward's register cap (0: none), likewise
     dqkw_warps: Optional[int] = None  # the gradient stage's dqkw warps, likewise
+    walk_block_v: Optional[int] = None  # the portable walks' V-block (the forward's and the recompute's), likewise
+    reverse_block_v: Optional[int] = None  # the portable reverse pass's V-block, likewise
 
 
 _OVERRIDES: contextvars.ContextVar[Overrides] = contextvars.ContextVar("deltatron_plan_overrides", default=Overrides())
@@ -274,13 +276,14 @@ def hopper_launch(num_states: int, sms: int) -> Launch:
 
 
 @functools.lru_cache(maxsize=None)
-def wy_launch(K: int, V: int, element_size: int, fused: bool, gated: bool = False) -> Launch:
+def wy_launch(K: int, V: int, element_size: int, fused: bool, uncapped: bool = False) -> Launch:
     """The WY kernel: 4 warps (2 spill the 16-bit inverse), head tiles at least 32 wide (16-wide tiles gave wrong W,
     U on the H200 with triton 3.6); the 16-bit kernel that inverts (fused) capped at 168 registers up to 128-wide
-    heads (3 blocks an SM instead of 2), but for the per-head gated rule's W, U (gated), whose variant spills 160 bytes
-    under that cap: uncapped it took 1.579 ms against 1.699 of the forward at Qwen3-Next's layout, B = 8, T = 4096
-    (H200)."""
-    cap = 168 if fused and element_size == 2 and max(K, V) <= 128 and not gated else 0
+    heads (3 blocks an SM instead of 2), but for the variants that spill under that cap (uncapped): the per-head gated
+    rule's W, U (160 bytes; uncapped it took 1.579 ms against 1.699 of the forward at Qwen3-Next's layout, B = 8, T =
+    4096, H200) and KDA's forward, which forms the output's scores beside A (648 bytes against 40 uncapped; the
+    forward 1.152 ms against 1.178 at B = 8, T = 2048, H = 16, K = V = 128, outputs bitwise equal)."""
+    cap = 168 if fused and element_size == 2 and max(K, V) <= 128 and not uncapped else 0
     return Launch(warps=4, maxnreg=cap, tile_k=max(head_tile(K), 32), tile_v=max(head_tile(V), 32))
 
 
@@ -308,7 +311,7 @@ DQKW_LAUNCH = Launch(warps=4)  # grads.dqkw: K-tiles and V-tiles of head_tile's 
 def _wy_forward_launch(p: Problem, o: Overrides, residual: bool) -> Launch:
     """wy_launch's for the forward (it inverts; residual: T~'s pair, no W carrying the decays), with the register
     cap overrides(wy_maxnreg=...) forces."""
-    return _capped(wy_launch(p.K, p.V, p.element_size, True, p.gated and not p.per_channel and not residual),
+    return _capped(wy_launch(p.K, p.V, p.element_size, True, p.per_channel or (p.gated and not residual)),
                    "wy_maxnreg", o.wy_maxnreg)
 
 
@@ -319,6 +322,15 @@ def _capped(rule: Launch, name: str, cap: Optional[int]) -> Launch:
     if cap < 0:
         raise ValueError(f"overrides({name}={cap}): a register cap is >= 0 (0: none)")
     return dataclasses.replace(rule, maxnreg=cap)
+
+
+def _block_v(rule: Launch, name: str, block_v: Optional[int]) -> Launch:
+    """rule with the V-block overrides(name=block_v) forces (None: the rule's)."""
+    if block_v is None:
+        return rule
+    if block_v not in (16, 32, 64, 128):
+        raise ValueError(f"overrides({name}={block_v}): V-blocks are 16, 32, 64 or 128 wide")
+    return dataclasses.replace(rule, block_v=block_v)
 
 
 def _warps(rule: Launch, name: str, warps: Optional[int]) -> Launch:
@@ -390,8 +402,8 @@ class ChunkPlan:
 
     @property
     def keep_scores(self) -> bool:
-        """KDA in training: the output stage (a stage of its own) stores its scores P for grads.dv_local, which
-        forms the local dV' before the reverse pass."""
+        """KDA in training: the forward keeps the scores P that its WY stage formed for the output stage (a stage of
+        its own) for grads.dv_local, which forms the local dV' before the reverse pass."""
         p = self.problem
         return p.per_channel and p.training and self.walk == "portable" and self.local_dv_apart
 
@@ -487,7 +499,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
             raise ValueError("overrides(fused_output=True): output_chunk_states needs the walk that stores the states")
         walk = "portable_fused" if fused else "portable"
         why = f"{why}; {fwhy}"
-        launch = fused_launch if fused else walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)
+        launch = _block_v(fused_launch if fused else walk_launch(p.K, p.V, p.states, p.element_size, False,
+                                                                 caps.interpret), "walk_block_v", o.walk_block_v)
     reasons.append(("walk", why))
 
     # -- sequence split (Hopper walk only: measured there)
@@ -557,7 +570,8 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
     reasons.append(("residual", why))
 
     # -- backward: recompute, overlap, reverse pass
-    recompute_launch = walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret)
+    recompute_launch = _block_v(walk_launch(p.K, p.V, p.states, p.element_size, False, caps.interpret),
+                                "walk_block_v", o.walk_block_v)
     if not p.training:
         recompute, why = "none", "inference: no backward"
     elif keep:
@@ -605,8 +619,11 @@ def _make_plan(p: Problem, caps: Capabilities, o: Overrides) -> ChunkPlan:
                  f"({waves} x the SMs) on sequences of {HOPPER_REVERSE_MIN_TOKENS}+ tokens")
         reverse = "hopper" if hopper_reverse else "portable"
     reasons.append(("reverse", why))
+    if o.reverse_block_v is not None and reverse == "hopper":
+        raise ValueError("overrides(reverse_block_v=...): the portable reverse pass's; the Hopper pass takes its own")
     rev_launch = (hopper_launch(p.states, caps.num_sms) if reverse == "hopper" else
-                  reverse_launch(p.K, p.V, p.states, p.element_size, caps.num_sms, caps.interpret))
+                  _block_v(reverse_launch(p.K, p.V, p.states, p.element_size, caps.num_sms, caps.interpret),
+                           "reverse_block_v", o.reverse_block_v))
     if reverse != "portable" or (p.gated and not p.per_channel):
         local_dv_apart, why = False, ("no backward" if reverse == "none" else
                                       "the Hopper pass computes the local dV' itself" if reverse == "hopper" else
@@ -643,7 +660,8 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     if plan.residual:
         wy = "portable.wy (T~ and its Tb pair)"
     elif p.per_channel:
-        wy = "portable.wy (T~, W, U; KDA's per-channel decays from the gate's sums, the walk's decayed K beside W)"
+        wy = ("portable.wy (T~, W, U; KDA's per-channel decays from the gate's sums, the walk's decayed K beside W"
+              + ("; the output's scores P beside A, exp(Γ) ⊙ Q beside W)" if plan.walk == "portable" else ")"))
     else:
         wy = "portable.wy (T~, W, U)"
     gate = ["portable.gate (KDA's sums within sub-chunks)" if p.per_channel else "portable.gate (γ)"] if p.gated else []
@@ -654,7 +672,8 @@ def kernels(plan: ChunkPlan) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     else:
         fwd.append(walk + (" (stores S^T, V'^T per chunk)" if plan.keep_states else ""))
     if plan.walk == "portable":
-        fwd.append("portable.output" + (" (stores its scores P for the backward's local dV')" if plan.keep_scores
+        fwd.append("portable.output" + (" (the WY stage's scores P, kept for the backward's local dV')"
+                                        if plan.keep_scores else " (the WY stage's scores P)" if p.per_channel
                                         else ""))
     if not p.training:
         return tuple(fwd), ()

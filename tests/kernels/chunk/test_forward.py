@@ -151,7 +151,8 @@ def test_forward_executes_its_plan(monkeypatch, needs_backward, save_states, for
     assert call_plan.residual == residual
     slots = ("tb", x["v"]) if residual else ("w", "u")
     expected = [("pair", dict(store_tinv=needs_backward, cfg=call_plan.wy_launch, gam=None)) if first == "pair" else
-                ("wy", dict(store_tinv=needs_backward, cfg=call_plan.wy_launch, gam=None, gk=None, decays=None))]
+                ("wy", dict(store_tinv=needs_backward, cfg=call_plan.wy_launch, gam=None, gk=None, decays=None, q=None,
+                            scores=None, scale=0.1))]
     if split:
         expected += [("split", (3, plan.SPLIT_MIN_TOKENS)), ("pass 1", slots, (residual, ))]
     expected.append(("walk", slots, tuple(saved[2:]) if kept else None, residual))

@@ -116,9 +116,10 @@ def test_plan_keeps_kda_on_portable_stages():
         fwd, bwd = plan.kernels(kda)
         assert not any("hopper" in stage or "γ" in stage for stage in fwd + bwd)
         assert bwd[-1:] == (("portable.gate (dg per key channel)",) if training else ())
-        # P apart from the pass, read from the forward's output stage
+        # P apart from the pass, read from the forward's WY stage (which forms it for the output stage)
         assert ("portable.grads (local dV' from the forward's scores P)" in bwd) == training == kda.local_dv_apart
-        assert ("portable.output (stores its scores P for the backward's local dV')" in fwd) == training
+        assert ("portable.output (the WY stage's scores P, kept for the backward's local dV')" in fwd) == training
+        assert ("portable.output (the WY stage's scores P)" in fwd) == (not training)
     for forced in (dict(hopper_walk=True), dict(hopper_reverse=True)):
         with plan.overrides(**forced), pytest.raises(ValueError, match="Hopper"):
             plan.plan_for_shape(**common, per_channel=True)

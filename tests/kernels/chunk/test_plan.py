@@ -239,12 +239,12 @@ def test_wy_register_cap_override():
             p = plan_for_shape(8, 2048, 16, 128, 128, bf16)
         assert p.wy_launch.maxnreg == cap and p.wy_launch.options() == ({"maxnreg": cap} if cap else {})
         assert p.recompute_wy_launch.maxnreg == 0 and p.wy_bwd_launch.maxnreg == 168
-    # the per-head gated rule's W, U variant uncapped (it spills under 168), its residual form's pair and KDA's
-    # capped as the ungated one
+    # the per-head gated rule's W, U variant and KDA's forward (the output's scores beside A) uncapped (they spill
+    # under 168), the gated residual form's pair capped as the ungated one
     assert plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16).wy_launch.maxnreg == 168
     with plan.overrides(residual=False):
         assert plan_for_shape(8, 4096, 32, 128, 128, bf16, gated=True, key_heads=16).wy_launch.maxnreg == 0
-    assert plan_for_shape(8, 2048, 16, 128, 128, bf16, gated=True, per_channel=True).wy_launch.maxnreg == 168
+    assert plan_for_shape(8, 2048, 16, 128, 128, bf16, gated=True, per_channel=True).wy_launch.maxnreg == 0
     with pytest.raises(ValueError, match="wy_maxnreg=-1"):
         with plan.overrides(wy_maxnreg=-1):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)
@@ -265,6 +265,19 @@ def test_wy_register_cap_override():
     assert p.dqkw_launch.warps == 8 and p.wy_bwd_launch == gated.wy_bwd_launch
     with pytest.raises(ValueError, match="dqkw_warps=3"):
         with plan.overrides(dqkw_warps=3):
+            plan_for_shape(8, 2048, 16, 128, 128, bf16)
+    # the portable walks' and reverse pass's V-blocks, forced for those launches alone; the Hopper pass has its own
+    kda = plan_for_shape(1, 32768, 16, 128, 128, bf16, per_channel=True)
+    assert kda.walk_launch.block_v == kda.recompute_launch.block_v == kda.reverse_launch.block_v == 16
+    with plan.overrides(walk_block_v=64, reverse_block_v=32):
+        wide = plan_for_shape(1, 32768, 16, 128, 128, bf16, per_channel=True)
+    assert (wide.walk_launch.block_v, wide.recompute_launch.block_v, wide.reverse_launch.block_v) == (64, 64, 32)
+    assert (wide.walk_launch.warps, wide.reverse_launch.warps) == (kda.walk_launch.warps, kda.reverse_launch.warps)
+    with pytest.raises(ValueError, match="walk_block_v=48"):
+        with plan.overrides(walk_block_v=48):
+            plan_for_shape(1, 32768, 16, 128, 128, bf16, per_channel=True)
+    with pytest.raises(ValueError, match="Hopper pass"):
+        with plan.overrides(reverse_block_v=64):
             plan_for_shape(8, 2048, 16, 128, 128, bf16)
     # grouped value heads: the gradient stages as one launch a group member, as explain says
     assert "portable.wy_bwd (each 2 launches: one a member of each key head's group" in " -> ".join(plan.kernels(p)[1])

@@ -343,7 +343,22 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
                    C: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
     """[C, C] fp32 scores of one chunk under the per-channel gate: sum_c x_ic k_jc exp(Γ_i - Γ_j)[c] for j < i (DIAG:
     j <= i), 0 elsewhere: A's (x = k) and the output's P (x = q). x, k point at the chunk's first token and their
-    heads, g at its row of the gate's planes (gate_rows), XS, KS, GS apart a row; rows from n on are 0.
+    heads, g at its row of the gate's planes (gate_rows), XS, KS, GS apart a row; rows from n on are 0. How:
+    channel_score_pair."""
+    scores, _ = channel_score_pair(x, x, k, g, n, XS, XS, KS, GS, K, C, False, PRECISION)
+    r = tl.arange(0, C)
+    if DIAG:
+        return tl.where(r[:, None] >= r[None, :], scores, 0.0)
+    return tl.where(r[:, None] > r[None, :], scores, 0.0)
+
+
+@triton.jit
+def channel_score_pair(x, y, k, g, n, XS: tl.constexpr, YS: tl.constexpr, KS: tl.constexpr, GS: tl.constexpr,
+                       K: tl.constexpr, C: tl.constexpr, PAIR: tl.constexpr, PRECISION: tl.constexpr):
+    """The scores of x against k under the per-channel gate, [C, C] fp32, exact for j <= i (above the diagonal they
+    hold what the products leave there: the caller masks), and with PAIR those of y against the same k from the same
+    pass over the channels (the WY stage's A and P: k's decayed columns are formed once for both); without PAIR the
+    second result is the first. y points as x does, YS apart a row.
 
     The rows of sub-chunk I take their decays from I's start: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals of the
     sub-chunks strictly between J and I) for a column j of an earlier sub-chunk J, both factors <= 1; within I, where
@@ -358,6 +373,7 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
     s = tl.arange(0, SUB)
     DT: tl.constexpr = x.dtype.element_ty
     scores = tl.zeros([C, C], dtype=tl.float32)
+    scores_y = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         c = k0 + tl.arange(0, BK)
         m = (r[:, None] < n) & (c[None, :] < K)
@@ -366,7 +382,11 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         b_p, b_after, t = channel_sums(g, n, GS, k0, K, C, BK)
         fac = factored(t)
         fac_block = tl.where(fac, block, -1)  # the rows' sub-chunks where the tile factors within them, else none
-        rows = decayed_operand(b_x * tl.exp(b_p), DT)
+        e_p = tl.exp(b_p)
+        rows = decayed_operand(b_x * e_p, DT)
+        if PAIR:
+            b_y = tl.load(y + r[:, None] * YS + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_y = decayed_operand(b_y * e_p, DT)
         # the columns decayed to their sub-chunk's end by exp(X) (<= 1), and within a factored one from its start by
         # exp(-P); a column of an earlier sub-chunk takes exp(T) of each sub-chunk it then passes, one a step: a
         # product of factors <= 1, whose exponents keep their one sign, with one exp a column rather than one a step
@@ -374,8 +394,11 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
         k_near = b_k * tl.exp(tl.where((fac_block >= 0)[:, None], -b_p, 0.0))
         for I in tl.static_range(NS):
             earlier = (block < I)[:, None]
-            cols = tl.where(earlier, k_far, tl.where((fac_block == I)[:, None], k_near, 0.0))
-            scores += mm(tl.where((block == I)[:, None], rows, 0.0), tl.trans(decayed_operand(cols, DT)), PRECISION)
+            cols = tl.trans(decayed_operand(tl.where(earlier, k_far, tl.where((fac_block == I)[:, None], k_near, 0.0)),
+                                            DT))
+            scores += mm(tl.where((block == I)[:, None], rows, 0.0), cols, PRECISION)
+            if PAIR:
+                scores_y += mm(tl.where((block == I)[:, None], rows_y, 0.0), cols, PRECISION)
             if I < NS - 1:
                 k_far = tl.where(earlier, k_far * tl.exp(sub_chunk_total(t, I))[None, :], k_far)
         if not fac:
@@ -386,16 +409,25 @@ def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.conste
             x3 = tl.reshape(b_x, (NS, SUB, BK))
             k3 = tl.reshape(b_k, (NS, SUB, BK))
             diag = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
+            diag_y = tl.zeros([NS, SUB, SUB], dtype=tl.float32)
+            y3 = x3
+            if PAIR:
+                y3 = tl.reshape(b_y, (NS, SUB, BK))
             for j in range(SUB):
                 span = tl.cumsum(tl.where((s > j)[None, :, None], g3, 0.0), axis=1)
                 decay = tl.where((s >= j)[None, :, None], tl.exp(span), 0.0)
                 k_j = tl.sum(tl.where((s == j)[None, :, None], k3, 0.0), axis=1)  # [NS, BK]
                 d_j = tl.sum(x3 * k_j[:, None, :] * decay, axis=2)  # [NS, SUB]: rows i, column j
                 diag += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
+                if PAIR:
+                    d_j = tl.sum(y3 * k_j[:, None, :] * decay, axis=2)
+                    diag_y += tl.where((s == j)[None, None, :], d_j[:, :, None], 0.0)
             scores += place_diagonal_blocks(diag, C)
-    if DIAG:
-        return tl.where(r[:, None] >= r[None, :], scores, 0.0)
-    return tl.where(r[:, None] > r[None, :], scores, 0.0)
+            if PAIR:
+                scores_y += place_diagonal_blocks(diag_y, C)
+    if not PAIR:
+        scores_y = scores
+    return scores, scores_y
 
 
 @triton.jit

@@ -47,7 +47,7 @@ def dv_local_kernel(q, k, gk, scores, dout, dv, chunk_indices, cu_seqlens, scale
                     BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr, SCORES: tl.constexpr,
                     PRECISION: tl.constexpr):
     """H value heads (dout, dv), HK key heads (q, k). USE_GK: the scores under KDA's per-channel decays (gk).
-    SCORES: the operand, causal_scores_t's, read from scores [.., TT, H, C] (the forward's output stage stored it)
+    SCORES: the operand, causal_scores_t's, read from scores [.., TT, H, C] (the forward's WY stage stored it)
     instead of formed."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (H // HK)
@@ -180,7 +180,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, scale: float, i
     """dV'_local = scale (Q K^T ⊙ M)^T dO per chunk, [1, TT, H, V] in do's dtype (H: do's value heads; q, k may
     have fewer, grouped). gk: KDA's per-channel g [.., TT, H, K] (or its planes, gate.gate_sums), the scores P of
     gate.channel_scores instead.
-    scores: (scale P)^T as the forward's output stage stored it (portable.output's scores, do's dtype), read rather
+    scores: (scale P)^T as the forward's WY stage stored it (wy.wy_fwd's scores, do's dtype), read rather
     than formed: the same bits."""
     HK, H, K, V = q.shape[-2], do.shape[-2], q.shape[-1], do.shape[-1]
     chunks = info.chunks(chunk_size)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ...utils import mm
-from .gate import SUM_PLANES, channel_scores, decay_matrix
+from .gate import SUM_PLANES, channel_score_pair, channel_scores, decay_matrix
 
 
 @triton.jit
@@ -43,11 +43,28 @@ def kkt_tile(k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, I0: tl.constexp
                 b_kj = tl.load(k + j[:, None] * (HK * K) + cols[None, :],
                                mask=(j[:, None] < n) & (cols[None, :] < K), other=0.0)
             acc += mm(b_ki, tl.trans(b_kj), PRECISION)
-    # beta scales rows after the fp32 dot, so 16-bit inputs are not rounded twice
-    b_beta = tl.load(beta + i * H, mask=i < n, other=0.0).to(tl.float32)
-    acc = acc * b_beta[:, None]
+    acc = beta_rows(acc, beta, i, n, H)
     if USE_G:
         acc *= decay_matrix(tl.load(gam + i * H, mask=i < n, other=0.0), tl.load(gam + j * H, mask=j < n, other=0.0))
     if I0 == J0:
         acc = tl.where(i[:, None] > j[None, :], acc, 0.0)
     return acc
+
+
+@triton.jit
+def beta_rows(acc, beta, i, n, H: tl.constexpr):
+    """diag(beta) acc for the rows i of a tile: beta scales rows after the fp32 dot, so 16-bit inputs are not rounded
+    twice."""
+    return acc * tl.load(beta + i * H, mask=i < n, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def kkt_scores_tile(k, q, beta, gs, n, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """KDA's A of one chunk (kkt_tile's, USE_GK) and the output's scores P = sum_c q_ic k_jc exp(Γ_i - Γ_j)[c] for
+    j <= i (0 above), both [C, C] fp32 from one pass over the channels (gate.channel_score_pair: K's decayed columns
+    formed once for both). q points as k does (its key head); gs at the gate's planes (gate.gate_rows)."""
+    b_a, b_p = channel_score_pair(k, q, k, gs, n, HK * K, HK * K, HK * K, SUM_PLANES * H * K, K, C, True, PRECISION)
+    i = tl.arange(0, C)
+    b_a = tl.where(i[:, None] > i[None, :], beta_rows(b_a, beta, i, n, H), 0.0)
+    return b_a, tl.where(i[:, None] >= i[None, :], b_p, 0.0)

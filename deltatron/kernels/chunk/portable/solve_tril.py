@@ -64,13 +64,19 @@ def tril_inverse(a, k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, C: tl.co
     gam: KDA's g: FROM_K) point at the chunk's first token and its head (k: its key head of HK); n = tokens in the
     chunk: rows past n come out as identity. KKT_PREC: dot precision of K K^T (FROM_K); TRIL_PREC: precision of the
     doubling products; NEWTON: one Newton step after them (tril_precision gives both)."""
-    tl.static_assert(C == 16 or C == 32 or C == 64, "chunk size must be 16, 32 or 64")
     if FROM_K:
         b_a = kkt_tile(k, beta, gam, n, H, HK, 0, 0, C, C, K, BK, KKT_PREC, USE_G, USE_GK)
     else:
         r = tl.arange(0, C)
         b_a = tl.load(a + r[:, None] * (H * C) + r[None, :],
                       mask=(r[:, None] < n) & (r[None, :] < n) & (r[:, None] > r[None, :]), other=0.0)
+    return unit_lower_inverse(b_a, C, TRIL_PREC, NEWTON)
+
+
+@triton.jit
+def unit_lower_inverse(b_a, C: tl.constexpr, TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
+    """(I + A)^{-1} of one chunk's strictly lower A [C, C] fp32 (a register tile), as tril_inverse says."""
+    tl.static_assert(C == 16 or C == 32 or C == 64, "chunk size must be 16, 32 or 64")
     t = invert_diagonal_blocks(b_a, C, 16, TRIL_PREC)
     if C >= 32:
         t = merge_diagonal_blocks(t, b_a, C, 16, TRIL_PREC)

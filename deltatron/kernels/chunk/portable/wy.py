@@ -12,8 +12,9 @@ Gated (USE_G, DESIGN.md §11): A carries exp(γ_i - γ_j) and W = T~ (beta exp(�
 exp(γ)) while U's, and the residual form's Tb, stay T~ diag(beta); per-channel gate (USE_GK, KDA, DESIGN.md §12): A from
 gate.channel_scores and W = T~ diag(beta) (exp(Γ) ⊙ K), the per-channel factor on K's columns (rounded with K to the
 input dtype for the product), T~'s pair as the ungated rule's; KDA's W pass also writes the serial passes' decays
-(exp(Γ_C - Γ) ⊙ K, exp(Γ_C) and in the backward exp(Γ) ⊙ Q: gate.store_decays) from the sums it forms for exp(Γ), so
-no launch of their own makes them. Grouped value heads: W, U and T~ per value head, K read
+(exp(Γ_C - Γ) ⊙ K, exp(Γ_C) and exp(Γ) ⊙ Q: gate.store_decays) from the sums it forms for exp(Γ), so no launch of
+their own makes them; KDA's forward forms the output's scores P beside A (kkt.kkt_scores_tile), so that the output
+stage reads them with exp(Γ) ⊙ Q instead of forming them under the decays. Grouped value heads: W, U and T~ per value head, K read
 from its key head. W and U are stored in the input dtype (they feed 16-bit products). Every producer of W, U, here and
 walk.state_wy_fwd, goes through tinv_beta_pair and wy_product, so they agree bit for bit. The plan chooses the form
 (plan.residual); the launch comes from plan.wy_launch."""
@@ -29,7 +30,9 @@ from ...launch import launch
 from ...utils import WY_PIPELINE_STAGES, SeqInfo, chunk_span, dot_precision, load_rows, mm, store_rows, tril_precision
 from ..plan import Launch, wy_launch
 from .gate import SUM_PLANES, ChannelDecays, channel_decays, gate_rows, gate_sums, load_gamma, store_decays
-from .solve_tril import tril_inverse
+from .grads import causal_scores_t
+from .kkt import kkt_scores_tile
+from .solve_tril import tril_inverse, unit_lower_inverse
 
 
 @triton.jit
@@ -89,21 +92,23 @@ def apply_tinv(t_hi, t_lo, x, y, g, n, HX: tl.constexpr, H: tl.constexpr, GS: tl
 
 
 @triton.jit
-def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_indices, H: tl.constexpr,
-              HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
-              BV: tl.constexpr, FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr,
+def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, scores, scale, cu_seqlens, chunk_indices,
+              H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+              BW: tl.constexpr, BV: tl.constexpr, FUSED: tl.constexpr, STORE_TINV: tl.constexpr, APPLY: tl.constexpr,
               STORE_PAIR: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, DECAYS: tl.constexpr,
-              DECAYS_Q: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, TRIL_PREC: tl.constexpr,
-              NEWTON: tl.constexpr):
+              DECAYS_Q: tl.constexpr, SCORES: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+              TRIL_PREC: tl.constexpr, NEWTON: tl.constexpr):
     """FUSED: Tinv from K on chip (written out if STORE_TINV); else Tinv read from tinv. APPLY: W and U.
     STORE_PAIR: Tinv diag(beta) as its 16-bit pair into tb [.., H, 2C], hi in columns [0, C), lo in [C, 2C)
     (one [C, 2C] row block a chunk and head, so a TMA box of W's shape [64, 128] takes both halves).
     Tiles of the head dimensions: BK in K K^T, BW and BV in W and U (the width of their accumulators). H value heads
     (beta, gam, W, U, T~), HK key heads (k); USE_G: gated by γ (gam): in T~, and in W's pair but not in Tb;
     USE_GK: by KDA's per-channel g (gam [.., H, K]); DECAYS: with W, the serial passes' decays (gate.ChannelDecays:
-    kd, dc and, DECAYS_Q, qd from q)."""
+    kd, dc and, DECAYS_Q, qd from q). SCORES (FUSED, USE_GK): the output stage's scale P (kkt.kkt_scores_tile, from
+    the pass over the channels that makes A) into scores [.., TT, H, C] as grads.causal_scores_t lays it out."""
     tl.static_assert(not (USE_GK and STORE_PAIR), "the residual form takes the per-head gate only")
     tl.static_assert(not (USE_G and USE_GK), "one gate: per head (USE_G) or per channel (USE_GK)")
+    tl.static_assert(not SCORES or (FUSED and USE_GK and DECAYS_Q), "P is formed beside KDA's A, Q beside it")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start, n = chunk_span(cu_seqlens, chunk_indices, i_c, C)
     k_c = k + start * HK * K + (i_h // (H // HK)) * K
@@ -123,13 +128,18 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_
     if DECAYS_Q:
         q_c = q + start * HK * K + (i_h // (H // HK)) * K
         qd_c = qd + start * H * K + i_h * K
-    if FUSED:
+    if SCORES:
+        b_a, b_p = kkt_scores_tile(k_c, q_c, beta_c, gam_c, n, H, HK, K, C, PRECISION)
+        store_rows(scores, causal_scores_t(tl.trans(b_p), scale, C, scores.dtype.element_ty), start, n, i_h, 0, H, C,
+                   C, C)
+        b_t = unit_lower_inverse(b_a, C, TRIL_PREC, NEWTON)
+    elif FUSED:
         # (A comes from K here: the first argument, A's address, is not read)
         b_t = tril_inverse(k_c, k_c, beta_c, gam_c, n, H, HK, C, K, BK, True, USE_G, USE_GK, PRECISION, TRIL_PREC,
                            NEWTON)
-        if STORE_TINV:
-            store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
-    else:
+    if FUSED and STORE_TINV:
+        store_rows(tinv, b_t, start, n, i_h, 0, H, C, C, C)
+    if not FUSED:
         # (Tinv is lower triangular: in the rows of the chunk, the columns past its end are stored zeros)
         b_t = load_rows(tinv, start, n, i_h, 0, H, C, C, C)
     if STORE_PAIR:
@@ -149,14 +159,18 @@ def wy_kernel(k, v, beta, gam, tinv, w, u, tb, q, kd, qd, dc, cu_seqlens, chunk_
 
 def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, cfg: Optional[Launch] = None,
         gam: Optional[torch.Tensor] = None, gk: Optional[torch.Tensor] = None,
-        decays: Optional[ChannelDecays] = None, q: Optional[torch.Tensor] = None):
+        decays: Optional[ChannelDecays] = None, q: Optional[torch.Tensor] = None,
+        scores: Optional[torch.Tensor] = None, scale: float = 1.0):
     """fused: Tinv computed from K (and written to tinv unless it is None); else read from tinv. v None:
     no W, U (returns None, None). tb: where Tinv diag(beta) goes as its pair (tinv_pair_fwd). gam: the gated rule's
     γ (gate.chunk_gamma); gk: KDA's per-channel g [.., H, K] (or its planes, gate.gate_sums) instead. decays (with gk
-    and v): gate.channel_decay_buffers' tensors, written beside W (their q tensor from q). Value heads are beta's, key
+    and v): gate.channel_decay_buffers' tensors, written beside W (their q tensor from q). scores (fused, with the
+    decays' q): where the output stage's (scale P)^T goes, [.., TT, H, C] in v's dtype. Value heads are beta's, key
     heads k's."""
     if decays is not None and (gk is None or v is None or (decays.q is None) != (q is None)):
         raise ValueError("wy: decays are written beside W under KDA's gate, their decayed q from q")
+    if scores is not None and (not fused or decays is None or decays.q is None):
+        raise ValueError("wy: the output's scores are formed beside A (fused) with KDA's decays and their q")
     HK, K = k.shape[2], k.shape[3]
     H = beta.shape[2]
     V = K if v is None else v.shape[3]
@@ -170,10 +184,10 @@ def _wy(k, v, beta, tinv, fused: bool, info: SeqInfo, chunk_size: int, tb=None, 
         launch(
             wy_kernel, (chunks.num_chunks, H),
             k, v, beta, gk if gam is None else gam, tinv, w, u, tb, q, decays and decays.k, decays and decays.q,
-            decays and decays.chunk, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
+            decays and decays.chunk, scores, scale, info.cu_seqlens, chunks.chunk_indices, H, HK, K, V,
             chunk_size, cfg.tile_k, cfg.tile_k, cfg.tile_v,
             fused, tinv is not None, v is not None, tb is not None, gam is not None, gk is not None,
-            decays is not None, q is not None, split,
+            decays is not None, q is not None, scores is not None, split,
             dot_precision(k.dtype),
             *tril_precision(k.dtype),
             num_warps=cfg.warps, num_stages=WY_PIPELINE_STAGES, **cfg.options(),
@@ -192,13 +206,16 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Tinv: to
 
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, info: SeqInfo,
            chunk_size: int, store_tinv: bool = True, cfg: Optional[Launch] = None, gam: Optional[torch.Tensor] = None,
-           gk: Optional[torch.Tensor] = None, decays: Optional[ChannelDecays] = None
+           gk: Optional[torch.Tensor] = None, decays: Optional[ChannelDecays] = None,
+           q: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None, scale: float = 1.0
            ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """kkt, solve_tril and recompute_w_u in one kernel: (Tinv [B, T, H, C] fp32, or None without store_tinv
     (inference: nothing needs it after W and U), w, u). gam: the gated rule's γ; gk: KDA's per-channel g; decays
-    (KDA, without their q): the walk's decays, written beside W."""
+    (KDA): the walk's decays, written beside W, and with their q tensor exp(Γ) ⊙ Q from q; scores (KDA, with q): the
+    output stage's operand (scale P)^T, formed beside A (output.output_fwd reads both)."""
     tinv = k.new_empty(*beta.shape, chunk_size, dtype=torch.float32) if store_tinv else None
-    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam, gk=gk, decays=decays)
+    w, u = _wy(k, v, beta, tinv, True, info, chunk_size, cfg=cfg, gam=gam, gk=gk, decays=decays, q=q, scores=scores,
+               scale=scale)
     return tinv, w, u
 
 

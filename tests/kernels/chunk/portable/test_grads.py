@@ -4,7 +4,8 @@ through float64 models of the same per-chunk quantities."""
 import pytest
 import torch
 
-from deltatron.kernels.chunk.portable import grads, output, reverse
+from deltatron.kernels.chunk.portable import grads, reverse, wy
+from deltatron.kernels.chunk.portable.gate import channel_decay_buffers
 from deltatron.kernels.utils import seq_info
 from deltatron.reference.gated import _decayed_products, _masked_exp_diff
 
@@ -60,24 +61,25 @@ def test_dv_local_per_channel_gate_grouped_heads(dtype, gates, poison):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dv_local_reads_the_output_stages_scores(dtype, poison):
-    # KDA: the forward's output stage stores its scale P for the backward (output_fwd(scores=)); dv_local reading them
-    # gives the bits it forms itself, and storing them leaves o as it was. Grouped heads, partial chunks, an empty
+def test_dv_local_reads_the_wy_stages_scores(dtype, poison):
+    # KDA: the forward's WY stage stores scale P for the output stage, and training keeps it for the backward
+    # (wy_fwd(scores=)); dv_local reading them gives the bits it forms itself. Grouped heads, partial chunks, an empty
     # sequence, a partial K-tile, strong gates
     C, lengths, HK, H, K, V = 32, [33, 0, 1, 64], 1, 2, 40, 24
     TT = sum(lengths)
     gen = torch.Generator().manual_seed(5)
-    q, k = (torch.randn(1, TT, HK, K, generator=gen).to(dtype) for _ in range(2))
+    q, k = (torch.nn.functional.normalize(torch.randn(1, TT, HK, K, generator=gen), dim=-1).to(dtype)
+            for _ in range(2))
     g = -20 * torch.rand(1, TT, H, K, generator=gen)
-    v_new, do = (torch.randn(1, TT, H, V, generator=gen).to(dtype) for _ in range(2))
-    h = torch.randn(len(chunk_spans(lengths, C)), H, K, V, generator=gen).to(dtype)
-    q, k, g, v_new, do, h = (x.to(DEVICE) for x in (q, k, g, v_new, do, h))
+    v, do = (torch.randn(1, TT, H, V, generator=gen).to(dtype) for _ in range(2))
+    beta = torch.rand(1, TT, H, generator=gen).to(dtype)
+    q, k, g, v, do, beta = (x.to(DEVICE) for x in (q, k, g, v, do, beta))
     cu = random_cu_seqlens(lengths, DEVICE)
     info = seq_info(1, TT, torch.device(DEVICE), cu, cu.cpu())
     scale = 0.3
     scores = torch.full((1, TT, H, C), float("nan"), dtype=dtype, device=DEVICE)
-    o = output.output_fwd(q, k, v_new, h, scale, info, C, gk=g, scores=scores)
-    assert torch.equal(o, output.output_fwd(q, k, v_new, h, scale, info, C, gk=g))
+    wy.wy_fwd(k, v, beta, info, C, gk=g, decays=channel_decay_buffers(k, g, info, C, with_q=True), q=q,
+              scores=scores, scale=scale)
     assert not scores.isnan().any()
     assert torch.equal(grads.dv_local(q, k, do, scale, info, C, gk=g, scores=scores),
                        grads.dv_local(q, k, do, scale, info, C, gk=g))

@@ -9,7 +9,7 @@ from deltatron.kernels.chunk.portable import wy
 from deltatron.kernels.chunk.portable.gate import channel_decay_buffers, channel_decay_stage, chunk_gamma
 from deltatron.kernels.utils import seq_info
 from deltatron.reference.chunk import intra_chunk_wy
-from deltatron.reference.gated import gated_intra_chunk
+from deltatron.reference.gated import _decayed_products, _masked_exp_diff, gated_intra_chunk
 
 from ....helpers import DEVICE, make_gated_inputs, nearly_parallel_keys, random_cu_seqlens, rel_rms
 from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, packed, per_sequence_chunks
@@ -166,3 +166,27 @@ def test_wy_writes_kda_decays_as_the_decay_stage(poison, dtype, C, lengths, HK, 
     assert torch.equal(bwd.k, want.k) and torch.equal(bwd.q, want.q) and torch.equal(bwd.chunk, want.chunk)
     with pytest.raises(ValueError, match="decayed q"):
         wy.recompute_w_u(k, v, beta, tinv, info, C, gk=g, decays=bwd)
+    # the forward's output stage operands: scale P beside A and exp(Γ) ⊙ Q beside W, T~, W and U unchanged
+    out = channel_decay_buffers(k, g, info, C, with_q=True)
+    scores = torch.full((1, TT, H, C), float("nan"), dtype=dtype, device=DEVICE)
+    got = wy.wy_fwd(k, v, beta, info, C, gk=g, decays=out, q=q, scores=scores, scale=0.3)
+    assert all(torch.equal(x, y) for x, y in zip(got, (tinv, w, u)))
+    assert torch.equal(out.k, want.k) and torch.equal(out.q, want.q) and torch.equal(out.chunk, want.chunk)
+    assert scores.dtype == dtype
+    assert rel_rms(scores, kda_scores_reference(q, k, g, 0.3, lengths, C)) < STAGE_BOUNDS[dtype]
+    with pytest.raises(ValueError, match="scores"):
+        wy.wy_fwd(k, v, beta, info, C, gk=g, decays=fwd, scores=scores)
+
+
+def kda_scores_reference(q, k, g, scale, lengths, C):
+    """Float64 (scale P)^T of every chunk as the WY stage lays it out, [1, TT, H, C]: row j, column i, P_ij = sum_c
+    q_ic k_jc exp(Γ_i - Γ_j)[c] for j <= i (0 above and past the chunk's end), q and k of each value head's key head."""
+    TT, HK, H = q.shape[1], q.shape[2], g.shape[2]
+    qd, kd, gd = (x[0].cpu().double() for x in (q, k, g))
+    want = torch.zeros(1, TT, H, C, dtype=torch.float64)
+    for t0, t1, _ in chunk_rows(lengths, C):
+        decay = _masked_exp_diff(gd[t0:t1].cumsum(0).transpose(0, 1), per_channel=True)  # [H, i, j, K]
+        q_h, k_h = (x[t0:t1].transpose(0, 1).repeat_interleave(H // HK, 0) for x in (qd, kd))
+        p = _decayed_products(q_h, k_h, decay)  # [H, i, j]
+        want[0, t0:t1, :, :t1 - t0] = (scale * p).permute(2, 0, 1)
+    return want
