@@ -342,9 +342,9 @@ def decayed_operand(x, DT: tl.constexpr):
 def channel_scores(x, k, g, n, XS: tl.constexpr, KS: tl.constexpr, GS: tl.constexpr, K: tl.constexpr,
                    C: tl.constexpr, DIAG: tl.constexpr, PRECISION: tl.constexpr):
     """[C, C] fp32 scores of one chunk under the per-channel gate: sum_c x_ic k_jc exp(Γ_i - Γ_j)[c] for j < i (DIAG:
-    j <= i), 0 elsewhere: A's (x = k) and the output's P (x = q). x, k point at the chunk's first token and their
-    heads, g at its row of the gate's planes (gate_rows), XS, KS, GS apart a row; rows from n on are 0. How:
-    channel_score_pair."""
+    j <= i), 0 elsewhere: A's (x = k, passed as None: the rows are k's own tile, loaded once) and the output's P
+    (x = q). x, k point at the chunk's first token and their heads, g at its row of the gate's planes (gate_rows), XS,
+    KS, GS apart a row; rows from n on are 0. How: channel_score_pair."""
     scores, _ = channel_score_pair(x, x, k, g, n, XS, XS, KS, GS, K, C, False, PRECISION)
     r = tl.arange(0, C)
     if DIAG:
@@ -358,7 +358,7 @@ def channel_score_pair(x, y, k, g, n, XS: tl.constexpr, YS: tl.constexpr, KS: tl
     """The scores of x against k under the per-channel gate, [C, C] fp32, exact for j <= i (above the diagonal they
     hold what the products leave there: the caller masks), and with PAIR those of y against the same k from the same
     pass over the channels (the WY stage's A and P: k's decayed columns are formed once for both); without PAIR the
-    second result is the first. y points as x does, YS apart a row.
+    second result is the first. y points as x does, YS apart a row; x None: the rows are k's (A's scores).
 
     The rows of sub-chunk I take their decays from I's start: exp(Γ_i - Γ_j) = exp(P_i) exp(X_j + the totals of the
     sub-chunks strictly between J and I) for a column j of an earlier sub-chunk J, both factors <= 1; within I, where
@@ -371,14 +371,17 @@ def channel_score_pair(x, y, k, g, n, XS: tl.constexpr, YS: tl.constexpr, KS: tl
     r = tl.arange(0, C)
     block = r // SUB  # each row's sub-chunk
     s = tl.arange(0, SUB)
-    DT: tl.constexpr = x.dtype.element_ty
+    DT: tl.constexpr = k.dtype.element_ty  # (x's and y's too)
     scores = tl.zeros([C, C], dtype=tl.float32)
     scores_y = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         c = k0 + tl.arange(0, BK)
         m = (r[:, None] < n) & (c[None, :] < K)
-        b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=m, other=0.0).to(tl.float32)
         b_k = tl.load(k + r[:, None] * KS + c[None, :], mask=m, other=0.0).to(tl.float32)
+        if x is None:
+            b_x = b_k
+        else:
+            b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=m, other=0.0).to(tl.float32)
         b_p, b_after, t = channel_sums(g, n, GS, k0, K, C, BK)
         fac = factored(t)
         fac_block = tl.where(fac, block, -1)  # the rows' sub-chunks where the tile factors within them, else none
@@ -431,8 +434,8 @@ def channel_score_pair(x, y, k, g, n, XS: tl.constexpr, YS: tl.constexpr, KS: tl
 
 
 @triton.jit
-def channel_mix(m, x, gs, sums, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr,
-                BD: tl.constexpr, TRANS: tl.constexpr, PRECISION: tl.constexpr):
+def channel_mix(m, b_x, gs, sums, n, GS: tl.constexpr, d0, D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
+                TRANS: tl.constexpr, PRECISION: tl.constexpr):
     """Channels [d0, d0 + BD) of one chunk's product of a score gradient m [C, C] (fp32, strictly lower: rows i,
     columns j < i) with rows of x under the per-channel decays, [C, BD] fp32: sum_j m_ij x_jc exp(Γ_i - Γ_j)[c] (row
     i), or TRANS: sum_i m_ij x_ic exp(Γ_i - Γ_j)[c] (row j). The backward's counterpart of channel_scores, with its
@@ -443,15 +446,12 @@ def channel_mix(m, x, gs, sums, n, XS: tl.constexpr, GS: tl.constexpr, d0, D: tl
     PRECISION (16-bit operands left the gate's gradient 1.05e-2 off in bf16, where its bound is 1e-2). A tile
     with a stronger sub-chunk keeps the decay inside the sum within the sub-chunks, exp(g summed over (j, i]) per
     channel in fp32, a column j at a time. sums: channel_sums of the tile's channels (shared with the caller's
-    decays), from the gate's planes at gs (gate_rows, GS apart a row: g itself for such a tile); x points at the
-    chunk's first token and its head, XS apart a row; rows from n on and channels from D on read as 0."""
+    decays), from the gate's planes at gs (gate_rows, GS apart a row: g itself for such a tile); b_x: x's tile
+    [C, BD] fp32 as the caller loaded it for its own terms, zero in rows from n on and channels from D on."""
     NS: tl.constexpr = C // SUB
     r = tl.arange(0, C)
     block = r // SUB
     s = tl.arange(0, SUB)
-    c = d0 + tl.arange(0, BD)
-    b_x = tl.load(x + r[:, None] * XS + c[None, :], mask=(r[:, None] < n) & (c[None, :] < D), other=0.0)
-    b_x = b_x.to(tl.float32)
     b_p, b_after, t = sums
     fac = factored(t)
     fac_block = tl.where(fac, block, -1)

@@ -97,6 +97,11 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
     b_ds = tl.zeros([C, C], dtype=tl.float32)
     b_sds = tl.zeros([BV], dtype=tl.float32)  # <S, dS_next> over this K-tile, by rows of S^T (USE_G)
     b_sds_k = tl.zeros([BK], dtype=tl.float32)  # rowsum(S ⊙ dS_next) per key channel (USE_GK)
+    if USE_GK:  # the tile's sums, for its decays and channel_mix: loaded before the products over V, which hide
+        # their latency (first used after the loop, they were the stage's largest stall: docs/performance.md, KDA)
+        g_c = gate_rows(gam, start, i_h, H, K)
+        GS: tl.constexpr = SUM_PLANES * H * K
+        sums = channel_sums(g_c, n, GS, i_k * BK, K, C, BK)
     # every term sums over V: loop over it here, in a fixed order
     for i_v in range(tl.cdiv(V, BV)):
         if STATES_T:  # V'^T rows of this V-block, whole: zero past the sequence's end (states_buffers), and a mask
@@ -141,20 +146,15 @@ def dqkw_kernel(q, k, gam, v_new, h, dh, dout, dv, dq, dq_group, dk, dw, dg_rows
         tl.store(dg_chunks + ((i_k * NT + i_t) * H + i_h) * BV + tl.arange(0, BV), b_sds * tl.exp(b_gam_last))
         b_ds = b_ds.to(dt)
     elif USE_GK:
-        g_c = gate_rows(gam, start, i_h, H, K)
-        GS: tl.constexpr = SUM_PLANES * H * K
-        sums = channel_sums(g_c, n, GS, i_k * BK, K, C, BK)  # the tile's, for its decays and channel_mix
         b_gam, b_rest, b_gam_last = decays_of_sums(sums, C)
         b_dq *= tl.exp(b_gam)  # (exp(Γ) ⊙ dO S^T): the entering state's term
         b_dk *= tl.exp(b_rest)  # (exp(Γ_C - Γ) ⊙ V' dS_next^T): the leaving state's
         # dP = scale dO V'^T, strictly lower through the decays; the diagonal (decay 1) apart
         b_dpd = scale * tl.sum(tl.where(r[:, None] == r[None, :], b_ds, 0.0), axis=1)
         b_dp = tl.where(r[:, None] > r[None, :], b_ds * scale, 0.0)
-        b_y = channel_mix(b_dp, k + start * HK * K + i_hk * K, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, False,
-                          PRECISION)
-        b_z = channel_mix(b_dp, q + start * HK * K + i_hk * K, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, True,
-                          PRECISION)
         b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
+        b_y = channel_mix(b_dp, b_kf, g_c, sums, n, GS, i_k * BK, K, C, BK, False, PRECISION)
+        b_z = channel_mix(b_dp, b_qf, g_c, sums, n, GS, i_k * BK, K, C, BK, True, PRECISION)
         # dΓ_i: through exp(Γ_i) of Q S, and through the scores' decays (row i as the later token, minus as the
         # earlier); x_i through exp(Γ_C - Γ_i) of the state update; exp(Γ_C) rowsum(S ⊙ dS_next) for the chunk
         c_offs = ((start + r)[:, None] * H + i_h) * K + i_k * BK + tl.arange(0, BK)[None, :]

@@ -30,7 +30,7 @@ def kkt_tile(k, beta, gam, n, H: tl.constexpr, HK: tl.constexpr, I0: tl.constexp
     j = J0 + tl.arange(0, BJ)
     if USE_GK:
         tl.static_assert(I0 == 0 and J0 == 0 and BI == BJ, "the per-channel gate's A is built a whole chunk at once")
-        acc = channel_scores(k, k, gam, n, HK * K, HK * K, SUM_PLANES * H * K, K, BI, False, PRECISION)
+        acc = channel_scores(None, k, gam, n, HK * K, HK * K, SUM_PLANES * H * K, K, BI, False, PRECISION)
     else:
         acc = tl.zeros([BI, BJ], dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -64,7 +64,7 @@ def kkt_scores_tile(k, q, beta, gs, n, H: tl.constexpr, HK: tl.constexpr, K: tl.
     """KDA's A of one chunk (kkt_tile's, USE_GK) and the output's scores P = sum_c q_ic k_jc exp(Γ_i - Γ_j)[c] for
     j <= i (0 above), both [C, C] fp32 from one pass over the channels (gate.channel_score_pair: K's decayed columns
     formed once for both). q points as k does (its key head); gs at the gate's planes (gate.gate_rows)."""
-    b_a, b_p = channel_score_pair(k, q, k, gs, n, HK * K, HK * K, HK * K, SUM_PLANES * H * K, K, C, True, PRECISION)
+    b_a, b_p = channel_score_pair(None, q, k, gs, n, HK * K, HK * K, HK * K, SUM_PLANES * H * K, K, C, True, PRECISION)
     i = tl.arange(0, C)
     b_a = tl.where(i[:, None] > i[None, :], beta_rows(b_a, beta, i, n, H), 0.0)
     return b_a, tl.where(i[:, None] >= i[None, :], b_p, 0.0)

@@ -96,7 +96,6 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
         b_wbeta = b_beta * tl.exp(b_gam)
     if USE_GK:
         g_c = gate_rows(gam, start, i_h, H, K)
-        k_c = k + start * HK * K + i_hk * K
     GS: tl.constexpr = SUM_PLANES * H * K  # (USE_GK) the planes' row stride
     b_tt = load_tinv_t(tinv, start, n, i_h, H, C)
     dt = k.dtype.element_ty
@@ -133,8 +132,8 @@ def wy_bwd_kernel(k, v, beta, gam, tinv, dw, du, dk_direct, dk, dk_group, dv, db
             sums = channel_sums(g_c, n, GS, i_k * BK, K, C, BK)  # the tile's, for exp(Γ) and channel_mix
             b_e = tl.exp(decays_of_sums(sums, C)[0])
             b_tdw = mm(b_tt_in, b_dw, PRECISION)
-            b_ya = channel_mix(b_da, k_c, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, False, PRECISION)
-            b_za = channel_mix(tl.trans(b_dat), k_c, g_c, sums, n, HK * K, GS, i_k * BK, K, C, BK, True, PRECISION)
+            b_ya = channel_mix(b_da, b_k, g_c, sums, n, GS, i_k * BK, K, C, BK, False, PRECISION)
+            b_za = channel_mix(tl.trans(b_dat), b_k, g_c, sums, n, GS, i_k * BK, K, C, BK, True, PRECISION)
             b_dkb = b_tdw * b_e + b_ya
             b_dk_wy = b_beta[:, None] * b_dkb + b_za
             b_dbeta_k = tl.sum(b_dkb * b_k, axis=1)
