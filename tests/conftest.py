@@ -1,5 +1,6 @@
 """Without a GPU the Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before the
-first kernel is defined, so it is set here, before any test module imports deltatron's kernels."""
+first kernel is defined, so it is set here, before any test module imports deltatron's kernels. There,
+DELTATRON_BOUNDS_CHECK=1 checks every kernel's loads and stores against its tensor arguments (tests/bounds_check.py)."""
 import os
 
 import pytest
@@ -7,6 +8,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("DELTATRON_BOUNDS_CHECK") == "1":
+        from tests import bounds_check
+        bounds_check.install()
 
 
 @pytest.fixture
@@ -53,10 +57,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a GPU test, a CUDA error left behind (an illegal memory access poisons the whole CUDA context)
-    ends this process: every later test in it would fail with the same error and hide its own result. Under
-    pytest-xdist the worker is replaced and the test is reported as having crashed it."""
-    if "gpu" not in item.keywords or not torch.cuda.is_available():
+    """On a CUDA machine, after every test (the GPU tests and the others, which run there on the GPU too), a CUDA
+    error left behind (an illegal memory access poisons the whole CUDA context) ends this process: every later test
+    in it would fail with the same error and hide its own result. Under pytest-xdist the worker is replaced and the
+    test is reported as having crashed it."""
+    if not torch.cuda.is_available():
         return
     try:
         torch.cuda.synchronize()
