@@ -1,26 +1,28 @@
 """Bounds checking for Triton's interpreter: with DELTATRON_BOUNDS_CHECK=1 (tests/conftest.py installs it), every
-address a kernel loads or stores under a true mask must lie inside one of its launch's tensor arguments (the bytes
-their views span), else the launch fails naming the kernel. On a GPU such an access reads another tensor's memory or
-faults (an illegal memory access that poisons the CUDA context); in the interpreter it would read whatever the host's
-memory holds there. It hooks the interpreter's launch and its masked loads and stores, so it applies to kernels run
-with TRITON_INTERPRET=1 only."""
+address a kernel loads or stores under a true mask must lie inside the storage of one of its launch's tensor
+arguments, else the launch fails naming the kernel. On a GPU such an access reads or writes memory the call does not
+own, or faults (an illegal memory access that poisons the CUDA context); in the interpreter it would read whatever
+the host's memory holds there. The storage, not the view: a view may be read past its end by design (a prepared
+varlen batch's spare chunks read the entry past its cu_seqlens view, which its buffer holds). It hooks the
+interpreter's launch and its masked loads and stores, so it applies to kernels run with TRITON_INTERPRET=1 only."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from triton.runtime import interpreter
 
-_launch = {"kernel": "", "spans": []}  # the running launch's kernel name and its arguments' [start, end) byte spans
+_launch = {"kernel": "", "spans": []}  # the running launch's kernel name and its arguments' storages' byte spans
 
 
 def _spans(args) -> list:
+    """[start, end) of each tensor argument's storage (a tuple's too)."""
     spans = []
     for arg in args:
         if isinstance(arg, tuple):
             spans += _spans(arg)
-        elif isinstance(arg, torch.Tensor) and arg.numel():
-            last = sum((size - 1) * stride for size, stride in zip(arg.shape, arg.stride()))
-            spans.append((arg.data_ptr(), arg.data_ptr() + (last + 1) * arg.element_size()))
+        elif isinstance(arg, torch.Tensor):
+            storage = arg.untyped_storage()
+            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
     return spans
 
 
@@ -32,7 +34,7 @@ def _check(ptrs, mask, access: str) -> None:
         inside |= (addresses >= start) & (addresses < end)
     if not inside.all():
         raise AssertionError(f"{_launch['kernel']}: {int((~inside).sum())} addresses of a {access} outside every "
-                             f"tensor argument")
+                             f"tensor argument's storage")
 
 
 def install() -> None:

@@ -1,4 +1,4 @@
-"""tests/bounds_check.py: the interpreter's loads and stores checked against the launch's tensor arguments."""
+"""tests/bounds_check.py: the interpreter's loads and stores checked against the launch's tensors' storages."""
 import pytest
 import torch
 import triton
@@ -12,22 +12,31 @@ pytestmark = pytest.mark.skipif(not INTERPRET, reason="checks the loads and stor
 
 
 @triton.jit
-def copy_kernel(x, y, LOADS: tl.constexpr, STORES: tl.constexpr):
+def increment_kernel(x, LOADS: tl.constexpr, STORES: tl.constexpr):
     r = tl.arange(0, 16)
-    tl.store(y + r, tl.load(x + r, mask=r < LOADS, other=0.0), mask=r < STORES)
+    tl.store(x + r, tl.load(x + r, mask=r < LOADS, other=0.0) + 1, mask=r < STORES)
 
 
-def test_out_of_bounds_loads_and_stores_fail(monkeypatch):
+@pytest.fixture
+def checked(monkeypatch):
     for cls, name in ((interpreter.GridExecutor, "_init_args_hst"), (interpreter.InterpreterBuilder,
                                                                      "create_masked_load"),
                       (interpreter.InterpreterBuilder, "create_masked_store")):
         monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
     bounds_check.install()
-    memory = torch.arange(64, dtype=torch.float32)
-    x, y = memory[8:16], torch.zeros(16)  # x's neighbours are memory's, no argument's
-    copy_kernel[(1,)](x, y, 8, 16)  # masked to x's 8 elements: in bounds
-    assert torch.equal(y[:8], x) and not y[8:].any()
-    with pytest.raises(Exception, match="copy_kernel: 4 addresses of a load outside every tensor argument"):
-        copy_kernel[(1,)](x, y, 12, 16)
-    with pytest.raises(Exception, match="copy_kernel: 8 addresses of a store outside every tensor argument"):
-        copy_kernel[(1,)](y, x, 16, 16)
+
+
+def test_accesses_outside_the_storage_fail(checked):
+    x = torch.zeros(8)  # the launch's only tensor: every address past its 8 elements is outside
+    increment_kernel[(1,)](x, 8, 8)
+    assert torch.equal(x, torch.ones(8))
+    with pytest.raises(Exception, match="increment_kernel: 4 addresses of a load outside every tensor argument's"):
+        increment_kernel[(1,)](x, 12, 8)
+    with pytest.raises(Exception, match="increment_kernel: 8 addresses of a store outside every tensor argument's"):
+        increment_kernel[(1,)](x, 8, 16)
+
+
+def test_a_view_may_be_read_within_its_storage(checked):
+    storage = torch.zeros(16)
+    increment_kernel[(1,)](storage[:8], 16, 16)  # past the view, inside its storage
+    assert torch.equal(storage, torch.ones(16))
