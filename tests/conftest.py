@@ -1,6 +1,7 @@
 """Without a GPU the Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before the
 first kernel is defined, so it is set here, before any test module imports deltatron's kernels. There,
-DELTATRON_BOUNDS_CHECK=1 checks every kernel's loads and stores against its tensors' storages (tests/bounds_check.py)."""
+DELTATRON_BOUNDS_CHECK=1 checks every kernel's loads and stores against its tensors' storages
+(tests/bounds_check.py)."""
 import os
 
 import pytest
