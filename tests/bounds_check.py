@@ -11,6 +11,9 @@ import numpy as np
 import torch
 from triton.runtime import interpreter
 
+# the interpreter's methods install() wraps: its argument copy (to record the spans), masked load and masked store
+HOOKS = ((interpreter.GridExecutor, "_init_args_hst"), (interpreter.InterpreterBuilder, "create_masked_load"),
+         (interpreter.InterpreterBuilder, "create_masked_store"))
 _launch = {"kernel": "", "spans": []}  # the running launch's kernel name and its arguments' storages' byte spans
 
 
@@ -38,10 +41,9 @@ def _check(ptrs, mask, access: str) -> None:
 
 
 def install() -> None:
-    """Wraps the interpreter's argument copy (to record the spans), masked load and masked store (to check them)."""
+    """Wraps HOOKS: the argument copy records the spans, the masked load and store check them."""
     executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
-    missing = [name for cls, name in ((executor, "_init_args_hst"), (builder, "create_masked_load"),
-                                      (builder, "create_masked_store")) if not hasattr(cls, name)]
+    missing = [name for cls, name in HOOKS if not hasattr(cls, name)]
     if missing:
         raise RuntimeError(f"DELTATRON_BOUNDS_CHECK: this triton's interpreter has no {', '.join(missing)} to hook")
     init_args, load, store = executor._init_args_hst, builder.create_masked_load, builder.create_masked_store

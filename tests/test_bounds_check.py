@@ -3,7 +3,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import interpreter
 
 from . import bounds_check
 from .helpers import INTERPRET
@@ -19,9 +18,7 @@ def increment_kernel(x, LOADS: tl.constexpr, STORES: tl.constexpr):
 
 @pytest.fixture
 def checked(monkeypatch):
-    for cls, name in ((interpreter.GridExecutor, "_init_args_hst"), (interpreter.InterpreterBuilder,
-                                                                     "create_masked_load"),
-                      (interpreter.InterpreterBuilder, "create_masked_store")):
+    for cls, name in bounds_check.HOOKS:
         monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
     bounds_check.install()
 
