@@ -7,6 +7,10 @@ The GPU tests live beside the CPU tests of what they test (tests/kernels/chunk/t
 tests/kernels/chunk/hopper/test_walk_gpu.py, ...), marked `gpu`; the suite is `pytest tests -m gpu`, which
 selects them from the whole tree (this folder holds only this script and LAST_RUN.md).
 
+--every-test runs every test of the paths rather than those marked gpu: the CPU tests, written for the
+interpreter's small and awkward shapes, then run compiled on the GPU (`--every-test --paths tests/kernels`: the
+kernels' tests), which is where narrow-tile miscompiles have shown.
+
 --paths runs part of the suite (default: the whole tests tree), e.g. one half per GPU of a two-GPU machine; the
 a split in two (6 workers on an H200): tests/kernels/chunk/test_backward_gpu.py,
 tests/kernels/chunk/test_forward_gpu.py, tests/kernels/test_fused_recurrent_gpu.py,
@@ -52,6 +56,10 @@ def main() -> int:
     parser.add_argument("--paths", nargs="+", default=["tests"],
                         help="test files or folders, relative to the repository (default: tests, all of it: "
                              "-m gpu selects the GPU tests)")
+    parser.add_argument("--every-test", action="store_true",
+                        help="every test of the paths, not only those marked gpu: the CPU tests' small, awkward "
+                             "shapes (partial chunks, T = 1, heads of 16-48) compiled for the GPU, where a "
+                             "miscompile shows that the interpreter cannot")
     parser.add_argument("--skip-passed", nargs="+", default=[], metavar="FILE",
                         help="passed.txt files of earlier runs: their tests are deselected")
     args, pytest_args = parser.parse_known_args()
@@ -63,7 +71,8 @@ def main() -> int:
     junit = os.path.join(args.out, "junit.xml")
     log_path = os.path.join(args.out, "gpu_suite.log")
     paths = [os.path.join(ROOT, p) for p in args.paths]
-    cmd = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rf", f"--junitxml={junit}", *pytest_args]
+    marker = [] if args.every_test else ["-m", "gpu"]
+    cmd = [sys.executable, "-m", "pytest", *paths, *marker, "-q", "-rf", f"--junitxml={junit}", *pytest_args]
     failures, passed_log = os.path.join(args.out, "failures.txt"), os.path.join(args.out, "passed.txt")
     for path in (failures, passed_log):
         open(path, "w").close()  # this run's reports only, appended as they come
@@ -86,7 +95,7 @@ def main() -> int:
         f"- tree: {tree()}",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
         f"- command: `python tests/gpu/run_suite.py {' '.join(sys.argv[1:])}` "
-        f"(pytest {' '.join(args.paths)} -m gpu"
+        f"(pytest {' '.join(args.paths + marker)}"
         f"{'' if check is None else ', then deltatron check'})",
         f"- pytest: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
         f"{counts['skipped']} skipped (exit code {rc}); time {float(suite.get('time', 0)):.0f} s"

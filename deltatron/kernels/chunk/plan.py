@@ -277,14 +277,17 @@ def hopper_launch(num_states: int, sms: int) -> Launch:
 
 @functools.lru_cache(maxsize=None)
 def wy_launch(K: int, V: int, element_size: int, fused: bool, uncapped: bool = False) -> Launch:
-    """The WY kernel: 4 warps (2 spill the 16-bit inverse), head tiles at least 32 wide (16-wide tiles gave wrong W,
-    U on the H200 with triton 3.6); the 16-bit kernel that inverts (fused) capped at 168 registers up to 128-wide
-    heads (3 blocks an SM instead of 2), but for the variants that spill under that cap (uncapped): the per-head gated
-    rule's W, U (160 bytes; uncapped it took 1.579 ms against 1.699 of the forward at Qwen3-Next's layout, B = 8, T =
-    4096, H200) and KDA's forward, which forms the output's scores beside A (648 bytes against 40 uncapped; the
-    forward 1.152 ms against 1.178 at B = 8, T = 2048, H = 16, K = V = 128, outputs bitwise equal)."""
+    """The WY kernel: 4 warps (2 spill the 16-bit inverse), 64-wide head tiles, masked for narrower heads: on the
+    H200 with triton 3.6 narrower tiles gave wrong W, U once the inverse runs in tf32 (16-bit inputs), 16-wide ones
+    always, 32-wide ones with nearly parallel keys at V = 32 (W 0.84 off in relative RMS) and in KDA's fp16 at
+    K = V = 32 (the output 1.25 off; once an illegal address). The 16-bit kernel that inverts (fused) is capped at
+    168 registers up to 128-wide heads (3 blocks an SM instead of 2), but for the variants that spill under that cap
+    (uncapped): the per-head gated rule's W, U (160 bytes; uncapped it took 1.579 ms against 1.699 of the forward at
+    Qwen3-Next's layout, B = 8, T = 4096, H200) and KDA's forward, which forms the output's scores beside A (648
+    bytes against 40 uncapped; the forward 1.152 ms against 1.178 at B = 8, T = 2048, H = 16, K = V = 128, outputs
+    bitwise equal)."""
     cap = 168 if fused and element_size == 2 and max(K, V) <= 128 and not uncapped else 0
-    return Launch(warps=4, maxnreg=cap, tile_k=max(head_tile(K), 32), tile_v=max(head_tile(V), 32))
+    return Launch(warps=4, maxnreg=cap, tile_k=64, tile_v=64)
 
 
 @functools.lru_cache(maxsize=None)

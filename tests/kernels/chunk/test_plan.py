@@ -284,6 +284,15 @@ def test_wy_register_cap_override():
     assert "launches" not in " -> ".join(plan.kernels(plan_for_shape(8, 2048, 16, 128, 128, bf16))[1])
 
 
+@pytest.mark.parametrize("K, V", [(16, 16), (32, 32), (64, 32), (40, 24), (32, 128), (128, 128), (256, 192)])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_wy_tiles_64_wide(K, V, element_size):
+    # narrower WY tiles gave wrong W, U on the H200 (plan.wy_launch), so narrow heads take masked 64-wide tiles
+    for fused in (True, False):
+        tiles = plan.wy_launch(K, V, element_size, fused)
+        assert (tiles.tile_k, tiles.tile_v) == (64, 64)
+
+
 def test_unknown_override_raises_type_error():
     with pytest.raises(TypeError, match="unknown choices"):
         with plan.overrides(gluon_walk=True):

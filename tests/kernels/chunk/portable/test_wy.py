@@ -33,8 +33,9 @@ def test_wy(poison, dtype, C, lengths, K, V):
     # the backward's path: the same W, U from the stored Tinv
     w2, u2 = wy.recompute_w_u(inp["k"], inp["v"], inp["beta"], tinv, info, C)
     assert torch.equal(w2, w) and torch.equal(u2, u)
-    # fused_chunk's path: Tinv alone (no W, U), the same bits
-    assert torch.equal(wy.tinv_fwd(inp["k"], inp["beta"], info, C), tinv)
+    # fused_chunk's path: Tinv alone (no W, U), a kernel of its own, as accurate (the same bits in the interpreter;
+    # on the H200 its tf32 products at C = 16 round apart from wy_fwd's)
+    assert rel_rms(wy.tinv_fwd(inp["k"], inp["beta"], info, C), T_ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -50,6 +51,16 @@ def test_wy_nearly_parallel_keys(poison, dtype):
     _, w, u = wy.wy_fwd(inp["k"], inp["v"], inp["beta"], info, C)
     assert rel_rms(w, w_ref) < STAGE_BOUNDS[dtype]
     assert rel_rms(u, u_ref) < STAGE_BOUNDS[dtype]
+
+
+def assert_low_half(lo, tinv, beta_cols, hi, atol=0.0):
+    """lo, the pair's low half, is the rounding of T~ diag(beta) - hi to hi's dtype, that difference taken either
+    after rounding the product to fp32 (the interpreter) or exactly (compiled kernels contract the product and the
+    difference into one FMA), element by element; atol: a tolerance for fp32's subnormals."""
+    rounded = (tinv * beta_cols - hi.float()).to(hi.dtype).float()
+    fused = (tinv.double() * beta_cols.double() - hi.double()).float().to(hi.dtype).float()  # the product is exact
+    lo = lo.float()
+    assert bool((((lo - rounded).abs() <= atol) | ((lo - fused).abs() <= atol)).all())
 
 
 def beta_columns(beta, tinv, lengths, C):
@@ -77,9 +88,9 @@ def test_tinv_pair(poison, dtype, lengths, K):
     tb_fp32 = tinv * beta_cols
     hi = tb_fp32.to(dtype)
     assert torch.equal(tb[..., :C], hi)
-    assert torch.equal(tb[..., C:], (tb_fp32 - hi.float()).to(dtype))
+    assert_low_half(tb[..., C:], tinv, beta_cols, hi)
     pair = tb[..., :C].double() + tb[..., C:].double()
-    assert rel_rms(pair, T_ref * beta_cols.double()) < 1e-5
+    assert rel_rms(pair, T_ref * beta_cols.double().cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("dtype, lengths, gates", [(torch.float16, [65, 3, 0, 64], "soft"),
@@ -102,8 +113,7 @@ def test_tinv_pair_gated(poison, dtype, lengths, gates):
     assert torch.equal(tb[..., :C], hi)
     # lo to within fp32's subnormals, whose arithmetic differs between the kernel's backends and torch (strong gates
     # leave entries of T~ near 1e-39)
-    lo = (tinv * beta_cols - hi.float()).to(dtype)
-    torch.testing.assert_close(tb[..., C:].float(), lo.float(), rtol=0, atol=torch.finfo(torch.float32).tiny)
+    assert_low_half(tb[..., C:], tinv, beta_cols, hi, atol=torch.finfo(torch.float32).tiny)
     gen = torch.Generator().manual_seed(3)
     for t0, t1, _ in chunk_rows(lengths, C):
         k_c = x["k"][0, t0:t1, 0].double().cpu()
