@@ -1,11 +1,12 @@
 """portable/output.py: o = scale (Q S + (Q K^T ⊙ M) V') per chunk, the output stage of the unfused walk, against
-float64."""
+float64; with the gated rule's γ and grouped value heads; with KDA's scores."""
 import pytest
 import torch
 
 from deltatron.kernels.chunk.portable import output
+from deltatron.kernels.utils import seq_info
 
-from ....helpers import DEVICE, rel_rms
+from ....helpers import DEVICE, random_cu_seqlens, rel_rms
 from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, output_reference, packed
 
 pytestmark = needs_triton
@@ -26,6 +27,46 @@ def test_output_fwd(poison, dtype, C, lengths, K, V):
     o_ref = output_reference(ref["q"], ref["k"], h.cpu().double(), ref["v"], scale, lengths, C)
     assert o.dtype == dtype
     assert rel_rms(o, o_ref) < STAGE_BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("dtype, C, lengths, HK, H, K, V", [
+    (torch.float16, 64, [129], 2, 4, 64, 32),
+    (torch.bfloat16, 64, [129], 2, 4, 64, 32),
+    (torch.float32, 32, [33, 0, 1], 1, 3, 40, 24),
+    (torch.bfloat16, 16, [18, 16], 2, 2, 24, 40),
+])
+def test_output_fwd_gated(poison, dtype, C, lengths, HK, H, K, V):
+    # the gated rule: o_i = scale (exp(γ_i) q_i S + sum_{j <= i} exp(γ_i - γ_j) (q_i . k_j) v'_j), γ the chunk's
+    # cumulative log decay; value head h reads key head h // (H / HK)
+    scale, TT = 0.37, sum(lengths)
+    gen = torch.Generator().manual_seed(8)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, TT, HK, K, generator=gen), dim=-1).to(dtype)
+            for _ in range(2))
+    v_new = torch.randn(1, TT, H, V, generator=gen).to(dtype)
+    spans = chunk_rows(lengths, C)
+    h = torch.randn(len(spans), H, K, V, generator=gen).to(dtype)
+    g = -torch.rand(1, TT, H, generator=gen)
+    gam = torch.zeros_like(g)
+    for t0, t1, _ in spans:
+        gam[0, t0:t1] = g[0, t0:t1].cumsum(0)
+    o = output.output_fwd(*(x.to(DEVICE) for x in (q, k, v_new, h)), scale, cu_info(lengths), C, gam=gam.to(DEVICE))
+    want = torch.zeros(TT, H, V, dtype=torch.float64)
+    qd, kd, vd, hd, gd = (x.double() for x in (q[0], k[0], v_new[0], h, gam[0]))
+    for i, (t0, t1, _) in enumerate(spans):
+        for head in range(H):
+            q_c, k_c = qd[t0:t1, head // (H // HK)], kd[t0:t1, head // (H // HK)]
+            gm = gd[t0:t1, head]
+            decay = torch.exp(gm[:, None] - gm[None, :]).tril()
+            want[t0:t1, head] = scale * (torch.exp(gm)[:, None] * (q_c @ hd[i, head])
+                                         + (decay * (q_c @ k_c.T)) @ vd[t0:t1, head])
+    assert o.dtype == dtype
+    assert rel_rms(o[0], want) < STAGE_BOUNDS[dtype]
+
+
+def cu_info(lengths):
+    """The kernels' SeqInfo of packed sequences of these lengths on DEVICE."""
+    cu = random_cu_seqlens(lengths, DEVICE)
+    return seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
 
 
 @pytest.mark.parametrize("dtype, C, lengths, H, K, V", [
