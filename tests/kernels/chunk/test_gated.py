@@ -68,6 +68,16 @@ def test_every_walk(forced):
         check(1, 80, 1, 2, 32, 64, torch.float16, seed=15, chunk_size=32)
 
 
+def test_the_h200s_v_blocks():
+    # on the H200 the portable walk and reverse pass shrink their V-blocks to fill the SMs (16 wide here, where the
+    # interpreter's plan keeps 32): its launches at a shape where its output was seen wrong (test_output's gated case)
+    h200 = plan.plan_for_shape(1, 129, 4, 64, 32, torch.float16, gated=True, key_heads=2)
+    cpu = plan.plan_for_shape(1, 129, 4, 64, 32, torch.float16, gpu="cpu", gated=True, key_heads=2)
+    assert h200.walk_launch.block_v < cpu.walk_launch.block_v
+    with plan.overrides(walk_block_v=h200.walk_launch.block_v, reverse_block_v=h200.reverse_launch.block_v):
+        check(1, 129, 2, 4, 64, 32, torch.float16, seed=129, chunk_size=64)
+
+
 def test_k_256_two_launch_recompute():
     # K = 256: the unfused walk, the two-launch recompute and several K-tiles in grads' share of dg
     p = plan.plan_for_shape(1, 40, 2, 256, 32, torch.bfloat16, gpu="cpu", gated=True, key_heads=1)
