@@ -78,6 +78,14 @@ class TorchOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def plan_as_on(gpu: str) -> plan.Capabilities:
+    """Makes every chunk call plan as on the named GPU (plan.NAMED_GPUS) from now on; its capabilities."""
+    caps = plan.named_capabilities(gpu)
+    plan.device_capabilities = lambda device: caps
+    plan._CALL_PLANS.clear()
+    return caps
+
+
 def best_mean_us(step: Callable[[], None], calls: int, repeats: int) -> float:
     step()
     means = []
@@ -146,9 +154,7 @@ def main(argv=None) -> int:
             parser.error(f"--impls: {impl} is not one of deltatron's benchmark rows")
     if min(args.calls, args.repeats) < 1:
         parser.error("--calls and --repeats must be positive")
-    caps = plan.named_capabilities(args.gpu)  # (raises for an unknown name)
-    plan.device_capabilities = lambda device: caps
-    plan._CALL_PLANS.clear()
+    caps = plan_as_on(args.gpu)  # (raises for an unknown name)
     try:
         cfgs = configs.by_name(args.configs, smoke=args.smoke) if args.configs else (
             list(configs.SMOKE_CONFIGS) if args.smoke else configs.by_name(DEFAULT_CONFIGS))

@@ -106,8 +106,10 @@ def backward(q, k, v, beta, scale, initial_state, saved, do, dht, info, chunk_si
     del h, v_new, dh
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, tinv, dw, dv, dk_direct, info, chunk_size, cfg=plan.wy_bwd_launch,
                                  gam=gam, gk=gk)
-    dg = (None if g is None else gate_grad(dgam, dg_shares, info, chunk_size) if gk is None else
-          channel_gate_grad(dgam, dg_shares, info, chunk_size))
+    per_channel = gk is not None
+    del dw, dk_direct, gam, gk  # before dg's sums (KDA's gk: the gate's planes, 3 fp32 numbers a channel and token)
+    dg = (None if g is None else channel_gate_grad(dgam, dg_shares, info, chunk_size) if per_channel else
+          gate_grad(dgam, dg_shares, info, chunk_size))
     return (dq, dk, dv, dbeta, dh0) + (() if g is None else (dg,))
 
 
