@@ -25,7 +25,7 @@ import pkgutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 # glibc's allocator keeping freed memory for reuse, as CUDA's caching allocator does: by default it maps and unmaps
 # every large block, several µs a tensor of these sizes, which no GPU call pays. Read at process start: re-executed
@@ -97,10 +97,12 @@ def best_mean_us(step: Callable[[], None], calls: int, repeats: int) -> float:
     return min(means)
 
 
-def measure(impl: str, cfg: configs.Config, launches: Launches, calls: int, repeats: int) -> Dict[str, object]:
-    gated, per_channel = impl in configs.GATED, impl in configs.KDA
+def call_steps(impl: str, cfg: configs.Config) -> Tuple[Dict[str, torch.Tensor], List[Tuple[str, Callable]]]:
+    """A benchmark row's inputs on the CPU and its two steps: ("fwd", the forward under no_grad), ("fwdbwd", the
+    forward+backward through torch.autograd.grad)."""
     call = harness.resolve(impl, smoke=False)
-    x = configs.make_inputs(cfg, torch.device("cpu"), seed=0, gated=gated, per_channel=per_channel)
+    x = configs.make_inputs(cfg, torch.device("cpu"), seed=0, gated=impl in configs.GATED,
+                            per_channel=impl in configs.KDA)
     wrt = [x[n] for n in configs.grad_inputs(impl)]
 
     def fwd():
@@ -110,8 +112,13 @@ def measure(impl: str, cfg: configs.Config, launches: Launches, calls: int, repe
     def fwdbwd():
         torch.autograd.grad(call(x), wrt, x["do"])
 
+    return x, [("fwd", fwd), ("fwdbwd", fwdbwd)]
+
+
+def measure(impl: str, cfg: configs.Config, launches: Launches, calls: int, repeats: int) -> Dict[str, object]:
+    _, steps = call_steps(impl, cfg)
     row: Dict[str, object] = {"impl": impl, "config": cfg.name}
-    for name, step in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+    for name, step in steps:
         try:
             step()
         except Exception as e:  # noqa: BLE001 (reported: a path the stubs cannot stand in for)

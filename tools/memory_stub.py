@@ -20,18 +20,16 @@ import argparse
 import json
 import sys
 import traceback
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from host_stub import DEFAULT_CONFIGS, DEFAULT_IMPLS, Launches, plan_as_on  # (sets the interpreter's environment)
+# host_stub first: it sets Triton's interpreter up and puts the repository on sys.path
+from host_stub import DEFAULT_CONFIGS, DEFAULT_IMPLS, Launches, call_steps, plan_as_on
 
-import torch  # noqa: E402  (after host_stub: Triton in its interpreter)
+import torch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import configs, harness  # noqa: E402
+from benchmarks import configs  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -81,20 +79,9 @@ class LiveStorages(TorchDispatchMode):
 
 
 def measure(impl: str, cfg: configs.Config) -> Dict[str, object]:
-    call = harness.resolve(impl, smoke=False)
-    x = configs.make_inputs(cfg, torch.device("cpu"), seed=0, gated=impl in configs.GATED,
-                            per_channel=impl in configs.KDA)
-    wrt = [x[n] for n in configs.grad_inputs(impl)]
-
-    def fwd():
-        with torch.no_grad():
-            call(x)
-
-    def fwdbwd():
-        torch.autograd.grad(call(x), wrt, x["do"])
-
+    x, steps = call_steps(impl, cfg)
     row: Dict[str, object] = {"impl": impl, "config": cfg.name}
-    for name, step in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+    for name, step in steps:
         step()  # (first calls make plans and caches that later ones reuse)
         with LiveStorages(x) as seen:
             step()
