@@ -78,14 +78,6 @@ class TorchOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def plan_as_on(gpu: str) -> plan.Capabilities:
-    """Makes every chunk call plan as on the named GPU (plan.NAMED_GPUS) from now on; its capabilities."""
-    caps = plan.named_capabilities(gpu)
-    plan.device_capabilities = lambda device: caps
-    plan._CALL_PLANS.clear()
-    return caps
-
-
 def best_mean_us(step: Callable[[], None], calls: int, repeats: int) -> float:
     step()
     means = []
@@ -147,30 +139,46 @@ def table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def stub_parser(description: str) -> argparse.ArgumentParser:
+    """The options host_stub and memory_stub share: --configs, --impls, --gpu, --smoke."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--configs", nargs="+", help=f"benchmark configurations (default: {' '.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--impls", nargs="+", default=list(DEFAULT_IMPLS), help="deltatron's benchmark rows")
     parser.add_argument("--gpu", default="sm90", help="the GPU whose plan the calls take (plan.NAMED_GPUS)")
-    parser.add_argument("--calls", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def stub_rows(parser: argparse.ArgumentParser, args
+              ) -> Tuple[plan.Capabilities, Launches, List[Tuple[str, configs.Config]]]:
+    """stub_parser's options read: every chunk call from now on plans as on --gpu, with deltatron's launches stubbed;
+    (that GPU's capabilities, the stubs' counter, the (row, configuration) pairs to run). Bad options end in
+    parser.error."""
     for impl in args.impls:
         if not impl.startswith("deltatron.") or impl not in configs.IMPLS:
             parser.error(f"--impls: {impl} is not one of deltatron's benchmark rows")
-    if min(args.calls, args.repeats) < 1:
-        parser.error("--calls and --repeats must be positive")
-    caps = plan_as_on(args.gpu)  # (raises for an unknown name)
+    caps = plan.named_capabilities(args.gpu)  # (raises for an unknown name)
+    plan.device_capabilities = lambda device: caps
+    plan._CALL_PLANS.clear()
     try:
         cfgs = configs.by_name(args.configs, smoke=args.smoke) if args.configs else (
             list(configs.SMOKE_CONFIGS) if args.smoke else configs.by_name(DEFAULT_CONFIGS))
     except KeyError as e:
         parser.error(str(e))
-    launches = Launches()
+    runs = [(impl, cfg) for cfg in cfgs for impl in args.impls if configs.applies(impl, cfg) and not cfg.decode]
+    return caps, Launches(), runs
+
+
+def main(argv=None) -> int:
+    parser = stub_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if min(args.calls, args.repeats) < 1:
+        parser.error("--calls and --repeats must be positive")
+    caps, launches, runs = stub_rows(parser, args)
     calls, repeats = (2, 1) if args.smoke else (args.calls, args.repeats)
-    rows = [measure(impl, cfg, launches, calls, repeats) for cfg in cfgs for impl in args.impls
-            if configs.applies(impl, cfg) and not cfg.decode]
+    rows = [measure(impl, cfg, launches, calls, repeats) for impl, cfg in runs]
     print(f"host work per call with every launch stubbed, plan of {caps.name}, torch {torch.__version__}")
     print(table(rows))
     return 0

@@ -16,14 +16,13 @@ tensors alive there, 1 % of the peak and up, with the line that allocated each; 
 --smoke: the benchmark's smoke configurations (tests/tools/test_memory_stub.py)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
 from typing import Dict, List, Optional, Tuple
 
 # host_stub first: it sets Triton's interpreter up and puts the repository on sys.path
-from host_stub import DEFAULT_CONFIGS, DEFAULT_IMPLS, Launches, call_steps, plan_as_on
+from host_stub import call_steps, stub_parser, stub_rows
 
 import torch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
@@ -103,26 +102,12 @@ def table(rows: List[Dict[str, object]], live: bool) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", help=f"benchmark configurations (default: {' '.join(DEFAULT_CONFIGS)})")
-    parser.add_argument("--impls", nargs="+", default=list(DEFAULT_IMPLS), help="deltatron's benchmark rows")
-    parser.add_argument("--gpu", default="sm90", help="the GPU whose plan the calls take (plan.NAMED_GPUS)")
+    parser = stub_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--live", action="store_true", help="list the tensors alive at each forward+backward's peak")
     parser.add_argument("--json", metavar="FILE", help="the rows in bytes, with the lines at the peaks")
-    parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    for impl in args.impls:
-        if not impl.startswith("deltatron.") or impl not in configs.IMPLS:
-            parser.error(f"--impls: {impl} is not one of deltatron's benchmark rows")
-    caps = plan_as_on(args.gpu)
-    try:
-        cfgs = configs.by_name(args.configs, smoke=args.smoke) if args.configs else (
-            list(configs.SMOKE_CONFIGS) if args.smoke else configs.by_name(DEFAULT_CONFIGS))
-    except KeyError as e:
-        parser.error(str(e))
-    Launches()
-    rows = [measure(impl, cfg) for cfg in cfgs for impl in args.impls
-            if configs.applies(impl, cfg) and not cfg.decode]
+    caps, _, runs = stub_rows(parser, args)
+    rows = [measure(impl, cfg) for impl, cfg in runs]
     print(f"MiB alive above the inputs, every launch stubbed, plan of {caps.name}, torch {torch.__version__}")
     print(table(rows, args.live))
     if args.json:

@@ -30,10 +30,8 @@ def packed(lengths, H, K, V, dtype, seed, initial_state=False, **kw):
     """Random packed inputs [1, TT, H, *], their SeqInfo, and float64 copies of the dtype-rounded tensors."""
     inp = make_inputs(1, sum(lengths), H, K, V, dtype, device=DEVICE, seed=seed, initial_state=initial_state,
                       N=len(lengths), **kw)
-    cu = random_cu_seqlens(lengths, DEVICE)
-    info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
     ref = {n: x.detach().cpu().double() for n, x in inp.items()}
-    return inp, info, ref
+    return inp, packed_info(lengths), ref
 
 
 def per_sequence_chunks(lengths, C, fn, *xs):
@@ -75,15 +73,29 @@ def state_reference(k, w, u, h0, lengths, C):
 
 
 
-def output_reference(q, k, h, v_new, scale, lengths, C):
-    """Float64 o [1, TT, H, V] = scale (Q S + (Q K^T ⊙ M) V') per chunk, S = h[chunk] [NT, H, K, V]."""
+def output_reference(q, k, h, v_new, scale, lengths, C, gam=None):
+    """Float64 o [1, TT, H, V] = scale (Q S + (Q K^T ⊙ M) V') per chunk, S = h[chunk] [NT, H, K, V]; gam: the gated
+    rule's γ [1, TT, H] (the chunk's cumulative log decay): scale (exp(γ) ⊙ Q S + (Q K^T ⊙ exp(γ_i - γ_j) ⊙ M) V').
+    q, k may have fewer heads than v_new (value head h reads key head h // (H / HK))."""
+    group = v_new.shape[2] // q.shape[2]
     o = torch.zeros_like(v_new)
     for i, (t0, t1, _) in enumerate(chunk_rows(lengths, C)):
-        q_c, k_c, vn_c = (x[0, t0:t1].transpose(0, 1) for x in (q, k, v_new))
+        q_c, k_c = (x[0, t0:t1].repeat_interleave(group, dim=1).transpose(0, 1) for x in (q, k))
+        vn_c = v_new[0, t0:t1].transpose(0, 1)
         qk = (q_c @ k_c.transpose(1, 2)).tril()
-        o[0, t0:t1] = (scale * (q_c @ h[i] + qk @ vn_c)).transpose(0, 1)
+        qs = q_c @ h[i]
+        if gam is not None:
+            g_c = gam[0, t0:t1].transpose(0, 1)[..., None]  # [H, t, 1]
+            qk = qk * torch.exp((g_c - g_c.transpose(1, 2)).clamp(max=0))  # (above the diagonal qk is 0)
+            qs = qs * torch.exp(g_c)
+        o[0, t0:t1] = (scale * (qs + qk @ vn_c)).transpose(0, 1)
     return o
 
+
+def packed_info(lengths):
+    """The kernels' SeqInfo of packed sequences of these lengths (B = 1) on DEVICE."""
+    cu = random_cu_seqlens(lengths, DEVICE)
+    return seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
 
 
 # ---------------------------------------------------------------- backward stages
@@ -93,8 +105,7 @@ def packed_growing(lengths, H, K, V, dtype, seed):
     their SeqInfo and a float64 copy of each tensor as it is after rounding to dtype."""
     inp = make_inputs(1, sum(lengths), H, K, V, dtype, device=DEVICE, normalized_keys=False, beta_max=2.0,
                       seed=seed)
-    cu = random_cu_seqlens(lengths, DEVICE)
-    info = seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
+    info = packed_info(lengths)
     ref = {n: x[0].detach().cpu().double() for n, x in inp.items()}
     return inp, info, ref
 

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from deltatron.kernels.chunk.portable import output
-from deltatron.kernels.utils import seq_info
 
-from ....helpers import DEVICE, random_cu_seqlens, rel_rms
-from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, output_reference, packed
+from ....helpers import DEVICE, rel_rms
+from ..helpers import STAGE_BOUNDS, chunk_rows, needs_triton, output_reference, packed, packed_info
 
 pytestmark = needs_triton
 
@@ -49,24 +48,11 @@ def test_output_fwd_gated(poison, dtype, C, lengths, HK, H, K, V):
     gam = torch.zeros_like(g)
     for t0, t1, _ in spans:
         gam[0, t0:t1] = g[0, t0:t1].cumsum(0)
-    o = output.output_fwd(*(x.to(DEVICE) for x in (q, k, v_new, h)), scale, cu_info(lengths), C, gam=gam.to(DEVICE))
-    want = torch.zeros(TT, H, V, dtype=torch.float64)
-    qd, kd, vd, hd, gd = (x.double() for x in (q[0], k[0], v_new[0], h, gam[0]))
-    for i, (t0, t1, _) in enumerate(spans):
-        for head in range(H):
-            q_c, k_c = qd[t0:t1, head // (H // HK)], kd[t0:t1, head // (H // HK)]
-            gm = gd[t0:t1, head]
-            decay = torch.exp(gm[:, None] - gm[None, :]).tril()
-            want[t0:t1, head] = scale * (torch.exp(gm)[:, None] * (q_c @ hd[i, head])
-                                         + (decay * (q_c @ k_c.T)) @ vd[t0:t1, head])
+    o = output.output_fwd(*(x.to(DEVICE) for x in (q, k, v_new, h)), scale, packed_info(lengths), C,
+                          gam=gam.to(DEVICE))
+    want = output_reference(*(x.double() for x in (q, k, h, v_new)), scale, lengths, C, gam=gam.double())
     assert o.dtype == dtype
-    assert rel_rms(o[0], want) < STAGE_BOUNDS[dtype]
-
-
-def cu_info(lengths):
-    """The kernels' SeqInfo of packed sequences of these lengths on DEVICE."""
-    cu = random_cu_seqlens(lengths, DEVICE)
-    return seq_info(1, sum(lengths), torch.device(DEVICE), cu, cu.cpu())
+    assert rel_rms(o, want) < STAGE_BOUNDS[dtype]
 
 
 @pytest.mark.parametrize("dtype, C, lengths, H, K, V", [
